@@ -1,0 +1,87 @@
+"""The recorder's settings, validated once into a frozen value."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .errors import ConfigError
+from .format import KINDS
+
+NONFINITE_POLICIES = ("record", "dump", "raise")
+MODES = ("w-", "w", "a")
+
+_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def _choice(name: str, value, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(map(repr, valid))}")
+
+
+def _every(name: str, value, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        extra = " or None" if allow_none else ""
+        raise ConfigError(f"{name}={value!r} is not valid; use a positive integer{extra}")
+
+
+@dataclass(frozen=True)
+class RecorderConfig:
+    capture: tuple[str, ...] = ("activations", "gradients")
+    tensors_every: int | None = 1
+    stats_every: int = 1
+    ring: int = 0
+    on_nonfinite: str = "record"
+    max_samples: int | None = None
+    tensor_dtype: torch.dtype | None = None
+    mode: str = "w-"
+    flush_interval: float = 5.0
+    max_pending_bytes: int = 1 << 30
+
+    @classmethod
+    def build(cls, *, capture, tensors_every, stats_every, ring, on_nonfinite,
+              max_samples, tensor_dtype, mode, flush_interval, max_pending_bytes) -> "RecorderConfig":
+        if isinstance(capture, str):
+            capture = (capture,)
+        capture = tuple(capture)
+        for c in capture:
+            _choice("capture", c, KINDS)
+        if not capture:
+            raise ConfigError(f"capture=() records nothing; use some of {', '.join(map(repr, KINDS))}")
+        _every("tensors_every", tensors_every, allow_none=True)
+        _every("stats_every", stats_every, allow_none=False)
+        if not isinstance(ring, int) or ring < 0:
+            raise ConfigError(f"ring={ring!r} is not valid; use an integer >= 0")
+        _choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
+        _every("max_samples", max_samples, allow_none=True)
+        if isinstance(tensor_dtype, str):
+            _choice("tensor_dtype", tensor_dtype, tuple(_DTYPES))
+            tensor_dtype = _DTYPES[tensor_dtype]
+        if tensor_dtype is not None and tensor_dtype not in _DTYPES.values():
+            raise ConfigError(f"tensor_dtype={tensor_dtype!r} is not valid; use None or one of "
+                              f"{', '.join(_DTYPES)}")
+        _choice("mode", mode, MODES)
+        if not flush_interval > 0:
+            raise ConfigError(f"flush_interval={flush_interval!r} is not valid; use seconds > 0")
+        if not isinstance(max_pending_bytes, int) or max_pending_bytes < 1:
+            raise ConfigError(f"max_pending_bytes={max_pending_bytes!r} is not valid; use a positive integer")
+        return cls(capture, tensors_every, stats_every, ring, on_nonfinite, max_samples,
+                   tensor_dtype, mode, float(flush_interval), max_pending_bytes)
+
+    def persists(self, step: int) -> bool:
+        return self.tensors_every is not None and step % self.tensors_every == 0
+
+    def stats_at(self, step: int) -> bool:
+        return step % self.stats_every == 0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["capture"] = list(self.capture)
+        d["tensor_dtype"] = None if self.tensor_dtype is None else str(self.tensor_dtype).removeprefix("torch.")
+        return d

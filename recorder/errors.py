@@ -1,0 +1,48 @@
+"""The one error hierarchy of tensortape.
+
+Every class also subclasses the builtin a caller would naturally catch, so
+``except ValueError`` or ``except FileExistsError`` keeps working.
+"""
+
+__all__ = [
+    "RecorderError",
+    "ConfigError",
+    "LayerNotFoundError",
+    "InspectionError",
+    "NonFiniteError",
+    "StoreExistsError",
+    "StoreNotFoundError",
+    "StoreFormatError",
+]
+
+
+class RecorderError(Exception):
+    """Base class of every tensortape error."""
+
+
+class ConfigError(RecorderError, ValueError):
+    """An argument has a value tensortape does not accept."""
+
+
+class LayerNotFoundError(RecorderError, LookupError):
+    """A layer pattern or name matches nothing in the model or the run."""
+
+
+class InspectionError(RecorderError, RuntimeError):
+    """The recorder was used in a way its lifecycle does not allow."""
+
+
+class NonFiniteError(RecorderError, FloatingPointError):
+    """A captured tensor held NaN or Inf and ``on_nonfinite="raise"`` was set."""
+
+
+class StoreExistsError(RecorderError, FileExistsError):
+    """The store already exists and ``mode="w-"`` forbids overwriting it."""
+
+
+class StoreNotFoundError(RecorderError, FileNotFoundError):
+    """There is no store at the given location."""
+
+
+class StoreFormatError(RecorderError, ValueError):
+    """The location holds something that is not a readable tensortape store."""

@@ -1,0 +1,57 @@
+"""How captured values are named: nested outputs, inputs, parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .format import ROOT_LABEL
+
+__all__ = ["label", "leaves", "input_leaves", "join"]
+
+
+def label(module_name: str) -> str:
+    """The recorded name of a module: its ``named_modules()`` name, or ``(root)``."""
+    return module_name if module_name else ROOT_LABEL
+
+
+def join(base: str, path: str) -> str:
+    return f"{base}:{path}" if path else base
+
+
+def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor inside ``obj`` with its dotted path; other leaves are skipped.
+
+    Mappings (Hugging Face ``ModelOutput`` included) go by key, namedtuples
+    and dataclasses by field name, sequences by index.
+    """
+    def sub(key) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from leaves(v, sub(k))
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        for k in obj._fields:
+            yield from leaves(getattr(obj, k), sub(k))
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from leaves(v, sub(i))
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from leaves(getattr(obj, f.name), sub(f.name))
+
+
+def input_leaves(args: tuple, kwargs: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Inputs of a call: a lone tensor argument is unnamed, others ``i`` / ``kw``."""
+    if len(args) == 1 and isinstance(args[0], torch.Tensor) and not any(
+            True for _ in leaves(kwargs)):
+        yield "", args[0]
+        return
+    yield from leaves(list(args))
+    yield from leaves(dict(kwargs))

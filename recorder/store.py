@@ -1,0 +1,236 @@
+"""The Zarr v3 store: tables of rows keyed by step, written in whole chunks.
+
+A *table* is one zarr group whose arrays (columns) share a leading ``step``
+dimension: the statistics of one kind, or the full tensors of one
+(kind, layer).  Rows are buffered per column until a chunk is whole, and only
+whole chunks are ever written (a partial chunk is padded with the fill value
+and written whole at a flush, then rewritten when it fills).  Capacity grows
+in blocks; a reader trusts only the committed row counts that ``commit``
+writes into the rank group's attributes *after* the data.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.codecs import ZstdCodec
+
+from . import format as fmt
+from .errors import StoreExistsError, StoreFormatError, StoreNotFoundError
+
+__all__ = ["RunStore", "Table", "open_root", "store_exists"]
+
+CHUNK_BYTES = 8 << 20          # target size of one data chunk, uncompressed
+SMALL_CHUNK_ROWS = 1024        # rows per chunk of small columns (step, extent)
+STATS_CHUNK_ROWS = 256
+HIST_CHUNK_ROWS = 16
+LAYER_CHUNK = 64
+HIST_LAYER_CHUNK = 8
+
+
+def _is_url(location: str) -> bool:
+    return "://" in location
+
+
+def open_root(location, mode: str) -> zarr.Group:
+    """Open the root group of a store for writing, applying the run's ``mode``."""
+    location = os.fspath(location)
+    exists = store_exists(location)
+    if mode == "w-" and exists:
+        raise StoreExistsError(f"store {location!r} already exists; pass mode='w' to overwrite "
+                               f"it or mode='a' to append further steps")
+    if mode == "a" and not exists:
+        raise StoreNotFoundError(f"store {location!r} does not exist, so mode='a' cannot append "
+                                 f"to it; use mode='w-' to create it")
+    if mode == "a":
+        root = zarr.open_group(location, mode="a")
+        if "tensortape_format" not in root.attrs:
+            raise StoreFormatError(f"{location!r} is not a tensortape store; pick another path")
+        return root
+    return zarr.open_group(location, mode="w", zarr_format=3)
+
+
+def store_exists(location: str) -> bool:
+    if not _is_url(location):
+        return os.path.exists(location)
+    try:
+        zarr.open_group(location, mode="r")
+        return True
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
+        return False
+
+
+class Column:
+    """One array of a table and the buffer of its current chunk."""
+
+    def __init__(self, array: zarr.Array, rows: int):
+        self.array = array
+        self.chunk_rows = array.chunks[0]
+        self.fill = array.fill_value
+        self.start = rows - rows % self.chunk_rows
+        self.buf = np.full((self.chunk_rows, *array.shape[1:]), self.fill, dtype=array.dtype)
+        if rows > self.start:
+            self.buf[: rows - self.start] = array[self.start: rows]
+        self.dirty = False
+
+    def grow_inner(self, shape: tuple[int, ...]) -> None:
+        inner = tuple(max(a, b) for a, b in zip(self.array.shape[1:], shape))
+        if inner == self.array.shape[1:]:
+            return
+        self.array.resize((self.array.shape[0], *inner))
+        buf = np.full((self.chunk_rows, *inner), self.fill, dtype=self.buf.dtype)
+        buf[(slice(None), *map(slice, self.buf.shape[1:]))] = self.buf
+        self.buf = buf
+
+    def put(self, row: int, value: np.ndarray) -> None:
+        value = np.asarray(value)
+        if value.shape != self.buf.shape[1:]:
+            self.grow_inner(value.shape)
+            self.buf[row - self.start] = self.fill
+            self.buf[(row - self.start, *map(slice, value.shape))] = value
+        else:
+            self.buf[row - self.start] = value
+        self.dirty = True
+        if row + 1 - self.start == self.chunk_rows:
+            self.write()
+            self.start += self.chunk_rows
+            self.buf = np.full_like(self.buf, self.fill)
+
+    def write(self) -> None:
+        """Write the current chunk whole (never part of a chunk)."""
+        if self.dirty:
+            self.array[self.start: self.start + self.chunk_rows] = self.buf
+            self.dirty = False
+
+
+class Table:
+    """Columns that share the ``step`` dimension, appended one row at a time."""
+
+    def __init__(self, group: zarr.Group, columns: dict[str, zarr.Array], rows: int):
+        self.group = group
+        self.rows = rows
+        self.columns = {name: Column(a, rows) for name, a in columns.items()}
+        self.block = math.lcm(*(c.chunk_rows for c in self.columns.values()))
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.columns.values())).array.shape[0]
+
+    def append(self, values: dict[str, np.ndarray]) -> None:
+        if self.rows == self.capacity:
+            cap = max(self.block, -(-2 * self.capacity // self.block) * self.block)
+            for c in self.columns.values():
+                c.array.resize((cap, *c.array.shape[1:]))
+        for name, value in values.items():
+            self.columns[name].put(self.rows, value)
+        self.rows += 1
+
+    def flush(self) -> None:
+        for c in self.columns.values():
+            c.write()
+
+    def trim(self) -> None:
+        for c in self.columns.values():
+            if c.array.shape[0] != self.rows:
+                c.array.resize((self.rows, *c.array.shape[1:]))
+
+
+def _array(group: zarr.Group, name: str, shape, chunks, dtype, fill, dims, attrs=None) -> zarr.Array:
+    return group.create_array(
+        name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill,
+        dimension_names=dims, compressors=ZstdCodec(level=1), attributes=attrs or {},
+        overwrite=True)
+
+
+def _fill_for(dtype: np.dtype):
+    if dtype.kind == "f":
+        return np.nan
+    if dtype.kind == "c":
+        return complex(np.nan, np.nan)
+    return False if dtype.kind == "b" else 0
+
+
+class RunStore:
+    """One rank's part of a store: its tables and its committed state."""
+
+    def __init__(self, root: zarr.Group, rank: int):
+        self.root = root
+        self.rank = rank
+        self.rank_group = root.require_group(fmt.rank_group(rank))
+        self.tables: dict[str, Table] = {}
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return dict(self.rank_group.attrs)
+
+    # --- tables --------------------------------------------------------------
+    def stats_table(self, kind: str, n_layers: int, committed: int) -> Table:
+        path = fmt.stats_group(self.rank, kind)
+        if path in self.tables:
+            return self.tables[path]
+        if committed:
+            g = self.root[path]
+            cols = {n: g[n] for n in ("step", "hist", *fmt.STATS)}
+        else:
+            g = self.root.require_group(path)
+            lo, hi = fmt.bin_edges()
+            _array(g, "bin_lo", lo.shape, lo.shape, "float64", np.nan, ["bin"])[:] = lo
+            _array(g, "bin_hi", hi.shape, hi.shape, "float64", np.nan, ["bin"])[:] = hi
+            cols = {"step": _array(g, "step", (0,), (STATS_CHUNK_ROWS,), "int64", -1, ["step"])}
+            for s in fmt.STATS:
+                cols[s] = _array(g, s, (0, n_layers), (STATS_CHUNK_ROWS, LAYER_CHUNK), "float64",
+                                 np.nan, ["step", "layer"])
+            cols["hist"] = _array(g, "hist", (0, n_layers, fmt.NBINS),
+                                  (HIST_CHUNK_ROWS, HIST_LAYER_CHUNK, fmt.NBINS), "int64", 0,
+                                  ["step", "layer", "bin"])
+            g.attrs.update({"kind": kind})
+        table = self.tables[path] = Table(g, cols, committed)
+        return table
+
+    def tensor_table(self, kind: str, layer: str, sample: np.ndarray, logical: str | None,
+                     committed: int) -> Table:
+        path = fmt.tensor_group(self.rank, kind, layer)
+        if path in self.tables:
+            return self.tables[path]
+        if committed:
+            g = self.root[path]
+            cols = {n: g[n] for n in ("data", "step", "extent")}
+        else:
+            g = self.root.require_group(path)
+            g.attrs.update({"name": layer, "kind": kind})
+            row_bytes = max(sample.nbytes, 1)
+            k = int(min(64, max(1, CHUNK_BYTES // row_bytes)))
+            inner = tuple(max(d, 1) for d in sample.shape)
+            attrs = {fmt.BF16_ATTR: logical} if logical else {}
+            dims = ["step", *(f"dim_{i}" for i in range(sample.ndim))]
+            cols = {
+                "data": _array(g, "data", (0, *sample.shape), (k, *inner), sample.dtype,
+                               _fill_for(sample.dtype) if not logical else 0x7FC0, dims, attrs),
+                "step": _array(g, "step", (0,), (SMALL_CHUNK_ROWS,), "int64", -1, ["step"]),
+                "extent": _array(g, "extent", (0, max(sample.ndim, 1)),
+                                 (SMALL_CHUNK_ROWS, max(sample.ndim, 1)), "int64", -1,
+                                 ["step", "axis"]),
+            }
+        table = self.tables[path] = Table(g, cols, committed)
+        return table
+
+    # --- commit ---------------------------------------------------------------
+    def flush(self) -> dict[str, int]:
+        """Write every buffered chunk; return the row counts now safe to commit."""
+        for t in self.tables.values():
+            t.flush()
+        return {path: t.rows for path, t in self.tables.items()}
+
+    def commit(self, rank_attrs: dict[str, Any], root_attrs: dict[str, Any] | None) -> None:
+        """Advance the commit counter: rank state first, then the root (rank 0)."""
+        self.rank_group.attrs.update(fmt.to_json(rank_attrs))
+        if root_attrs is not None:
+            self.root.attrs.update(fmt.to_json(root_attrs))
+
+    def trim(self) -> None:
+        for t in self.tables.values():
+            t.trim()
