@@ -140,7 +140,9 @@ class Recorder:
             self._ring.clear()
             if self._writer is not None:
                 try:
-                    self._writer.flush(status=status, final=True)
+                    self._writer.flush(status=status, final=True, state=dict(
+                        layers=list(self._layers), events=list(self._events),
+                        events_total=self._events_total, dropped=self.dropped))
                 finally:
                     self._writer.close()
 

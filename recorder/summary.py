@@ -85,7 +85,8 @@ def _fused(x: torch.Tensor) -> torch.Tensor:
                         _compiled = False
     if _compiled is not False:
         try:
-            return _compiled(x)
+            with torch.no_grad():    # one grad mode, so no recompiles between forward and backward
+                return _compiled(x)
         except Exception:
             pass
     return _reductions(x)
@@ -107,7 +108,7 @@ def _codes(x: torch.Tensor) -> torch.Tensor:
 def reduce(x: torch.Tensor) -> torch.Tensor:
     """One float64 vector (on ``x``'s device) summarising ``x``; no sync."""
     x = x.detach()
-    if not x.is_floating_point():
+    if x.is_complex() or not x.is_floating_point():
         vec = torch.full((_NF,), float("nan"), dtype=torch.float64, device=x.device)
         vec[0] = x.numel()
         return vec

@@ -81,11 +81,11 @@ class Writer:
         self.budget.acquire(record.nbytes, self.thread.is_alive)
         self.q.put(("step", record, (layers, list(events), events_total, dropped)))
 
-    def flush(self, status: str | None = None, final: bool = False) -> None:
+    def flush(self, status: str | None = None, final: bool = False, state: dict | None = None) -> None:
         """Block until everything queued is written and committed."""
         done = threading.Event()
         if self.thread.is_alive():
-            self.q.put(("flush", done, (status, final)))
+            self.q.put(("flush", done, (status, final, state)))
             while not done.wait(0.1) and self.thread.is_alive():
                 pass
         self.check()
@@ -121,7 +121,8 @@ class Writer:
                                       dropped=dropped, last_step=arg.step)
                     pending = True
                 elif op in ("flush", "stop"):
-                    status, final = extra or (None, False)
+                    status, final, state = extra or (None, False, None)
+                    self.state.update(state or {})
                     if final:
                         self.store.flush()
                         self.store.trim()

@@ -1,0 +1,331 @@
+"""A recorded run, opened lazily: ``open_run(path)`` reads attributes only."""
+
+from __future__ import annotations
+
+import fnmatch
+import html
+from dataclasses import dataclass, field
+
+import dask.array as da
+import numpy as np
+import xarray as xr
+
+from recorder import format as fmt
+from recorder.errors import ConfigError, LayerNotFoundError, StoreFormatError
+
+from .source import open_source
+
+__all__ = ["open_run", "Run", "NonFiniteEvent", "FirstNonFinite"]
+
+
+@dataclass(frozen=True)
+class NonFiniteEvent:
+    step: int
+    layer: str
+    kind: str
+    nan: int
+    posinf: int
+    neginf: int
+    order: int = 0
+    phase: str = "forward"
+
+    @classmethod
+    def from_json(cls, d: dict) -> "NonFiniteEvent":
+        return cls(int(d["step"]), d["layer"], d["kind"], int(d["nan"]), int(d["posinf"]),
+                   int(d["neginf"]), int(d.get("order", 0)), d.get("phase", "forward"))
+
+    @property
+    def sort_key(self):
+        return (self.step, self.phase != "forward", self.order)
+
+
+@dataclass(frozen=True)
+class FirstNonFinite(NonFiniteEvent):
+    """The first non-finite capture, with its neighbourhood for a post-mortem."""
+    history: xr.Dataset | None = field(default=None, compare=False, repr=False)
+    same_step: tuple[NonFiniteEvent, ...] = field(default=(), compare=False, repr=False)
+
+
+def _decode_bf16(block: np.ndarray) -> np.ndarray:
+    return (block.astype(np.uint32) << 16).view(np.float32)
+
+
+def open_run(path) -> "Run":
+    """Open a run (Zarr store, fsspec URL, or HDF5 export) lazily."""
+    return Run(path)
+
+
+class Run:
+    def __init__(self, path):
+        self.path = str(path)
+        self._src = open_source(path)
+        attrs = self._src.attrs()
+        version = attrs.get("tensortape_format")
+        if version is None:
+            raise StoreFormatError(f"{self.path!r} is not a tensortape store (no "
+                                   f"'tensortape_format' attribute); pass a recorded run")
+        if not isinstance(version, int) or version > fmt.FORMAT_VERSION:
+            raise StoreFormatError(f"{self.path!r} has format version {version!r}, newer than "
+                                   f"this tensortape reads ({fmt.FORMAT_VERSION}); upgrade tensortape")
+        self.attrs = attrs
+        self.ranks = sorted(int(g[4:]) for g in self._src.groups() if g.startswith("rank") and g[4:].isdigit())
+        self._state = {r: self._src.attrs(fmt.rank_group(r)) for r in self.ranks}
+
+    # --- what is in the run -----------------------------------------------------
+    def _rank(self, rank: int | None) -> int:
+        if rank is None:
+            if not self.ranks:
+                raise StoreFormatError(f"{self.path!r} holds no recorded rank")
+            return self.ranks[0]
+        if rank not in self.ranks:
+            raise ConfigError(f"rank {rank} is not in this run; its ranks are {self.ranks}")
+        return rank
+
+    def _committed(self, rank: int) -> dict[str, int]:
+        return self._state[rank].get("committed", {})
+
+    @property
+    def status(self) -> str:
+        return self.attrs.get("status", "unknown")
+
+    @property
+    def config(self) -> dict:
+        return self.attrs.get("config", {})
+
+    @property
+    def metadata(self) -> dict:
+        return self.attrs.get("metadata", {})
+
+    @property
+    def dropped(self) -> int:
+        return int(self.attrs.get("dropped", 0))
+
+    def layers_of(self, rank: int | None = None) -> list[str]:
+        return list(self._state[self._rank(rank)].get("layers", []))
+
+    @property
+    def layers(self) -> list[str]:
+        return self.layers_of()
+
+    def kinds_of(self, rank: int | None = None) -> list[str]:
+        prefix = fmt.rank_group(self._rank(rank)) + "/"
+        found = {p[len(prefix):].split("/")[1] for p, n in self._committed(self._rank(rank)).items() if n}
+        return [k for k in fmt.KINDS if k in found]
+
+    @property
+    def kinds(self) -> list[str]:
+        return self.kinds_of()
+
+    def _kind(self, kind: str, rank: int) -> str:
+        if kind not in self.kinds_of(rank):
+            raise ConfigError(f"kind {kind!r} was not recorded in this run; recorded kinds: "
+                              f"{', '.join(self.kinds_of(rank)) or 'none'}")
+        return kind
+
+    def _tensor_paths(self, kind: str, rank: int) -> dict[str, str]:
+        """Layer name -> table path of the full tensors of one kind."""
+        prefix = f"{fmt.rank_group(rank)}/tensors/{kind}/"
+        out = {}
+        for p, n in self._committed(rank).items():
+            if p.startswith(prefix) and n:
+                out[self._src.attrs(p).get("name", p[len(prefix):])] = p
+        return out
+
+    def _tensor_path(self, layer: str, kind: str, rank: int) -> str:
+        paths = self._tensor_paths(self._kind(kind, rank), rank)
+        if layer not in paths:
+            raise LayerNotFoundError(self._missing(layer, list(paths), f"full {kind} tensors"))
+        return paths[layer]
+
+    @staticmethod
+    def _missing(layer: str, names: list[str], what: str) -> str:
+        import difflib
+        close = difflib.get_close_matches(layer, names, n=3, cutoff=0.3) or names[:3]
+        return f"layer {layer!r} has no {what} in this run; closest: {', '.join(close) or 'none'}"
+
+    def steps(self, kind: str = "activations", tensors: bool = False, rank: int | None = None,
+              layer: str | None = None) -> np.ndarray:
+        """Steps that hold statistics (or, with ``tensors=True``, full tensors)."""
+        rank = self._rank(rank)
+        self._kind(kind, rank)
+        if not tensors:
+            path = fmt.stats_group(rank, kind)
+            n = self._committed(rank).get(path, 0)
+            return np.asarray(self._src.array(path + "/step")[:n]) if n else np.zeros(0, np.int64)
+        paths = [self._tensor_path(layer, kind, rank)] if layer else self._tensor_paths(kind, rank).values()
+        found = [np.asarray(self._src.array(p + "/step")[: self._committed(rank)[p]]) for p in paths]
+        return np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
+
+    # --- statistics and histograms ------------------------------------------------
+    def _stats_layers(self, kind: str, rank: int) -> list[str]:
+        return list(self._state[rank].get("stats_layers", {}).get(kind, []))
+
+    def _select(self, names: list[str], layers) -> list[int]:
+        if layers is None:
+            return list(range(len(names)))
+        pats = [layers] if isinstance(layers, str) else list(layers)
+        idx = [i for i, n in enumerate(names) if any(n == p or fnmatch.fnmatchcase(n, p) for p in pats)]
+        if not idx:
+            raise LayerNotFoundError(self._missing(pats[0], names, "statistics"))
+        return idx
+
+    def stats(self, kind: str = "activations", layers=None, rank: int | None = None) -> xr.Dataset:
+        """Per-step statistics: an ``xr.Dataset`` with dims (step, layer)."""
+        rank = self._rank(rank)
+        self._kind(kind, rank)
+        path = fmt.stats_group(rank, kind)
+        n = self._committed(rank).get(path, 0)
+        names = self._stats_layers(kind, rank)
+        idx = self._select(names, layers)
+        steps = np.asarray(self._src.array(path + "/step")[:n])
+        data = {}
+        for s in fmt.STATS:
+            arr = self._lazy(path + "/" + s)[:n, : len(names)]
+            data[s] = (("step", "layer"), arr[:, idx])
+        ds = xr.Dataset(data, coords={"step": steps, "layer": [names[i] for i in idx]})
+        ds.attrs.update(kind=kind, rank=rank)
+        return ds
+
+    def histogram(self, layer: str, kind: str = "activations", step=None,
+                  rank: int | None = None) -> xr.DataArray:
+        """Counts in the shared bins: dims (step, bin), coords ``bin_lo``/``bin_hi``."""
+        rank = self._rank(rank)
+        self._kind(kind, rank)
+        path = fmt.stats_group(rank, kind)
+        names = self._stats_layers(kind, rank)
+        if layer not in names:
+            raise LayerNotFoundError(self._missing(layer, names, f"{kind} statistics"))
+        i = names.index(layer)
+        n = self._committed(rank).get(path, 0)
+        steps = np.asarray(self._src.array(path + "/step")[:n])
+        lo, hi = fmt.bin_edges()
+        counts = self._lazy(path + "/hist")[:n, i]
+        out = xr.DataArray(counts, dims=("step", "bin"),
+                           coords={"step": steps, "bin_lo": ("bin", lo), "bin_hi": ("bin", hi)},
+                           name=f"{layer} {kind}", attrs={"layer": layer, "kind": kind})
+        for s in ("nan", "posinf", "neginf"):
+            out.coords[s] = ("step", self._lazy(path + "/" + s)[:n, i])
+        if step is not None:
+            if step not in set(steps.tolist()):
+                raise ConfigError(f"step {step} has no statistics for {layer!r}; steps with "
+                                  f"statistics: {steps[:5].tolist()}...")
+            out = out.sel(step=step)
+        return out
+
+    # --- full tensors --------------------------------------------------------------
+    def _lazy(self, path: str) -> da.Array:
+        arr = self._src.array(path)
+        chunks = getattr(arr, "chunks", None) or arr.shape
+        return da.from_array(arr, chunks=chunks, lock=self._src.lock, name=f"{self.path}:{path}")
+
+    def tensor(self, layer: str, kind: str = "activations", step=None,
+               rank: int | None = None) -> xr.DataArray:
+        """Full tensors: lazy (step, ...), floats NaN-padded, true extents in ``extent``.
+
+        With ``step=s``, that one step at its true shape.
+        """
+        rank = self._rank(rank)
+        path = self._tensor_path(layer, kind, rank)
+        n = self._committed(rank)[path]
+        steps = np.asarray(self._src.array(path + "/step")[:n])
+        extent = np.asarray(self._src.array(path + "/extent")[:n])
+        data = self._lazy(path + "/data")[:n]
+        logical = dict(self._src.array(path + "/data").attrs).get(fmt.BF16_ATTR)
+        if logical == fmt.BF16:
+            data = data.map_blocks(_decode_bf16, dtype=np.float32)
+        order = np.argsort(steps, kind="stable")
+        if not np.array_equal(order, np.arange(n)):
+            data, steps, extent = data[order], steps[order], extent[order]
+        dims = ("step", *(f"dim_{i}" for i in range(data.ndim - 1)))
+        shapes = np.empty(n, dtype=object)
+        shapes[:] = [tuple(int(v) for v in e[: data.ndim - 1]) for e in extent]
+        out = xr.DataArray(data, dims=dims, coords={"step": steps, "extent": ("step", shapes)},
+                           name=f"{layer} {kind}", attrs={"layer": layer, "kind": kind})
+        if step is None:
+            return out
+        hits = np.nonzero(steps == step)[0]
+        if not hits.size:
+            raise ConfigError(f"step {step} has no full {kind} tensor for {layer!r}; steps with "
+                              f"tensors: {steps[:8].tolist()}")
+        row = out.isel(step=int(hits[-1]))
+        true = tuple(int(e) for e in extent[hits[-1]][: data.ndim - 1])
+        return row.isel({d: slice(0, e) for d, e in zip(dims[1:], true)}).compute()
+
+    # --- non-finite values -----------------------------------------------------------
+    def events_of(self, rank: int | None = None) -> list[NonFiniteEvent]:
+        evs = [NonFiniteEvent.from_json(e) for e in self._state[self._rank(rank)].get("events", [])]
+        return sorted(evs, key=lambda e: e.sort_key)
+
+    @property
+    def events(self) -> list[NonFiniteEvent]:
+        return self.events_of()
+
+    def first_nonfinite(self, rank: int | None = None, history: int = 5) -> FirstNonFinite | None:
+        """The earliest non-finite capture (forward before backward, then execution order)."""
+        rank = self._rank(rank)
+        evs = self.events_of(rank)
+        if not evs:
+            return None
+        first = evs[0]
+        hist = None
+        if first.kind in self.kinds_of(rank) and first.layer in self._stats_layers(first.kind, rank):
+            ds = self.stats(first.kind, layers=[first.layer], rank=rank).isel(layer=0)
+            hist = ds.sel(step=ds.step[ds.step <= first.step][-(history + 1):]).compute()
+        same = tuple(e for e in evs if e.step == first.step and e is not first)
+        return FirstNonFinite(**{k: getattr(first, k) for k in first.__dataclass_fields__},
+                              history=hist, same_step=same)
+
+    # --- plots and export ------------------------------------------------------------
+    def plot_histogram(self, layer, kind="activations", steps=None, **kw):
+        from .plots import plot_histogram
+        return plot_histogram(self, layer, kind=kind, steps=steps, **kw)
+
+    def plot_evolution(self, layers=None, kind="activations", stat="std", **kw):
+        from .plots import plot_evolution
+        return plot_evolution(self, layers=layers, kind=kind, stat=stat, **kw)
+
+    def plot_distribution(self, layer, kind="activations", **kw):
+        from .plots import plot_distribution
+        return plot_distribution(self, layer, kind=kind, **kw)
+
+    def to_hdf5(self, path, progress=None) -> str:
+        from .export import to_hdf5
+        return to_hdf5(self, path, progress=progress)
+
+    # --- display -------------------------------------------------------------------
+    def summary(self, rank: int | None = None) -> dict:
+        rank = self._rank(rank)
+        kinds = self.kinds_of(rank)
+        table = {}
+        for layer in self.layers_of(rank):
+            table[layer] = {k: ("S" if layer in self._stats_layers(k, rank) else "")
+                            + ("T" if layer in self._tensor_paths(k, rank) else "") for k in kinds}
+        steps = {k: self.steps(k, rank=rank) for k in kinds}
+        return {"status": self.status, "ranks": self.ranks, "kinds": kinds, "layers": table,
+                "steps": {k: (int(v[0]), int(v[-1]), len(v)) if len(v) else None for k, v in steps.items()},
+                "events": self.events_of(rank), "dropped": self.dropped,
+                "bytes_raw": int(self._state[rank].get("bytes_raw", 0))}
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        lines = [f"<tensortape Run {self.path!r} status={s['status']} ranks={s['ranks']}>"]
+        for k, v in s["steps"].items():
+            lines.append(f"  {k}: " + (f"steps {v[0]}..{v[1]} ({v[2]} with statistics)" if v else "no statistics"))
+        lines.append(f"  {len(s['layers'])} layers: " + ", ".join(list(s["layers"])[:6])
+                     + (" ..." if len(s["layers"]) > 6 else ""))
+        ev = s["events"]
+        lines.append(f"  {len(ev)} non-finite events" + (f", first at step {ev[0].step} in "
+                     f"{ev[0].layer!r} ({ev[0].kind})" if ev else ""))
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        s = self.summary()
+        head = "".join(f"<th>{html.escape(k)}</th>" for k in s["kinds"])
+        rows = "".join(f"<tr><td>{html.escape(layer)}</td>" + "".join(
+            f"<td>{v[k]}</td>" for k in s["kinds"]) + "</tr>" for layer, v in list(s["layers"].items())[:200])
+        ev = s["events"]
+        return (f"<div><b>tensortape run</b> <code>{html.escape(self.path)}</code> — status "
+                f"<b>{html.escape(s['status'])}</b>, {len(ev)} non-finite events"
+                + (f" (first: step {ev[0].step}, {html.escape(ev[0].layer)}, {ev[0].kind})" if ev else "")
+                + f"<table><tr><th>layer</th>{head}</tr>{rows}</table>"
+                "<small>S = statistics, T = full tensors</small></div>")

@@ -1,0 +1,86 @@
+"""Where a run is read from: a Zarr store (path or fsspec URL) or an HDF5 export.
+
+Both give the same three things: JSON attributes of a node, an array by path
+(lazily sliceable), and whether a node exists.  Nothing from a store is ever
+executed: attributes are JSON, arrays are numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+from recorder.errors import StoreFormatError, StoreNotFoundError
+
+__all__ = ["open_source", "ZarrSource", "H5Source"]
+
+JSON_ATTR = "tensortape_json"
+
+
+class ZarrSource:
+    lock = False
+
+    def __init__(self, location: str):
+        import zarr
+        try:
+            self.root = zarr.open_group(location, mode="r")
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError) as e:
+            raise StoreFormatError(f"{location!r} is not a Zarr store; pass the path of a run "
+                                   f"recorded by tensortape") from e
+
+    def attrs(self, path: str = "") -> dict:
+        return dict((self.root[path] if path else self.root).attrs)
+
+    def array(self, path: str):
+        return self.root[path]
+
+    def has(self, path: str) -> bool:
+        try:
+            self.root[path]
+            return True
+        except KeyError:
+            return False
+
+    def groups(self, path: str = "") -> list[str]:
+        node = self.root[path] if path else self.root
+        return [k for k, _ in node.groups()]
+
+
+class H5Source:
+    lock = threading.Lock()   # HDF5 holds one global lock: read from one thread at a time
+
+    def __init__(self, location: str):
+        import h5py
+        self.file = h5py.File(location, "r")
+
+    def attrs(self, path: str = "") -> dict:
+        node = self.file[path] if path else self.file
+        raw = node.attrs.get(JSON_ATTR)
+        return json.loads(raw) if raw is not None else {}
+
+    def array(self, path: str):
+        return self.file[path]
+
+    def has(self, path: str) -> bool:
+        return path in self.file
+
+    def groups(self, path: str = "") -> list[str]:
+        import h5py
+        node = self.file[path] if path else self.file
+        return [k for k, v in node.items() if isinstance(v, h5py.Group)]
+
+
+def open_source(location) -> ZarrSource | H5Source:
+    location = os.fspath(location)
+    local = "://" not in location
+    if local and not os.path.exists(location):
+        raise StoreNotFoundError(f"no run at {location!r}; check the path (record one with "
+                                 f"`tensortape demo OUT`)")
+    if local and os.path.isfile(location):
+        with open(location, "rb") as f:
+            magic = f.read(8)
+        if magic != b"\x89HDF\r\n\x1a\n":
+            raise StoreFormatError(f"{location!r} is neither a Zarr store nor an HDF5 export of a run")
+        return H5Source(location)
+    return ZarrSource(location)

@@ -1,0 +1,348 @@
+"""The recorder and its store: faithful, complete, and clean."""
+import copy
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import weakref
+from collections import namedtuple
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from torch import nn
+
+from analysis import open_run
+from recorder import (InspectionError, LayerNotFoundError, Recorder, RecorderError,
+                      StoreExistsError, select_layers)
+from conftest import InplaceMLP, has_hooks, reference_capture, train, transformer
+
+
+def _batches(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(3, 5, 32, generator=g)
+
+
+@pytest.mark.parametrize("make,names,batches", [
+    (transformer, ["layers.0.linear1", "layers.1.linear2", "layers.0.self_attn"], _batches),
+    (InplaceMLP, ["fc1", "fc2"], lambda i: torch.randn(4, 8, generator=torch.Generator().manual_seed(i))),
+])
+def test_values_are_bit_exact_against_plain_hooks(tmp_store, make, names, batches):
+    ref_model = make()
+    plain = [n for n in names if "self_attn" not in n]
+    expect = reference_capture(ref_model, plain, lambda m, box: train(m, 3, batches, step_box=box))
+    model = make()
+    with Recorder(model, tmp_store, layers=names) as rec:
+        train(model, 3, batches, rec=rec)
+    run = open_run(tmp_store)
+    for (kind, name, step), want in expect.items():
+        got = run.tensor(name, kind, step=step).values
+        assert got.dtype == want.numpy().dtype
+        np.testing.assert_array_equal(got, want.numpy(), err_msg=f"{kind} {name} step {step}")
+    # the attention block returns a tuple (output, None): its tensor leaf is ":0"
+    assert "layers.0.self_attn:0" in run.layers if "layers.0.self_attn" in names else True
+
+
+def test_inplace_relu_after_linear_does_not_change_the_snapshot(tmp_store):
+    model = InplaceMLP()
+    x = torch.randn(4, 8)
+    with Recorder(model, tmp_store, layers=["fc1"]) as rec:
+        with rec.step(0):
+            model(x).sum().backward()
+    pre_relu = nn.functional.linear(x, model.fc1.weight, model.fc1.bias)
+    got = open_run(tmp_store).tensor("fc1", step=0).values
+    assert (got < 0).any(), "the stored value must be the Linear output, before the in-place ReLU"
+    np.testing.assert_array_equal(got, pre_relu.detach().numpy())
+
+
+def test_variable_shapes_store_true_extents(tmp_store):
+    model = transformer()
+    shapes = [(4, 7), (2, 9), (3, 3)]
+    with Recorder(model, tmp_store, layers="layers.0.linear1") as rec:
+        for i, (b, t) in enumerate(shapes):
+            with rec.step():
+                model(torch.randn(b, t, 32)).sum().backward()
+    run = open_run(tmp_store)
+    lazy = run.tensor("layers.0.linear1")
+    assert lazy.shape == (3, 4, 9, 64)
+    for i, (b, t) in enumerate(shapes):
+        one = run.tensor("layers.0.linear1", step=i)
+        assert one.shape == (b, t, 64) and np.isfinite(one.values).all()
+        assert lazy.extent.values[i] == (b, t, 64)
+        assert np.isnan(lazy.isel(step=i).values[b:]).all()
+
+
+def test_bfloat16_round_trips_bit_exactly(tmp_store):
+    model = InplaceMLP().to(torch.bfloat16)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    seen = {}
+    model.fc1.register_forward_hook(lambda m, a, o: seen.update(out=o.detach().clone()))
+    with Recorder(model, tmp_store, layers="fc1") as rec:
+        with rec.step():
+            model(x).float().sum().backward()
+    got = open_run(tmp_store).tensor("fc1", step=0).values
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32) >> 16,
+                                  seen["out"].view(torch.int16).numpy().view(np.uint16))
+    raw = zarr.open_group(tmp_store, mode="r")["rank0/tensors/activations/fc1/data"]
+    assert raw.dtype == np.uint16 and raw.attrs["logical_dtype"] == "bfloat16"
+
+
+def test_tensor_dtype_bfloat16_keeps_special_values(tmp_store):
+    ident = nn.Identity()
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1.5, 3.0e38])
+    with Recorder(ident, tmp_store, layers="", capture="activations", tensor_dtype="bfloat16") as rec:
+        with rec.step():
+            ident(x)
+    got = open_run(tmp_store).tensor("(root)", step=0).values
+    want = x.to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.signbit(got[3]) and got[5] == want[5]
+
+
+Pair = namedtuple("Pair", "a b")
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return {"logits": y, "extra": (y * 2, None, "text"), "pair": Pair(y + 1, y - 1)}
+
+
+def test_tuple_dict_and_namedtuple_outputs_are_walked(tmp_store):
+    model = Structured()
+    with Recorder(model, tmp_store, capture="activations") as rec:
+        with rec.step():
+            model(torch.randn(2, 4))
+    run = open_run(tmp_store)
+    assert run.layers == ["lin", "(root):logits", "(root):extra.0", "(root):pair.a", "(root):pair.b"]
+    x = run.tensor("lin", step=0).values
+    np.testing.assert_array_equal(run.tensor("(root):pair.b", step=0).values, x - 1)
+
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(self.lin(x))
+
+
+def test_module_called_twice_records_each_call(tmp_store):
+    model = Twice()
+    x = torch.randn(2, 3)
+    with Recorder(model, tmp_store, layers="lin") as rec:
+        for _ in range(2):
+            with rec.step():
+                model(x).sum().backward()
+    run = open_run(tmp_store)
+    assert run.layers == ["lin", "lin#1"]
+    first = model.lin(x)
+    np.testing.assert_array_equal(run.tensor("lin", step=1).values, first.detach().numpy())
+    np.testing.assert_array_equal(run.tensor("lin#1", step=1).values, model.lin(first).detach().numpy())
+    assert set(run.kinds) == {"activations", "gradients"}
+
+
+def test_inputs_weights_and_weight_grads(tmp_store):
+    model = InplaceMLP()
+    x = torch.randn(4, 8)
+    with Recorder(model, tmp_store, layers="fc2",
+                  capture=("inputs", "weights", "weight_grads")) as rec:
+        with rec.step():
+            model(x).sum().backward()
+    run = open_run(tmp_store)
+    np.testing.assert_array_equal(run.tensor("fc2:weight", "weights", step=0).values,
+                                  model.fc2.weight.detach().numpy())
+    np.testing.assert_array_equal(run.tensor("fc2:bias", "weight_grads", step=0).values,
+                                  model.fc2.bias.grad.numpy())
+    h = torch.relu(model.fc1(x))
+    np.testing.assert_array_equal(run.tensor("fc2", "inputs", step=0).values, h.detach().numpy())
+
+
+def test_bad_pattern_and_bad_kind_give_clear_errors(tmp_store):
+    model = transformer()
+    with pytest.raises(LayerNotFoundError, match=r"'layers\.0\.linear3'.*closest.*layers\.0\.linear1"):
+        Recorder(model, tmp_store, layers=["layers.*", "layers.0.linear3"])
+    with pytest.raises(ValueError, match="activations.*gradients.*inputs.*weights.*weight_grads"):
+        Recorder(model, tmp_store, capture=("activations", "activation_grads"))
+    assert not os.path.exists(tmp_store) and not has_hooks(model)
+    assert select_layers(model, "layers.?.linear*") == [
+        "layers.0.linear1", "layers.0.linear2", "layers.1.linear1", "layers.1.linear2"]
+
+
+def test_existing_store_is_refused_before_any_hook(tmp_store):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store) as rec:
+        with rec.step():
+            model(torch.randn(1, 8))
+    with pytest.raises(StoreExistsError, match="mode='w'") as e:
+        Recorder(model, tmp_store)
+    assert isinstance(e.value, FileExistsError) and not has_hooks(model)
+    assert open_run(tmp_store).steps().tolist() == [0]
+
+
+def test_exception_in_step_leaves_no_hooks_and_frees_the_recorder(tmp_store):
+    model = transformer()
+    with pytest.raises(ZeroDivisionError):
+        with Recorder(model, tmp_store, layers="layers.*") as rec:
+            with rec.step():
+                model(torch.randn(2, 3, 32)).sum().backward()
+            with rec.step():
+                model(torch.randn(2, 3, 32))
+                1 / 0
+    assert not has_hooks(model)
+    ref = weakref.ref(rec)
+    del rec
+    gc.collect()
+    assert ref() is None
+    run = open_run(tmp_store)
+    assert run.status == "interrupted"
+    assert run.steps().tolist() == [0, 1]   # what the failing step captured is kept
+
+
+def test_capture_outside_a_step_says_how_to_fix(tmp_store):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store) as rec:
+        with pytest.raises(InspectionError, match="rec.step"):
+            model(torch.randn(1, 8))
+
+
+def test_late_gradients_are_dropped_counted_and_warned(tmp_store):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store, layers="fc*") as rec:
+        with rec.step():
+            out = model(torch.randn(2, 8))
+        with pytest.warns(UserWarning, match="backward inside the step"):
+            out.sum().backward()
+        assert rec.dropped == 2
+    assert open_run(tmp_store).dropped == 2
+
+
+def test_deepcopy_of_hooked_model_records_nothing(tmp_store):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store, layers="fc*") as rec:
+        ema = copy.deepcopy(model)
+        ema(torch.randn(1, 8))            # outside any step, and still no error
+        with rec.step():
+            ema(torch.randn(1, 8)).sum().backward()
+            model(torch.randn(1, 8)).sum().backward()
+    run = open_run(tmp_store)
+    assert run.layers == ["fc1", "fc2"] and run.steps().tolist() == [0]
+
+
+def test_resume_appends_steps(tmp_store):
+    model = InplaceMLP()
+    for mode, steps in (("w-", range(3)), ("a", range(3, 6))):
+        with Recorder(model, tmp_store, layers="fc1", mode=mode, metadata={"lr": 0.1}) as rec:
+            for i in steps:
+                with rec.step():
+                    model(torch.full((2, 8), float(i))).sum().backward()
+    run = open_run(tmp_store)
+    assert run.steps(tensors=True).tolist() == list(range(6))
+    assert run.metadata == {"lr": 0.1}
+    x = torch.full((2, 8), 4.0)
+    np.testing.assert_array_equal(run.tensor("fc1", step=4).values, model.fc1(x).detach().numpy())
+
+
+def test_plain_step_calls_and_fsspec_memory_store():
+    model = InplaceMLP()
+    rec = Recorder(model, "memory://tt-test/run.zarr", layers="fc2", tensors_every=2)
+    for i in range(4):
+        rec.step()
+        model(torch.randn(2, 8)).sum().backward()
+    rec.close()
+    rec.close()
+    run = open_run("memory://tt-test/run.zarr")
+    assert run.steps().tolist() == [0, 1, 2, 3]
+    assert run.steps(tensors=True).tolist() == [0, 2]
+    assert run.status == "complete" and not has_hooks(model)
+
+
+def test_torch_compile_wrapper_names_match(tmp_store):
+    model = InplaceMLP()
+    compiled = torch.compile(model, backend="eager")
+    with Recorder(compiled, tmp_store, layers="fc*") as rec:
+        with rec.step():
+            compiled(torch.randn(2, 8)).sum().backward()
+    run = open_run(tmp_store)
+    assert run.layers == ["fc1", "fc2"]
+    assert not has_hooks(model)
+
+
+def test_hugging_face_model_from_config(tmp_store):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg)
+    ids = torch.randint(0, 50, (2, 6))
+    with Recorder(model, tmp_store, layers=["", "bert.encoder.layer.*.output.dense"]) as rec:
+        with rec.step():
+            out = model(input_ids=ids, labels=torch.tensor([0, 1]))
+            out.loss.backward()
+    run = open_run(tmp_store)
+    assert "(root):logits" in run.layers and "(root):loss" in run.layers
+    np.testing.assert_array_equal(run.tensor("(root):logits", step=0).values, out.logits.detach().numpy())
+    assert "bert.encoder.layer.1.output.dense" in run.stats("gradients").layer.values
+
+
+def test_no_pickle_anywhere():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for pkg in ("recorder", "analysis"):
+        for name in os.listdir(os.path.join(root, pkg)):
+            if name.endswith(".py"):
+                text = open(os.path.join(root, pkg, name)).read()
+                assert "import pickle" not in text and "torch.load" not in text and "allow_pickle=True" not in text
+
+
+CHILD = textwrap.dedent("""
+    import sys, time, torch
+    from recorder import Recorder
+    lin = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        lin.weight.copy_(torch.arange(12.).reshape(3, 4)); lin.bias.fill_(0.5)
+    rec = Recorder(lin, sys.argv[1], layers="", capture="activations", flush_interval=0.2)
+    rec.attach()
+    i = 0
+    while True:
+        with rec.step(i):
+            lin(torch.full((2, 4), float(i)))
+        print(i, time.monotonic(), flush=True)
+        i += 1
+        time.sleep(0.01)
+""")
+
+
+def test_sigkill_leaves_a_readable_store(tmp_store):
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, tmp_store], stdout=subprocess.PIPE,
+                            text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    done = {}
+    try:
+        for line in proc.stdout:
+            i, t = line.split()
+            done[int(i)] = float(t)
+            if int(i) >= 60:
+                break
+    finally:
+        killed_at = time.monotonic()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    run = open_run(tmp_store)
+    assert run.status == "recording"
+    steps = run.steps(tensors=True).tolist()
+    must = [i for i, t in done.items() if t < killed_at - 0.2 - 0.5]
+    assert set(must) <= set(steps) and steps == list(range(len(steps)))
+    w = torch.arange(12.).reshape(3, 4)
+    for i in steps:
+        want = (torch.full((2, 4), float(i)) @ w.T + 0.5).numpy()
+        np.testing.assert_array_equal(run.tensor("(root)", step=i).values, want)
