@@ -111,6 +111,7 @@ def reduce(x: torch.Tensor) -> torch.Tensor:
     if x.is_complex() or not x.is_floating_point():
         vec = torch.full((_NF,), float("nan"), dtype=torch.float64, device=x.device)
         vec[0] = x.numel()
+        vec[8:11] = 0       # an integer or bool tensor holds no NaN or Inf
         return vec
     return torch.cat([_fused(x), _codes(x).to(torch.float64)])
 
@@ -124,7 +125,8 @@ def finalize(vec: np.ndarray) -> tuple[dict[str, float], np.ndarray | None]:
     """Statistics (the store's names) and global histogram of one vector."""
     f = dict(zip(_FIELDS, vec[:_NF].tolist()))
     if vec.size == _NF:  # integer or bool tensor: a count and nothing else
-        return {k: (f["count"] if k == "count" else float("nan")) for k in STATS}, None
+        exact = {"count": f["count"], "nan": 0.0, "posinf": 0.0, "neginf": 0.0}
+        return {k: exact.get(k, float("nan")) for k in STATS}, None
     n = f["finite"]
     mean = f["sum"] / n if n else float("nan")
     lo, hi = (f["min"], f["max"]) if n else (float("nan"), float("nan"))

@@ -1,0 +1,176 @@
+"""Statistics, histograms and the NaN flight recorder."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from analysis import open_run
+from recorder import NonFiniteError, Recorder
+from recorder import format as fmt
+from recorder.summary import _reductions, reduce
+from conftest import transformer
+
+
+def test_statistics_equal_numpy_on_the_stored_tensor(tmp_store):
+    model = transformer()
+    with Recorder(model, tmp_store, layers=["layers.*.linear*", "layers.0.self_attn"]) as rec:
+        for i in range(2):
+            with rec.step():
+                model(torch.randn(3, 5, 32)).relu().sum().backward()
+    run = open_run(tmp_store)
+    for kind in ("activations", "gradients"):
+        ds = run.stats(kind).compute()
+        for layer in ds.layer.values:
+            for step in ds.step.values:
+                a = run.tensor(str(layer), kind, step=int(step)).values.astype(np.float64).ravel()
+                s = ds.sel(layer=layer, step=step)
+                assert s["count"] == a.size and s["nan"] == 0
+                np.testing.assert_allclose(
+                    [s[k].item() for k in ("mean", "std", "min", "max", "abs_max", "norm", "zero_frac")],
+                    [a.mean(), a.std(), a.min(), a.max(), np.abs(a).max(), np.linalg.norm(a), (a == 0).mean()],
+                    rtol=1e-6, atol=1e-12)
+                h = run.histogram(str(layer), kind, step=int(step))
+                assert int(h.sum()) == a.size
+                np.testing.assert_array_equal(h.values, _numpy_hist(a, h.bin_lo.values, h.bin_hi.values))
+
+
+def _numpy_hist(a, lo, hi):
+    """The shared bins, by their documented edges: [lo, hi) above zero, (lo, hi] below."""
+    idx = np.where(a > 0, np.searchsorted(lo, a, side="right") - 1, np.searchsorted(hi, a, side="left"))
+    idx = np.where(a == 0, fmt.ZERO_BIN, idx)
+    return np.bincount(idx, minlength=len(lo))
+
+
+def test_nan_and_inf_are_counted_and_never_poison_the_rest():
+    x = torch.tensor([1.0, -3.0, 0.0, float("nan"), float("inf"), -float("inf"), 2.0])
+    for vec in (reduce(x), _reductions(x)):
+        from recorder.summary import finalize
+        stats, hist = finalize(vec.numpy()) if vec.numel() > 12 else (None, None)
+        if stats is None:
+            continue
+        assert (stats["nan"], stats["posinf"], stats["neginf"], stats["count"]) == (1, 1, 1, 7)
+        f = np.array([1.0, -3.0, 0.0, 2.0])
+        np.testing.assert_allclose([stats["mean"], stats["std"], stats["min"], stats["max"], stats["zero_frac"]],
+                                   [f.mean(), f.std(), -3, 2, 0.25])
+        assert hist.sum() == 4 and hist[fmt.ZERO_BIN] == 1
+
+
+def test_compiled_and_eager_reductions_agree():
+    x = torch.randn(1000) * 10
+    x[::97] = float("nan")
+    np.testing.assert_allclose(reduce(x).numpy()[:12], _reductions(x).numpy(), rtol=1e-9, equal_nan=True)
+
+
+def test_integer_tensors_get_a_count_only(tmp_store):
+    class Argmax(nn.Module):
+        def forward(self, x):
+            return x.argmax(-1)
+    model = nn.Sequential(nn.Linear(4, 4), Argmax())
+    with Recorder(model, tmp_store, layers="1", capture="activations") as rec:
+        with rec.step():
+            model(torch.randn(3, 4))
+    run = open_run(tmp_store)
+    s = run.stats().isel(step=0, layer=0).compute()
+    assert s["count"] == 3 and np.isnan(s["mean"]) and run.tensor("1", step=0).dtype == np.int64
+
+
+def test_padding_is_never_counted_as_nan(tmp_store):
+    model = transformer()
+    with Recorder(model, tmp_store, layers="layers.0.linear1") as rec:
+        for b, t in ((4, 6), (2, 3)):
+            with rec.step():
+                model(torch.randn(b, t, 32)).sum().backward()
+    run = open_run(tmp_store)
+    ds = run.stats().compute()
+    assert ds["nan"].values.sum() == 0 and ds["count"].values[:, 0].tolist() == [4 * 6 * 64, 2 * 3 * 64]
+    assert run.first_nonfinite() is None
+
+
+class Poisoned(nn.Module):
+    """A two-layer net whose first layer emits NaN from a given step on."""
+    def __init__(self, from_step):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.from_step, self.step = from_step, 0
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.step >= self.from_step:
+            h = h.clone()
+            h[0, 0] = float("nan")
+        return self.b(h)
+
+
+def _run_poisoned(store, **kw):
+    model = Poisoned(7)
+    rec = Recorder(model, store, layers=["a", "b"], tensors_every=None, ring=3, **kw)
+    with rec:
+        for i in range(10):
+            model.step = i
+            with rec.step(i):
+                model(torch.randn(2, 4)).sum().backward()
+    return rec
+
+
+def test_nan_from_step_7_is_located_and_the_ring_is_dumped(tmp_store):
+    _run_poisoned(tmp_store, on_nonfinite="dump")
+    run = open_run(tmp_store)
+    first = run.first_nonfinite()
+    # the Linear "a" itself is finite; its consumer "b" is the first to emit NaN
+    assert (first.step, first.kind, first.layer) == (7, "activations", "b")
+    assert first.nan > 0 and first.history["std"].sizes["step"] >= 2
+    assert run.steps(tensors=True, layer="a").tolist() == [4, 5, 6, 7, 8, 9]
+    assert all(e.step >= 7 for e in run.events)
+
+
+class InfGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * torch.tensor([1.0, 1.0, 3e38])  # finite forward, overflowing backward
+
+
+def test_inf_only_in_backward_is_a_gradients_event(tmp_store):
+    model = InfGrad()
+    with Recorder(model, tmp_store, layers="lin") as rec:
+        with rec.step():
+            (model(torch.randn(2, 3)).sum() * 1e10).backward()
+    ev = open_run(tmp_store).first_nonfinite()
+    assert ev.kind == "gradients" and ev.layer == "lin" and ev.phase == "backward"
+    assert ev.posinf + ev.neginf > 0 and ev.nan == 0
+
+
+def test_raise_flushes_before_raising(tmp_store):
+    with pytest.raises(NonFiniteError, match=r"step 7: activations of layer 'b'") as e:
+        _run_poisoned(tmp_store, on_nonfinite="raise")
+    assert isinstance(e.value, FloatingPointError)
+    run = open_run(tmp_store)
+    assert run.status == "interrupted"
+    assert run.steps(tensors=True, layer="b").tolist() == [4, 5, 6, 7]
+    assert run.steps().tolist() == list(range(8))
+
+
+def test_nonfinite_between_stats_steps_is_still_an_event(tmp_store):
+    _run_poisoned(tmp_store, stats_every=4)
+    run = open_run(tmp_store)
+    assert run.steps().tolist() == [0, 4, 8]
+    assert run.first_nonfinite().step == 7
+
+
+def test_histogram_bins_are_identical_across_runs(tmp_path):
+    bins = []
+    for seed in (0, 1):
+        model = transformer(seed)
+        store = str(tmp_path / f"r{seed}.zarr")
+        with Recorder(model, store, layers="layers.0.linear1", tensors_every=None) as rec:
+            with rec.step():
+                model(torch.randn(2, 3, 32) * (seed + 1)).sum().backward()
+        h = open_run(store).histogram("layers.0.linear1", step=0)
+        bins.append((h.bin_lo.values, h.bin_hi.values))
+    np.testing.assert_array_equal(bins[0][0], bins[1][0])
+    np.testing.assert_array_equal(bins[0][1], bins[1][1])
+    assert bins[0][0][0] == -np.inf and bins[0][1][-1] == np.inf
