@@ -1,0 +1,123 @@
+"""Two runs compared layer by layer, step by step."""
+
+from __future__ import annotations
+
+import numpy as np
+import xarray as xr
+
+from recorder import format as fmt
+
+from .run import Run, open_run
+
+__all__ = ["compare_runs", "first_divergence", "tensor_metrics"]
+
+_METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
+
+
+def _as_run(r) -> Run:
+    return r if isinstance(r, Run) else open_run(r)
+
+
+def tensor_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    """rel_l2, cosine, max_abs and SQNR (dB) of ``b`` against ``a`` (NaN-padding ignored)."""
+    a = np.asarray(a, np.float64).ravel()
+    b = np.asarray(b, np.float64).ravel()
+    na, nd = np.linalg.norm(a), np.linalg.norm(b - a)
+    nb = np.linalg.norm(b)
+    return {
+        "rel_l2": nd / na if na else (0.0 if nd == 0 else np.inf),
+        "cosine": float(a @ b / (na * nb)) if na and nb else float(na == nb),
+        "max_abs": float(np.max(np.abs(b - a))) if a.size else 0.0,
+        "sqnr_db": float(20 * np.log10(na / nd)) if nd else np.inf,
+    }
+
+
+def _common(a: Run, b: Run, kind: str, layers) -> tuple[list[str], np.ndarray]:
+    la = set(a.stats(kind, layers).layer.values.tolist())
+    names = [n for n in b.stats(kind, layers).layer.values.tolist() if n in la]
+    steps = np.intersect1d(a.steps(kind), b.steps(kind))
+    return names, steps
+
+
+def _tensor_layers(r: Run, kind: str) -> dict[str, str]:
+    return r._tensor_paths(kind, r._rank(None)) if kind in r.kinds else {}
+
+
+def compare_runs(a, b, kind: str = "activations", layers=None) -> xr.Dataset:
+    """An ``xr.Dataset`` (step, layer) over the steps and layers both runs hold.
+
+    Where both hold full tensors: ``rel_l2``, ``cosine``, ``max_abs``,
+    ``sqnr_db``; otherwise ``delta_<stat>`` (b - a) of the statistics.
+    """
+    a, b = _as_run(a), _as_run(b)
+    names, steps = _common(a, b, kind, layers)
+    sa = a.stats(kind, names).sel(step=steps).compute()
+    sb = b.stats(kind, names).sel(step=steps).compute()
+    out = xr.Dataset({f"delta_{s}": sb[s] - sa[s] for s in fmt.STATS})
+    ta, tb = _tensor_layers(a, kind), _tensor_layers(b, kind)
+    both = [n for n in names if n in ta and n in tb]
+    if both:
+        tsteps = np.intersect1d(a.steps(kind, tensors=True), b.steps(kind, tensors=True))
+        tsteps = np.intersect1d(tsteps, steps)
+        vals = {m: np.full((len(steps), len(names)), np.nan) for m in _METRICS}
+        for j, layer in enumerate(names):
+            if layer not in both:
+                continue
+            sa_t = a.steps(kind, tensors=True, layer=layer)
+            sb_t = b.steps(kind, tensors=True, layer=layer)
+            for s in np.intersect1d(np.intersect1d(sa_t, sb_t), tsteps):
+                i = int(np.nonzero(steps == s)[0][0])
+                m = tensor_metrics(a.tensor(layer, kind, step=int(s)).values,
+                                   b.tensor(layer, kind, step=int(s)).values)
+                for k, v in m.items():
+                    vals[k][i, j] = v
+        for k in _METRICS:
+            out[k] = (("step", "layer"), vals[k])
+    out.attrs.update(kind=kind, a=a.path, b=b.path)
+    return out
+
+
+def _stat_differs(x: float, y: float, rtol: float) -> bool:
+    if np.isnan(x) and np.isnan(y):
+        return False
+    return not abs(x - y) <= rtol * max(abs(x), abs(y), 1e-30)
+
+
+def first_divergence(a, b, rtol: float = 1e-3, kinds=None) -> tuple[int, str] | None:
+    """The first (step, layer) where the runs differ, or None.
+
+    Steps in order; within a step, forward kinds before gradients, each in
+    execution order.  ``rel_l2 > rtol`` decides where both runs hold the full
+    tensor; otherwise any statistic differing by more than ``rtol`` relatively.
+    """
+    a, b = _as_run(a), _as_run(b)
+    order = {n: i for i, n in enumerate(a.layers)}
+    kinds = [k for k in (kinds or fmt.FORWARD_KINDS + fmt.BACKWARD_KINDS) if k in a.kinds and k in b.kinds]
+    per_kind = {}
+    for kind in kinds:
+        names, steps = _common(a, b, kind, None)
+        if names and len(steps):
+            sa = a.stats(kind, names).sel(step=steps).compute()
+            sb = b.stats(kind, names).sel(step=steps).compute()
+            per_kind[kind] = (sorted(names, key=lambda n: order.get(n, 1 << 30)), steps, sa, sb,
+                              _tensor_layers(a, kind), _tensor_layers(b, kind))
+    all_steps = sorted({int(s) for v in per_kind.values() for s in v[1]})
+    for step in all_steps:
+        for kind in kinds:
+            if kind not in per_kind:
+                continue
+            names, steps, sa, sb, ta, tb = per_kind[kind]
+            if step not in steps:
+                continue
+            for layer in names:
+                if layer in ta and layer in tb and step in a.steps(kind, True, layer=layer) \
+                        and step in b.steps(kind, True, layer=layer):
+                    m = tensor_metrics(a.tensor(layer, kind, step=step).values,
+                                       b.tensor(layer, kind, step=step).values)
+                    if not m["rel_l2"] <= rtol:
+                        return step, layer
+                    continue
+                xa, xb = sa.sel(step=step, layer=layer), sb.sel(step=step, layer=layer)
+                if any(_stat_differs(float(xa[s]), float(xb[s]), rtol) for s in fmt.STATS):
+                    return step, layer
+    return None
