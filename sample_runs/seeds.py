@@ -1,0 +1,12 @@
+"""The stable run under two seeds, for compare: python sample_runs/seeds.py OUT
+(writes OUT/seed0.zarr and OUT/seed1.zarr)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sample_runs.task import record  # noqa: E402
+
+if __name__ == "__main__":
+    os.makedirs(sys.argv[1], exist_ok=True)
+    for seed in (0, 1):
+        record(os.path.join(sys.argv[1], f"seed{seed}.zarr"), seed=seed)
