@@ -4,17 +4,6 @@ Every class also subclasses the builtin a caller would naturally catch, so
 ``except ValueError`` or ``except FileExistsError`` keeps working.
 """
 
-__all__ = [
-    "RecorderError",
-    "ConfigError",
-    "LayerNotFoundError",
-    "InspectionError",
-    "NonFiniteError",
-    "StoreExistsError",
-    "StoreNotFoundError",
-    "StoreFormatError",
-]
-
 
 class RecorderError(Exception):
     """Base class of every tensortape error."""

@@ -346,3 +346,9 @@ def test_sigkill_leaves_a_readable_store(tmp_store):
     for i in steps:
         want = (torch.full((2, 4), float(i)) @ w.T + 0.5).numpy()
         np.testing.assert_array_equal(run.tensor("(root)", step=i).values, want)
+
+
+def test_recorder_stays_lean():
+    code = ("import sys, recorder; bad = [m for m in ('xarray', 'matplotlib', 'analysis') "
+            "if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
