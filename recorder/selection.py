@@ -13,6 +13,8 @@ __all__ = ["unwrap", "module_table", "select_layers"]
 
 # Wrapper modules whose child holds the real model, by attribute name.
 _WRAPPER_ATTRS = ("_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+# Name segments that wrappers insert inside the model ("module" is left alone: users use it too).
+_WRAPPER_SEGMENTS = {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
 _WRAPPER_CLASSES = ("OptimizedModule", "DistributedDataParallel", "DataParallel",
                     "FullyShardedDataParallel", "CheckpointWrapper", "OffloadWrapper")
 
@@ -34,7 +36,7 @@ def module_table(model: nn.Module) -> dict[str, nn.Module]:
     for name, m in unwrap(model).named_modules():
         if _is_wrapper(m):
             continue
-        parts = [p for p in name.split(".") if p and p not in _WRAPPER_ATTRS[0:1] + _WRAPPER_ATTRS[2:]]
+        parts = [p for p in name.split(".") if p and p not in _WRAPPER_SEGMENTS]
         table[".".join(parts)] = m
     return table
 
