@@ -81,10 +81,9 @@ def _magnitude_bin(exponent: np.ndarray, sub: np.ndarray) -> np.ndarray:
 def code_to_bin(exp_bits: int) -> np.ndarray:
     """Map raw codes ``sign | exponent | 2 mantissa bits`` to global bins.
 
-    ``exp_bits`` is 8 for float32 codes and 11 for float64 codes.  Codes of
-    NaN/Inf map to -1 (they are counted apart); codes with a zero exponent
-    (zeros and subnormals) map to the underflow bins, from which the exact
-    zero counts are moved to ``ZERO_BIN`` by :func:`bins_from_codes`.
+    ``exp_bits`` is 8 for float32 codes and 11 for float64 codes.  Codes with
+    an all-ones exponent (NaN; Infs and exact zeros are coded apart by the
+    summary) map to -1; a zero exponent (subnormals) maps to underflow.
     """
     bias = (1 << (exp_bits - 1)) - 1
     codes = np.arange(1 << (exp_bits + 3))
@@ -97,15 +96,12 @@ def code_to_bin(exp_bits: int) -> np.ndarray:
     return np.where(exp_field == (1 << exp_bits) - 1, -1, out).astype(np.int64)
 
 
-def bins_from_codes(raw: np.ndarray, zeros: int, negzeros: int) -> np.ndarray:
-    """Global histogram counts from raw code counts and the exact zero counts."""
-    exp_bits = 8 if raw.size == 1 << 11 else 11
+def bins_from_codes(raw: np.ndarray, exp_bits: int, zeros: int) -> np.ndarray:
+    """Global histogram counts from raw code counts (zeros excluded) and the zero count."""
     lut = code_to_bin(exp_bits)
     keep = lut >= 0
     hist = np.bincount(lut[keep], weights=raw[keep], minlength=NBINS)
     hist = np.rint(hist).astype(np.int64)
-    hist[ZERO_BIN + 1] -= zeros - negzeros
-    hist[ZERO_BIN - 1] -= negzeros
     hist[ZERO_BIN] = zeros
     return hist
 

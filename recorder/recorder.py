@@ -20,13 +20,12 @@ from .hooks import HookSet
 from .selection import select_layers, unwrap
 from .snapshot import Snapshot
 from .store import RunStore, open_root, store_exists
-from .summary import reduce
+from .summary import nonfinite, reduce
 from .writer import StepRecord, Writer
 
 __all__ = ["Recorder"]
 
 MAX_EVENTS = 1000
-_NAN, _POSINF, _NEGINF = 8, 9, 10    # offsets of the counts in a summary vector
 
 
 def _rank() -> int:
@@ -276,10 +275,10 @@ class Recorder:
             else:
                 vec = None
             c.vec = c.light = c.ref = None
-            if vec is not None and vec.size > _NEGINF and (vec[_NAN] or vec[_POSINF] or vec[_NEGINF]):
+            bad = nonfinite(vec) if vec is not None else (0, 0, 0)
+            if any(bad):
                 events.append({"step": rec.step, "layer": c.name, "kind": c.kind,
-                               "nan": int(vec[_NAN]), "posinf": int(vec[_POSINF]),
-                               "neginf": int(vec[_NEGINF]), "order": c.order,
+                               "nan": bad[0], "posinf": bad[1], "neginf": bad[2], "order": c.order,
                                "phase": "backward" if c.kind in fmt.BACKWARD_KINDS else "forward"})
         if stats_caps:
             for c, vec in stats_caps:

@@ -1,13 +1,17 @@
 """Pure tensor -> summary functions, no I/O.
 
 ``reduce(x)`` turns a tensor into one small float64 vector on the tensor's
-own device (no host sync), holding the raw reductions and the raw histogram
-codes.  Many such vectors are concatenated and moved to the host once per
-step; ``finalize`` then turns each into the statistics of the store.
+own device (no host sync): a few reductions, then the counts of the raw
+histogram codes.  Many such vectors are concatenated and moved to the host
+once per step; ``finalize`` then turns each into the statistics of the store.
 
-The reductions are NaN-safe: NaN and +/-Inf are counted and excluded from
-every other statistic.  They run as one fused kernel through
-``torch.compile`` when it works on this machine, and eagerly otherwise.
+Two fused kernels (``torch.compile`` when it works on this machine, the same
+functions eagerly otherwise) read ``x``: one computes the NaN-safe
+reductions, the other gives every element an integer code: ``sign | exponent | top 2 mantissa bits`` for finite non-zero values,
+and four special codes for +0, -0, +Inf and -Inf.  One ``bincount`` of those
+codes then gives the histogram *and* the exact zero, NaN and Inf counts, so
+the reductions need not count anything.  Sums accumulate in float64, the
+variance around a shift taken from the tensor itself (no cancellation).
 """
 
 from __future__ import annotations
@@ -18,49 +22,54 @@ import threading
 import numpy as np
 import torch
 
-from .format import STATS, bins_from_codes
+from .format import STATS, bins_from_codes, code_to_bin
 
-__all__ = ["is_float", "reduce", "split", "finalize", "summarize"]
+__all__ = ["reduce", "split", "finalize", "nonfinite", "summarize"]
 
-# Layout of the reduction vector (before the histogram codes).
-_FIELDS = ("count", "finite", "sum", "m2", "min", "max", "zeros", "negzeros",
-           "nan", "posinf", "neginf", "sumsq")
+# Layout of a summary vector: the reductions, then the code counts.
+_FIELDS = ("count", "shift", "dsum", "dsq", "sumsq", "min", "max")
 _NF = len(_FIELDS)
-_F32_CODES = 1 << 11
-_F64_CODES = 1 << 14
-
-
-def is_float(t: torch.Tensor) -> bool:
-    return t.is_floating_point()
+_RAW = {8: 1 << 11, 11: 1 << 14}      # raw code count, by exponent width
+_SPECIAL = ("poszero", "negzero", "posinf", "neginf")
 
 
 def _reductions(x: torch.Tensor) -> torch.Tensor:
-    x = x.reshape(-1)
-    fin = torch.isfinite(x)
-    n = fin.sum().to(torch.float64)
-    xd = torch.where(fin, x, 0).to(torch.float64)
-    s = xd.sum()
-    mean = s / n.clamp(min=1)
-    d = torch.where(fin, xd - mean, 0)
-    zero = x == 0
+    """The NaN-safe reductions of ``x`` (see ``_FIELDS``), in float64."""
     inf = float("inf")
+    fin = torch.isfinite(x)
+    xd = x.to(torch.float64)
+    first = (0,) * x.dim()            # no reshape: a transposed tensor is read in place
+    c = torch.where(fin[first], xd[first], 0)
+    d = torch.where(fin, xd - c, 0)
     return torch.stack([
         torch.full((), x.numel(), dtype=torch.float64, device=x.device),
-        n,
-        s,
-        (d * d).sum(),
+        c, d.sum(), (d * d).sum(), torch.where(fin, xd * xd, 0).sum(),
         torch.where(fin, x, inf).min().to(torch.float64),
         torch.where(fin, x, -inf).max().to(torch.float64),
-        zero.sum().to(torch.float64),
-        (zero & torch.signbit(x)).sum().to(torch.float64),
-        torch.isnan(x).sum().to(torch.float64),
-        (x == inf).sum().to(torch.float64),
-        (x == -inf).sum().to(torch.float64),
-        (xd * xd).sum(),
     ])
 
 
-_compiled = None
+def _codes(x: torch.Tensor) -> torch.Tensor:
+    """Per-element histogram codes of a float tensor, flattened.
+
+    The raw code ``sign | exponent | 2 mantissa bits`` is one shift of the
+    float's bits; exact zeros and Infs get the special codes after the raw
+    ones.  (The code stays in the bits' own integer type: a narrowing cast
+    would stop the compiler from vectorising the kernel.)
+    """
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()                 # float16 and bfloat16 are exact in float32
+    if x.dtype == torch.float64:   # a same-size view: fine for any strides
+        bits, shift, ncodes = x.view(torch.int64), 50, _RAW[11]
+    else:
+        bits, shift, ncodes = x.view(torch.int32), 21, _RAW[8]
+    code = (bits >> shift) & (ncodes - 1)
+    code = torch.where(x == 0, ncodes + (bits < 0).to(code.dtype), code)
+    code = torch.where(x == float("inf"), ncodes + 2, code)
+    return torch.where(x == -float("inf"), ncodes + 3, code).reshape(-1)
+
+
+_compiled: dict = {}
 _compile_lock = threading.Lock()
 
 
@@ -68,52 +77,44 @@ def _use_compile() -> bool:
     return os.environ.get("TENSORTAPE_COMPILE", "1") not in ("0", "false", "no")
 
 
-def _fused(x: torch.Tensor) -> torch.Tensor:
-    """The reductions, compiled once per process when possible."""
-    global _compiled
-    if _compiled is None:
+def _fused(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` as one fused kernel, compiled once per process when possible."""
+    compiled = _compiled.get(fn)
+    if compiled is None:
         with _compile_lock:
-            if _compiled is None:
-                _compiled = False
+            compiled = _compiled.get(fn)
+            if compiled is None:
+                compiled = False
                 if _use_compile():
                     try:
-                        fn = torch.compile(_reductions, dynamic=True)
-                        probe = torch.tensor([1.0, float("nan"), 0.0], device=x.device)
-                        torch.testing.assert_close(fn(probe), _reductions(probe), equal_nan=True)
-                        _compiled = fn
+                        probe = torch.tensor([1.0, float("nan"), 0.0, -float("inf")], device=x.device)
+                        # dynamic_threads: let OpenMP split a kernel whose size was
+                        # unknown at compile time (else it runs on one thread)
+                        compiled = torch.compile(fn, dynamic=True,
+                                                 options={"cpp.dynamic_threads": True})
+                        with torch.no_grad():
+                            torch.testing.assert_close(compiled(probe), fn(probe), equal_nan=True)
                     except Exception:  # no compiler here: the eager path is exact too
-                        _compiled = False
-    if _compiled is not False:
+                        compiled = False
+                _compiled[fn] = compiled
+    if compiled is not False:
         try:
             with torch.no_grad():    # one grad mode, so no recompiles between forward and backward
-                return _compiled(x)
+                return compiled(x)
         except Exception:
             pass
-    return _reductions(x)
-
-
-def _codes(x: torch.Tensor) -> torch.Tensor:
-    """Raw histogram codes ``sign | exponent | top 2 mantissa bits``, counted."""
-    x = x.reshape(-1)
-    if x.dtype == torch.float64:
-        codes = (x.view(torch.int64) >> 50) & (_F64_CODES - 1)
-        return torch.bincount(codes, minlength=_F64_CODES)
-    if x.dtype != torch.float32:
-        x = x.float()  # float16 and bfloat16 are exact in float32
-    codes = (x.view(torch.int32) >> 21) & (_F32_CODES - 1)
-    return torch.bincount(codes, minlength=_F32_CODES)
+    return fn(x)
 
 
 @torch.compiler.disable
 def reduce(x: torch.Tensor) -> torch.Tensor:
     """One float64 vector (on ``x``'s device) summarising ``x``; no sync."""
     x = x.detach()
-    if x.is_complex() or not x.is_floating_point():
-        vec = torch.full((_NF,), float("nan"), dtype=torch.float64, device=x.device)
-        vec[0] = x.numel()
-        vec[8:11] = 0       # an integer or bool tensor holds no NaN or Inf
-        return vec
-    return torch.cat([_fused(x), _codes(x).to(torch.float64)])
+    if x.is_complex() or not x.is_floating_point() or x.numel() == 0:
+        return torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)
+    ncodes = _RAW[11 if x.dtype == torch.float64 else 8]
+    counts = torch.bincount(_fused(_codes, x), minlength=ncodes + len(_SPECIAL))
+    return torch.cat([_fused(_reductions, x), counts.to(torch.float64)])
 
 
 def split(flat: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
@@ -121,30 +122,49 @@ def split(flat: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
     return np.split(flat, np.cumsum(lengths)[:-1]) if lengths else []
 
 
+def _parts(vec: np.ndarray) -> tuple[np.ndarray, dict[str, float], int]:
+    """(raw code counts, special counts, exponent width) of a float vector."""
+    raw = vec[_NF:-len(_SPECIAL)]
+    exp_bits = 8 if raw.size == _RAW[8] else 11
+    return raw, dict(zip(_SPECIAL, vec[-len(_SPECIAL):].tolist())), exp_bits
+
+
+def nonfinite(vec: np.ndarray) -> tuple[int, int, int]:
+    """Exact (nan, posinf, neginf) counts of one host summary vector."""
+    if vec.size <= _NF:
+        return 0, 0, 0                # integer, bool or empty: no NaN or Inf
+    raw, special, exp_bits = _parts(vec)
+    nan = raw[code_to_bin(exp_bits) < 0].sum()   # all-ones exponent, Infs coded apart
+    return int(nan), int(special["posinf"]), int(special["neginf"])
+
+
 def finalize(vec: np.ndarray) -> tuple[dict[str, float], np.ndarray | None]:
     """Statistics (the store's names) and global histogram of one vector."""
-    f = dict(zip(_FIELDS, vec[:_NF].tolist()))
-    if vec.size == _NF:  # integer or bool tensor: a count and nothing else
-        exact = {"count": f["count"], "nan": 0.0, "posinf": 0.0, "neginf": 0.0}
+    count = float(vec[0])
+    if vec.size == 1:  # integer, bool or empty tensor: a count and nothing else
+        exact = {"count": count, "nan": 0.0, "posinf": 0.0, "neginf": 0.0}
         return {k: exact.get(k, float("nan")) for k in STATS}, None
-    n = f["finite"]
-    mean = f["sum"] / n if n else float("nan")
+    f = dict(zip(_FIELDS, vec[:_NF].tolist()))
+    raw, special, exp_bits = _parts(vec)
+    nan, posinf, neginf = nonfinite(vec)
+    n = count - nan - posinf - neginf
+    zeros = special["poszero"] + special["negzero"]
+    m2 = f["dsq"] - f["dsum"] * f["dsum"] / n if n else 0.0
     lo, hi = (f["min"], f["max"]) if n else (float("nan"), float("nan"))
     stats = {
-        "count": f["count"],
-        "mean": mean,
-        "std": float(np.sqrt(max(f["m2"], 0.0) / n)) if n else float("nan"),
+        "count": count,
+        "mean": f["shift"] + f["dsum"] / n if n else float("nan"),
+        "std": float(np.sqrt(max(m2, 0.0) / n)) if n else float("nan"),
         "min": lo,
         "max": hi,
         "abs_max": max(abs(lo), abs(hi)) if n else float("nan"),
         "norm": float(np.sqrt(f["sumsq"])),
-        "zero_frac": f["zeros"] / n if n else float("nan"),
-        "nan": f["nan"],
-        "posinf": f["posinf"],
-        "neginf": f["neginf"],
+        "zero_frac": zeros / n if n else float("nan"),
+        "nan": float(nan),
+        "posinf": float(posinf),
+        "neginf": float(neginf),
     }
-    hist = bins_from_codes(vec[_NF:], int(f["zeros"]), int(f["negzeros"]))
-    return stats, hist
+    return stats, bins_from_codes(raw, exp_bits, int(zeros))
 
 
 def summarize(x: torch.Tensor) -> tuple[dict[str, float], np.ndarray | None]:

@@ -7,7 +7,7 @@ from torch import nn
 from analysis import open_run
 from recorder import NonFiniteError, Recorder
 from recorder import format as fmt
-from recorder.summary import _reductions, reduce
+from recorder.summary import _codes, _fused, _reductions, summarize
 from conftest import transformer
 
 
@@ -42,23 +42,34 @@ def _numpy_hist(a, lo, hi):
 
 
 def test_nan_and_inf_are_counted_and_never_poison_the_rest():
-    x = torch.tensor([1.0, -3.0, 0.0, float("nan"), float("inf"), -float("inf"), 2.0])
-    for vec in (reduce(x), _reductions(x)):
-        from recorder.summary import finalize
-        stats, hist = finalize(vec.numpy()) if vec.numel() > 12 else (None, None)
-        if stats is None:
-            continue
-        assert (stats["nan"], stats["posinf"], stats["neginf"], stats["count"]) == (1, 1, 1, 7)
-        f = np.array([1.0, -3.0, 0.0, 2.0])
-        np.testing.assert_allclose([stats["mean"], stats["std"], stats["min"], stats["max"], stats["zero_frac"]],
-                                   [f.mean(), f.std(), -3, 2, 0.25])
-        assert hist.sum() == 4 and hist[fmt.ZERO_BIN] == 1
+    x = torch.tensor([1.0, -3.0, 0.0, float("nan"), float("inf"), -float("inf"), 2.0, -0.0])
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        stats, hist = summarize(x.to(dtype))
+        assert (stats["nan"], stats["posinf"], stats["neginf"], stats["count"]) == (1, 1, 1, 8)
+        f = np.array([1.0, -3.0, 0.0, 2.0, 0.0])
+        np.testing.assert_allclose([stats["mean"], stats["std"], stats["min"], stats["max"],
+                                    stats["zero_frac"], stats["norm"]],
+                                   [f.mean(), f.std(), -3, 2, 0.4, np.linalg.norm(f)])
+        assert hist.sum() == 5 and hist[fmt.ZERO_BIN] == 2
 
 
-def test_compiled_and_eager_reductions_agree():
-    x = torch.randn(1000) * 10
-    x[::97] = float("nan")
-    np.testing.assert_allclose(reduce(x).numpy()[:12], _reductions(x).numpy(), rtol=1e-9, equal_nan=True)
+def test_a_nan_with_low_mantissa_bits_is_still_a_nan():
+    x = torch.tensor([0x7F800001, 0xFF800002, 0x7F800000], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    stats, hist = summarize(x)
+    assert (stats["nan"], stats["posinf"], stats["neginf"]) == (2, 1, 0) and hist.sum() == 0
+
+
+def test_compiled_and_eager_summaries_agree():
+    x = torch.randn(1000) * 10 + 1e4       # a large mean: the shifted variance stays exact
+    x[1::97] = float("nan")
+    x[5] = -float("inf")
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        y = x.to(dtype)
+        np.testing.assert_allclose(_fused(_reductions, y).numpy(), _reductions(y).numpy(), rtol=1e-9)
+        assert torch.equal(_fused(_codes, y), _codes(y))
+    f = x[torch.isfinite(x)].double().numpy()
+    stats, _ = summarize(x)
+    np.testing.assert_allclose([stats["mean"], stats["std"]], [f.mean(), f.std()], rtol=1e-12)
 
 
 def test_integer_tensors_get_a_count_only(tmp_store):
