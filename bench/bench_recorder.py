@@ -1,12 +1,18 @@
 """Recorder overhead, side by side in one run (ratios, never absolute claims).
 
 Workload: nn.TransformerEncoder, 4 layers, d=256, batch 16 x 128 tokens, on
-the CPU; every Linear / attention output and its gradient is captured.
+the CPU; every self-attention and Linear output and its gradient is captured
+(12 activations and 12 gradients a step).
 
-    python bench/bench_recorder.py [--steps 12] [--only full|stats]
+    python bench/bench_recorder.py [--rounds 6] [--block 3] [--only full|stats]
 
-Modes, each the median step time over the same steps, reported relative to
-the bare step:
+Every contender trains its own identical copy of the model.  The contenders
+take turns in blocks of ``--block`` steps, for ``--rounds`` rounds (after one
+warm-up round), so machine noise hits them all alike.  A block's time includes
+its flush (the writer thread catching up), so a background writer cannot hide
+its cost in the next contender's block.  Reported: the median step time of
+each contender relative to the bare step.
+
   full   tensortape full tensors every step   vs torch.save of the same tensors
   stats  tensortape statistics only           vs TensorBoard add_histogram of the
          same tensors (hooks wired by hand)   vs wandb.watch(log="all") offline
@@ -16,6 +22,8 @@ the bare step:
 from __future__ import annotations
 
 import argparse
+import copy
+import fnmatch
 import os
 import shutil
 import statistics
@@ -37,29 +45,10 @@ def model_and_data():
     return m, torch.randn(16, 128, 256)
 
 
-def timed(step_fn, steps, warmup=3):
-    for i in range(warmup):
-        step_fn(-1 - i)
-    ts = []
-    for i in range(steps):
-        t = time.perf_counter()
-        step_fn(i)
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
-def train_step(m, x, opt):
-    m(x).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
-
-
 def hand_hooks(m, sink):
     """What users wire by hand for TensorBoard or torch.save: outputs and their grads."""
-    mods = dict(m.named_modules())
     handles = []
-    import fnmatch
-    for n, mod in mods.items():
+    for n, mod in m.named_modules():
         if any(fnmatch.fnmatchcase(n, p) for p in LAYERS):
             def fwd(module, a, out, n=n):
                 t = out[0] if isinstance(out, tuple) else out
@@ -69,92 +58,134 @@ def hand_hooks(m, sink):
     return handles
 
 
+class Contender:
+    """One model copy, its optimiser, and what it does around a training step."""
+
+    def __init__(self, base, x, before=None, after=None, end_block=None):
+        self.m = copy.deepcopy(base)
+        self.x = x
+        self.opt = torch.optim.SGD(self.m.parameters(), lr=1e-4)
+        self.before, self.after, self.end_block = before, after, end_block
+        self.times: list[float] = []
+
+    def step(self, i):
+        ctx = self.before(i) if self.before else None
+        if ctx is not None:
+            with ctx:
+                self.m(self.x).pow(2).mean().backward()
+        else:
+            self.m(self.x).pow(2).mean().backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        if self.after:
+            self.after(i)
+
+    def block(self, start, n):
+        t = time.perf_counter()
+        for i in range(start, start + n):
+            self.step(i)
+        if self.end_block:
+            self.end_block()
+        return (time.perf_counter() - t) / n
+
+
+def run(contenders, rounds, block):
+    step = 0
+    for r in range(rounds + 1):            # round 0 warms up (compilation, caches)
+        for c in contenders.values():
+            t = c.block(step, block)
+            if r:
+                c.times.append(t)
+        step += block
+    return {k: statistics.median(c.times) for k, c in contenders.items()}
+
+
+def dir_bytes(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def bench_full(base, x, tmp, rounds, block):
+    c = {"bare": Contender(base, x)}
+    store = os.path.join(tmp, "full.zarr")
+    tt = c["tensortape full"] = Contender(base, x)
+    rec = Recorder(tt.m, store, layers=LAYERS, tensors_every=1).attach()
+    tt.before, tt.end_block = (lambda i: rec.step()), rec.flush
+    sv = c["torch.save"] = Contender(base, x)
+    buf, save_dir = {}, os.path.join(tmp, "save")
+    os.makedirs(save_dir)
+    hand_hooks(sv.m, lambda k, t: buf.__setitem__(k, t.detach().clone()))
+
+    def save(i):
+        torch.save(dict(buf), os.path.join(save_dir, f"step{i}.pt"))
+        buf.clear()
+    sv.after = save
+    res = run(c, rounds, block)
+    rec.close()
+    from analysis import open_run
+    res["_bytes"] = (open_run(store).summary()["bytes_raw"], dir_bytes(store), dir_bytes(save_dir))
+    return res
+
+
+def bench_stats(base, x, tmp, rounds, block):
+    c = {"bare": Contender(base, x)}
+    tt = c["tensortape stats"] = Contender(base, x)
+    rec = Recorder(tt.m, os.path.join(tmp, "stats.zarr"), layers=LAYERS, tensors_every=None).attach()
+    tt.before = lambda i: rec.step()     # its writer's work per step is small: no flush per block
+
+    from torch.utils.tensorboard import SummaryWriter
+    w = SummaryWriter(os.path.join(tmp, "tb"))
+    tb = c["tensorboard add_histogram"] = Contender(base, x, end_block=w.flush)
+    box = {"i": 0}
+    hand_hooks(tb.m, lambda k, t: w.add_histogram(k, t.detach(), box["i"]))
+    tb.before = lambda i: box.__setitem__("i", i)
+    wb_run = None
+    try:
+        os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=tmp)
+        import wandb
+        wb_run = wandb.init(project="tt-bench", dir=tmp)
+        wb = c["wandb.watch (params only)"] = Contender(base, x)
+        wandb.watch(wb.m, log="all", log_freq=1)
+        wb.after = lambda i: wandb.log({"step": i})
+    except Exception as e:  # wandb missing or failing: say so, do not hide it
+        print(f"wandb skipped: {e}")
+    res = run(c, rounds, block)
+    rec.close()
+    w.close()
+    if wb_run is not None:
+        wb_run.finish()
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--block", type=int, default=3)
     ap.add_argument("--only", choices=["full", "stats"], default=None)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="tt-bench-")
-    m, x = model_and_data()
-    opt = torch.optim.SGD(m.parameters(), lr=1e-4)
-    res = {}
-    res["bare"] = timed(lambda i: train_step(m, x, opt), args.steps)
-
-    def with_recorder(name, **kw):
-        store = os.path.join(tmp, name + ".zarr")
-        with Recorder(m, store, layers=LAYERS, **kw) as rec:
-            def step(i):
-                with rec.step():
-                    m(x).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-            t = timed(step, args.steps)
-        return t, store
-
-    if args.only in (None, "full"):
-        res["tensortape full"], store = with_recorder("full", tensors_every=1)
-        disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(store) for f in fs)
-        from analysis import open_run
-        raw = open_run(store).summary()["bytes_raw"]
-        res["_bytes"] = (raw, disk)
-        buf = {}
-        handles = hand_hooks(m, lambda k, t: buf.__setitem__(k, t.detach().clone()))
-        save_dir = os.path.join(tmp, "save")
-        os.makedirs(save_dir)
-
-        def save_step(i):
-            train_step(m, x, opt)
-            torch.save(dict(buf), os.path.join(save_dir, f"step{i}.pt"))
-            buf.clear()
-        res["torch.save"] = timed(save_step, args.steps)
-        for h in handles:
-            h.remove()
-        shutil.rmtree(save_dir)
-
-    if args.only in (None, "stats"):
-        res["tensortape stats"], _ = with_recorder("stats", tensors_every=None)
-        from torch.utils.tensorboard import SummaryWriter
-        w = SummaryWriter(os.path.join(tmp, "tb"))
-        box = {"i": 0}
-        handles = hand_hooks(m, lambda k, t: w.add_histogram(k, t.detach(), box["i"]))
-
-        def tb_step(i):
-            box["i"] = i
-            train_step(m, x, opt)
-        res["tensorboard add_histogram"] = timed(tb_step, args.steps)
-        w.close()
-        for h in handles:
-            h.remove()
-        try:
-            os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=tmp)
-            import wandb
-            run = wandb.init(project="tt-bench", dir=tmp)
-            wandb.watch(m, log="all", log_freq=1)
-
-            def wb_step(i):
-                train_step(m, x, opt)
-                wandb.log({"step": i})
-            res["wandb.watch (params only)"] = timed(wb_step, args.steps)
-            wandb.unwatch(m)
-            run.finish()
-        except Exception as e:  # wandb missing or failing: say so, do not hide it
-            print(f"wandb skipped: {e}")
-
-    bare = res.pop("bare")
-    print(f"bare step (median of {args.steps}): {bare * 1e3:.1f} ms  [threads={torch.get_num_threads()}]")
-    bytes_ = res.pop("_bytes", None)
-    for k, v in res.items():
-        print(f"{k:30s} {v / bare:6.2f}x bare   (+{(v - bare) * 1e3:7.1f} ms/step)")
-    if "tensortape full" in res and "torch.save" in res:
-        print(f"tensortape full / torch.save: {res['tensortape full'] / res['torch.save']:.2f}")
-    if "tensortape stats" in res and "tensorboard add_histogram" in res:
-        add_tt = res["tensortape stats"] - bare
-        add_tb = res["tensorboard add_histogram"] - bare
-        print(f"added time, TensorBoard / tensortape stats: {add_tb / max(add_tt, 1e-9):.1f}x")
-    if bytes_:
-        print(f"full tensors: {bytes_[0] / 1e6:.0f} MB raw -> {bytes_[1] / 1e6:.0f} MB on disk "
-              f"(ratio {bytes_[0] / bytes_[1]:.2f}, stats and histograms included on disk)")
-    shutil.rmtree(tmp, ignore_errors=True)
+    base, x = model_and_data()
+    print(f"threads={torch.get_num_threads()}  rounds={args.rounds}  block={args.block} steps")
+    try:
+        for mode, fn in (("full", bench_full), ("stats", bench_stats)):
+            if args.only not in (None, mode):
+                continue
+            res = fn(base, x, tmp, args.rounds, args.block)
+            bare = res.pop("bare")
+            sizes = res.pop("_bytes", None)
+            print(f"\n[{mode}] bare step (median): {bare * 1e3:.1f} ms")
+            for k, v in res.items():
+                print(f"  {k:28s} {v / bare:6.2f}x bare   (+{(v - bare) * 1e3:7.1f} ms/step)")
+            if mode == "full":
+                print(f"  tensortape full / torch.save: {res['tensortape full'] / res['torch.save']:.2f}")
+                raw, disk, saved = sizes
+                print(f"  tensortape: {raw / 1e6:.0f} MB of tensors -> {disk / 1e6:.0f} MB on disk "
+                      f"(compression {raw / disk:.2f}, statistics included); torch.save: {saved / 1e6:.0f} MB")
+            else:
+                add_tt = res["tensortape stats"] - bare
+                add_tb = res["tensorboard add_histogram"] - bare
+                print(f"  added time, TensorBoard / tensortape: {add_tb / max(add_tt, 1e-9):.1f}x")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

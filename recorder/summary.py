@@ -16,6 +16,7 @@ variance around a shift taken from the tensor itself (no cancellation).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 
@@ -27,7 +28,7 @@ from .format import STATS, bins_from_codes, code_to_bin
 __all__ = ["reduce", "split", "finalize", "nonfinite", "summarize"]
 
 # Layout of a summary vector: the reductions, then the code counts.
-_FIELDS = ("count", "shift", "dsum", "dsq", "sumsq", "min", "max")
+_FIELDS = ("count", "shift", "dsum", "dsq", "min", "max")
 _NF = len(_FIELDS)
 _RAW = {8: 1 << 11, 11: 1 << 14}      # raw code count, by exponent width
 _SPECIAL = ("poszero", "negzero", "posinf", "neginf")
@@ -43,7 +44,7 @@ def _reductions(x: torch.Tensor) -> torch.Tensor:
     d = torch.where(fin, xd - c, 0)
     return torch.stack([
         torch.full((), x.numel(), dtype=torch.float64, device=x.device),
-        c, d.sum(), (d * d).sum(), torch.where(fin, xd * xd, 0).sum(),
+        c, d.sum(), (d * d).sum(),
         torch.where(fin, x, inf).min().to(torch.float64),
         torch.where(fin, x, -inf).max().to(torch.float64),
     ])
@@ -106,6 +107,30 @@ def _fused(fn, x: torch.Tensor) -> torch.Tensor:
     return fn(x)
 
 
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_PARALLEL_MIN = 1 << 19
+
+
+def _bincount(code: torch.Tensor, n: int) -> torch.Tensor:
+    """``torch.bincount``, split across the CPU's threads for large inputs.
+
+    On the CPU ``bincount`` runs on one thread; the parts run concurrently
+    (torch releases the GIL) and their counts add up exactly.
+    """
+    parts = min(torch.get_num_threads(), 4, code.numel() // _PARALLEL_MIN)
+    if code.device.type != "cpu" or parts < 2:
+        return torch.bincount(code, minlength=n)
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="tensortape-bincount")
+    chunks = code.chunk(parts)
+    futures = [_pool.submit(torch.bincount, c, minlength=n) for c in chunks[1:]]
+    counts = torch.bincount(chunks[0], minlength=n)
+    for f in futures:
+        counts += f.result()
+    return counts
+
+
 @torch.compiler.disable
 def reduce(x: torch.Tensor) -> torch.Tensor:
     """One float64 vector (on ``x``'s device) summarising ``x``; no sync."""
@@ -113,7 +138,7 @@ def reduce(x: torch.Tensor) -> torch.Tensor:
     if x.is_complex() or not x.is_floating_point() or x.numel() == 0:
         return torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)
     ncodes = _RAW[11 if x.dtype == torch.float64 else 8]
-    counts = torch.bincount(_fused(_codes, x), minlength=ncodes + len(_SPECIAL))
+    counts = _bincount(_fused(_codes, x), ncodes + len(_SPECIAL))
     return torch.cat([_fused(_reductions, x), counts.to(torch.float64)])
 
 
@@ -149,16 +174,18 @@ def finalize(vec: np.ndarray) -> tuple[dict[str, float], np.ndarray | None]:
     nan, posinf, neginf = nonfinite(vec)
     n = count - nan - posinf - neginf
     zeros = special["poszero"] + special["negzero"]
-    m2 = f["dsq"] - f["dsum"] * f["dsum"] / n if n else 0.0
+    c, s1, s2 = f["shift"], f["dsum"], f["dsq"]      # sums of (x - c) and (x - c)^2
+    m2 = s2 - s1 * s1 / n if n else 0.0
+    sumsq = s2 + 2 * c * s1 + n * c * c
     lo, hi = (f["min"], f["max"]) if n else (float("nan"), float("nan"))
     stats = {
         "count": count,
-        "mean": f["shift"] + f["dsum"] / n if n else float("nan"),
+        "mean": c + s1 / n if n else float("nan"),
         "std": float(np.sqrt(max(m2, 0.0) / n)) if n else float("nan"),
         "min": lo,
         "max": hi,
         "abs_max": max(abs(lo), abs(hi)) if n else float("nan"),
-        "norm": float(np.sqrt(f["sumsq"])),
+        "norm": float(np.sqrt(max(sumsq, 0.0))),
         "zero_frac": zeros / n if n else float("nan"),
         "nan": float(nan),
         "posinf": float(posinf),

@@ -67,9 +67,12 @@ def test_compiled_and_eager_summaries_agree():
         y = x.to(dtype)
         np.testing.assert_allclose(_fused(_reductions, y).numpy(), _reductions(y).numpy(), rtol=1e-9)
         assert torch.equal(_fused(_codes, y), _codes(y))
-    f = x[torch.isfinite(x)].double().numpy()
-    stats, _ = summarize(x)
-    np.testing.assert_allclose([stats["mean"], stats["std"]], [f.mean(), f.std()], rtol=1e-12)
+    for first in (x[0], 1e30):            # the shift: a typical value, then a huge outlier
+        x[0] = first
+        f = x[torch.isfinite(x)].double().numpy()
+        stats, _ = summarize(x)
+        np.testing.assert_allclose([stats["mean"], stats["std"], stats["norm"]],
+                                   [f.mean(), f.std(), np.linalg.norm(f)], rtol=1e-12)
 
 
 def test_integer_tensors_get_a_count_only(tmp_store):
