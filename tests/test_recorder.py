@@ -352,3 +352,26 @@ def test_recorder_stays_lean():
     code = ("import sys, recorder; bad = [m for m in ('xarray', 'matplotlib', 'analysis') "
             "if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_sparse_tensors_are_compressed_and_dense_ones_stay_exact(tmp_store):
+    """zstd level 1 where it pays (post-ReLU data); zstd's fast mode on dense data."""
+    class Two(nn.Module):
+        def forward(self, x):
+            return x.relu(), x
+    model = nn.Sequential(Two())
+    xs = [torch.randn(64, 4096) for _ in range(2)]
+    with Recorder(model, tmp_store, layers="0", capture="activations") as rec:
+        for x in xs:
+            with rec.step():
+                model(x)
+    run = open_run(tmp_store)
+    for path, exact in (("0:0", xs[0].relu()), ("0:1", xs[0])):
+        assert torch.equal(torch.from_numpy(run.tensor(path, "activations", step=0).values), exact)
+    group = zarr.open_group(tmp_store, mode="r")["rank0/tensors/activations"]
+    size = {n: sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
+                   os.walk(os.path.join(tmp_store, "rank0/tensors/activations", n, "data")) for f in fs)
+            for n in group.group_keys()}
+    raw = 2 * xs[0].numel() * 4
+    sparse = size[sorted(size)[0]]     # node names of "0:0" and "0:1", in that order
+    assert sparse < 0.75 * raw
