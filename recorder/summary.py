@@ -72,6 +72,7 @@ def _codes(x: torch.Tensor) -> torch.Tensor:
 
 _compiled: dict = {}
 _compile_lock = threading.Lock()
+_PARALLEL_MIN = 1 << 18        # elements from which CPU work is split across threads
 
 
 def _use_compile() -> bool:
@@ -79,25 +80,31 @@ def _use_compile() -> bool:
 
 
 def _fused(fn, x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)`` as one fused kernel, compiled once per process when possible."""
-    compiled = _compiled.get(fn)
+    """``fn(x)`` as one fused kernel, compiled once per process when possible.
+
+    Large CPU tensors get a kernel that OpenMP splits across threads (the
+    size is unknown at compile time, so inductor would otherwise run it on
+    one); small ones a serial kernel, as a parallel region costs more than it
+    saves there, most of all on a busy machine.
+    """
+    parallel = x.device.type == "cpu" and x.numel() >= _PARALLEL_MIN
+    key = (fn, parallel)
+    compiled = _compiled.get(key)
     if compiled is None:
         with _compile_lock:
-            compiled = _compiled.get(fn)
+            compiled = _compiled.get(key)
             if compiled is None:
                 compiled = False
                 if _use_compile():
                     try:
                         probe = torch.tensor([1.0, float("nan"), 0.0, -float("inf")], device=x.device)
-                        # dynamic_threads: let OpenMP split a kernel whose size was
-                        # unknown at compile time (else it runs on one thread)
                         compiled = torch.compile(fn, dynamic=True,
-                                                 options={"cpp.dynamic_threads": True})
+                                                 options={"cpp.dynamic_threads": parallel})
                         with torch.no_grad():
                             torch.testing.assert_close(compiled(probe), fn(probe), equal_nan=True)
                     except Exception:  # no compiler here: the eager path is exact too
                         compiled = False
-                _compiled[fn] = compiled
+                _compiled[key] = compiled
     if compiled is not False:
         try:
             with torch.no_grad():    # one grad mode, so no recompiles between forward and backward
@@ -108,7 +115,6 @@ def _fused(fn, x: torch.Tensor) -> torch.Tensor:
 
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
-_PARALLEL_MIN = 1 << 19
 
 
 def _bincount(code: torch.Tensor, n: int) -> torch.Tensor:

@@ -63,8 +63,10 @@ def test_compiled_and_eager_summaries_agree():
     x = torch.randn(1000) * 10 + 1e4       # a large mean: the shifted variance stays exact
     x[1::97] = float("nan")
     x[5] = -float("inf")
-    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        y = x.to(dtype)
+    big = torch.randn(64, 8192).relu()      # large: the kernels split across threads
+    big[3, ::7] = float("nan")
+    cases = [x.to(d) for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)]
+    for y in cases + [big, big.t()]:
         np.testing.assert_allclose(_fused(_reductions, y).numpy(), _reductions(y).numpy(), rtol=1e-9)
         assert torch.equal(_fused(_codes, y), _codes(y))
     for first in (x[0], 1e30):            # the shift: a typical value, then a huge outlier
