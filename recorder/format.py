@@ -96,13 +96,28 @@ def code_to_bin(exp_bits: int) -> np.ndarray:
     return np.where(exp_field == (1 << exp_bits) - 1, -1, out).astype(np.int64)
 
 
-def bins_from_codes(raw: np.ndarray, exp_bits: int, zeros: int) -> np.ndarray:
-    """Global histogram counts from raw code counts (zeros excluded) and the zero count."""
+@lru_cache(maxsize=None)
+def _bin_groups(exp_bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes ordered by bin, where each bin's run starts, and those bins."""
     lut = code_to_bin(exp_bits)
-    keep = lut >= 0
-    hist = np.bincount(lut[keep], weights=raw[keep], minlength=NBINS)
-    hist = np.rint(hist).astype(np.int64)
-    hist[ZERO_BIN] = zeros
+    keep = np.nonzero(lut >= 0)[0]
+    order = keep[np.argsort(lut[keep], kind="stable")]
+    ordered = lut[order]
+    starts = np.concatenate([[0], np.nonzero(np.diff(ordered))[0] + 1])
+    return order, starts, ordered[starts]
+
+
+def bins_from_codes(raw: np.ndarray, exp_bits: int, zeros) -> np.ndarray:
+    """Global histogram counts (..., NBINS) from raw code counts (..., codes).
+
+    The raw counts exclude exact zeros (``zeros``, one per row), which get
+    ``ZERO_BIN``.  Works on one vector or on a batch of rows at once.
+    """
+    order, starts, bins = _bin_groups(exp_bits)
+    raw = np.asarray(raw)
+    hist = np.zeros((*raw.shape[:-1], NBINS), dtype=np.int64)
+    hist[..., bins] = np.rint(np.add.reduceat(raw[..., order], starts, axis=-1))
+    hist[..., ZERO_BIN] = zeros
     return hist
 
 

@@ -25,7 +25,7 @@ import torch
 
 from .format import STATS, bins_from_codes, code_to_bin
 
-__all__ = ["reduce", "split", "finalize", "nonfinite", "summarize"]
+__all__ = ["reduce", "split", "finalize", "finalize_many", "nonfinite", "summarize"]
 
 # Layout of a summary vector: the reductions, then the code counts.
 _FIELDS = ("count", "shift", "dsum", "dsq", "min", "max")
@@ -153,51 +153,59 @@ def split(flat: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
     return np.split(flat, np.cumsum(lengths)[:-1]) if lengths else []
 
 
-def _parts(vec: np.ndarray) -> tuple[np.ndarray, dict[str, float], int]:
-    """(raw code counts, special counts, exponent width) of a float vector."""
-    raw = vec[_NF:-len(_SPECIAL)]
-    exp_bits = 8 if raw.size == _RAW[8] else 11
-    return raw, dict(zip(_SPECIAL, vec[-len(_SPECIAL):].tolist())), exp_bits
+def _nan_codes(exp_bits: int) -> np.ndarray:
+    return code_to_bin(exp_bits) < 0   # all-ones exponent: NaN, once the Infs are coded apart
 
 
 def nonfinite(vec: np.ndarray) -> tuple[int, int, int]:
     """Exact (nan, posinf, neginf) counts of one host summary vector."""
     if vec.size <= _NF:
         return 0, 0, 0                # integer, bool or empty: no NaN or Inf
-    raw, special, exp_bits = _parts(vec)
-    nan = raw[code_to_bin(exp_bits) < 0].sum()   # all-ones exponent, Infs coded apart
-    return int(nan), int(special["posinf"]), int(special["neginf"])
+    raw = vec[_NF:-len(_SPECIAL)]
+    nan = raw[_nan_codes(8 if raw.size == _RAW[8] else 11)].sum()
+    return int(nan), int(vec[-2]), int(vec[-1])
+
+
+def finalize_many(vecs: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """Statistics (one array per store name) and histograms of summary vectors
+    of equal length, one per row: the writer finalises a whole step at once."""
+    vecs = np.atleast_2d(vecs)
+    count = vecs[:, 0]
+    if vecs.shape[1] == 1:  # integer, bool or empty tensors: a count and nothing else
+        stats = {k: np.full(len(vecs), np.nan) for k in STATS}
+        stats.update(count=count, nan=0 * count, posinf=0 * count, neginf=0 * count)
+        return stats, None
+    c, s1, s2, lo, hi = (vecs[:, _FIELDS.index(f)] for f in ("shift", "dsum", "dsq", "min", "max"))
+    raw = vecs[:, _NF:-len(_SPECIAL)]
+    poszero, negzero, posinf, neginf = vecs[:, -len(_SPECIAL):].T
+    exp_bits = 8 if raw.shape[1] == _RAW[8] else 11
+    nan = raw[:, _nan_codes(exp_bits)].sum(axis=1)
+    n = count - nan - posinf - neginf
+    zeros = poszero + negzero
+    has = n > 0
+    safe = np.where(has, n, 1.0)
+    m2 = s2 - s1 * s1 / safe            # sums of (x - c) and (x - c)^2: no cancellation
+    lo, hi = np.where(has, lo, np.nan), np.where(has, hi, np.nan)
+    stats = {
+        "count": count,
+        "mean": np.where(has, c + s1 / safe, np.nan),
+        "std": np.where(has, np.sqrt(np.maximum(m2, 0.0) / safe), np.nan),
+        "min": lo,
+        "max": hi,
+        "abs_max": np.maximum(np.abs(lo), np.abs(hi)),
+        "norm": np.sqrt(np.maximum(s2 + 2 * c * s1 + n * c * c, 0.0)),
+        "zero_frac": np.where(has, zeros / safe, np.nan),
+        "nan": nan,
+        "posinf": posinf,
+        "neginf": neginf,
+    }
+    return stats, bins_from_codes(raw, exp_bits, zeros)
 
 
 def finalize(vec: np.ndarray) -> tuple[dict[str, float], np.ndarray | None]:
     """Statistics (the store's names) and global histogram of one vector."""
-    count = float(vec[0])
-    if vec.size == 1:  # integer, bool or empty tensor: a count and nothing else
-        exact = {"count": count, "nan": 0.0, "posinf": 0.0, "neginf": 0.0}
-        return {k: exact.get(k, float("nan")) for k in STATS}, None
-    f = dict(zip(_FIELDS, vec[:_NF].tolist()))
-    raw, special, exp_bits = _parts(vec)
-    nan, posinf, neginf = nonfinite(vec)
-    n = count - nan - posinf - neginf
-    zeros = special["poszero"] + special["negzero"]
-    c, s1, s2 = f["shift"], f["dsum"], f["dsq"]      # sums of (x - c) and (x - c)^2
-    m2 = s2 - s1 * s1 / n if n else 0.0
-    sumsq = s2 + 2 * c * s1 + n * c * c
-    lo, hi = (f["min"], f["max"]) if n else (float("nan"), float("nan"))
-    stats = {
-        "count": count,
-        "mean": c + s1 / n if n else float("nan"),
-        "std": float(np.sqrt(max(m2, 0.0) / n)) if n else float("nan"),
-        "min": lo,
-        "max": hi,
-        "abs_max": max(abs(lo), abs(hi)) if n else float("nan"),
-        "norm": float(np.sqrt(max(sumsq, 0.0))),
-        "zero_frac": zeros / n if n else float("nan"),
-        "nan": float(nan),
-        "posinf": float(posinf),
-        "neginf": float(neginf),
-    }
-    return stats, bins_from_codes(raw, exp_bits, int(zeros))
+    stats, hist = finalize_many(vec[None])
+    return {k: float(v[0]) for k, v in stats.items()}, (None if hist is None else hist[0])
 
 
 def summarize(x: torch.Tensor) -> tuple[dict[str, float], np.ndarray | None]:

@@ -16,7 +16,7 @@ import torch
 from . import format as fmt
 from .errors import RecorderError
 from .store import RunStore
-from .summary import finalize, split
+from .summary import finalize_many, split
 
 __all__ = ["StepRecord", "Writer", "to_numpy"]
 
@@ -180,13 +180,16 @@ class Writer:
         row = {s: np.full(n, np.nan) for s in fmt.STATS}
         hist = np.zeros((n, fmt.NBINS), dtype=np.int64)
         index = {name: i for i, name in enumerate(names)}
-        for layer, vec in entries:
-            stats, h = finalize(vec)
-            i = index[layer]
+        by_length: dict[int, list[tuple[str, np.ndarray]]] = {}
+        for layer, vec in entries:      # float32 / float64 / integer vectors differ in length
+            by_length.setdefault(vec.size, []).append((layer, vec))
+        for group in by_length.values():
+            rows = [index[layer] for layer, _ in group]
+            stats, h = finalize_many(np.stack([vec for _, vec in group]))
             for s, v in stats.items():
-                row[s][i] = v
+                row[s][rows] = v
             if h is not None:
-                hist[i] = h
+                hist[rows] = h
         for s in fmt.STATS:
             table.columns[s].grow_inner((n,))
         table.columns["hist"].grow_inner((n, fmt.NBINS))
