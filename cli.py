@@ -22,13 +22,16 @@ def _open(path):
     return open_run(path)
 
 
-def _progress(items):
-    """A progress bar on a terminal, plain iteration otherwise."""
-    if sys.stderr.isatty():
-        with click.progressbar(list(items), file=sys.stderr, label="exporting") as bar:
-            yield from bar
-    else:
-        yield from items
+def _progress(label: str):
+    """A wrapper that shows a progress bar over items on a terminal, and
+    iterates plainly otherwise."""
+    def wrap(items):
+        if sys.stderr.isatty():
+            with click.progressbar(list(items), file=sys.stderr, label=label) as bar:
+                yield from bar
+        else:
+            yield from items
+    return wrap
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -184,7 +187,7 @@ def compare(run_a, run_b, kind, pattern, rtol, output):
     a, b = _open(run_a), _open(run_b)
     first = first_divergence(a, b, rtol=rtol)
     click.echo("no divergence" if first is None else f"first divergence: step {first[0]}, layer {first[1]}")
-    ds = compare_runs(a, b, kind=kind, layers=pattern)
+    ds = compare_runs(a, b, kind=kind, layers=pattern, progress=_progress("comparing full tensors"))
     cols = [c for c in ("rel_l2", "cosine", "sqnr_db", "delta_mean", "delta_std") if c in ds]
     summary = ds[cols].max("step") if "rel_l2" in ds else abs(ds[cols]).max("step")
     click.echo(summary.to_dataframe().to_string(float_format=lambda v: f"{v:.4g}"))
@@ -199,7 +202,7 @@ def compare(run_a, run_b, kind, pattern, rtol, output):
 @click.argument("out", type=click.Path())
 def export(run, out):
     """Export RUN to one HDF5 file OUT."""
-    path = _open(run).to_hdf5(out, progress=_progress)
+    path = _open(run).to_hdf5(out, progress=_progress("exporting"))
     click.echo(path)
 
 

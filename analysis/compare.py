@@ -43,11 +43,13 @@ def _tensor_layers(r: Run, kind: str) -> dict[str, str]:
     return r._tensor_paths(kind, r._rank(None)) if kind in r.kinds else {}
 
 
-def compare_runs(a, b, kind: str = "activations", layers=None) -> xr.Dataset:
+def compare_runs(a, b, kind: str = "activations", layers=None, progress=None) -> xr.Dataset:
     """An ``xr.Dataset`` (step, layer) over the steps and layers both runs hold.
 
     Where both hold full tensors: ``rel_l2``, ``cosine``, ``max_abs``,
     ``sqnr_db``; otherwise ``delta_<stat>`` (b - a) of the statistics.
+    ``progress`` wraps the iterable of layers whose full tensors are scanned
+    (for example ``click.progressbar`` or ``tqdm.tqdm``).
     """
     a, b = _as_run(a), _as_run(b)
     names, steps = _common(a, b, kind, layers)
@@ -60,9 +62,9 @@ def compare_runs(a, b, kind: str = "activations", layers=None) -> xr.Dataset:
         tsteps = np.intersect1d(a.steps(kind, tensors=True), b.steps(kind, tensors=True))
         tsteps = np.intersect1d(tsteps, steps)
         vals = {m: np.full((len(steps), len(names)), np.nan) for m in _METRICS}
-        for j, layer in enumerate(names):
-            if layer not in both:
-                continue
+        column = {n: j for j, n in enumerate(names)}
+        for layer in (progress(both) if progress else both):
+            j = column[layer]
             sa_t = a.steps(kind, tensors=True, layer=layer)
             sb_t = b.steps(kind, tensors=True, layer=layer)
             for s in np.intersect1d(np.intersect1d(sa_t, sb_t), tsteps):
@@ -102,6 +104,14 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None) -> tuple[int, str] | 
             per_kind[kind] = (sorted(names, key=lambda n: order.get(n, 1 << 30)), steps, sa, sb,
                               _tensor_layers(a, kind), _tensor_layers(b, kind))
     all_steps = sorted({int(s) for v in per_kind.values() for s in v[1]})
+    tensor_steps: dict = {}
+
+    def has_tensor(r, kind, layer, step) -> bool:
+        key = (id(r), kind, layer)
+        if key not in tensor_steps:
+            tensor_steps[key] = set(r.steps(kind, True, layer=layer).tolist())
+        return step in tensor_steps[key]
+
     for step in all_steps:
         for kind in kinds:
             if kind not in per_kind:
@@ -110,8 +120,8 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None) -> tuple[int, str] | 
             if step not in steps:
                 continue
             for layer in names:
-                if layer in ta and layer in tb and step in a.steps(kind, True, layer=layer) \
-                        and step in b.steps(kind, True, layer=layer):
+                if layer in ta and layer in tb and has_tensor(a, kind, layer, step) \
+                        and has_tensor(b, kind, layer, step):
                     m = tensor_metrics(a.tensor(layer, kind, step=step).values,
                                        b.tensor(layer, kind, step=step).values)
                     if not m["rel_l2"] <= rtol:

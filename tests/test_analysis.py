@@ -41,8 +41,10 @@ def test_identical_runs_do_not_diverge(tmp_path):
     a = _record(str(tmp_path / "a.zarr"))
     b = _record(str(tmp_path / "b.zarr"))
     assert first_divergence(a, b) is None
-    ds = compare_runs(a, b)
+    seen = []
+    ds = compare_runs(a, b, progress=lambda layers: (seen.append(n) or n for n in layers))
     assert float(ds["rel_l2"].max()) == 0 and float(abs(ds["delta_mean"]).max()) == 0
+    assert sorted(seen) == sorted(ds.layer.values.tolist())   # the scan reports each layer once
 
 
 @pytest.mark.parametrize("tensors_every", [1, None])
