@@ -4,14 +4,19 @@ Workload: nn.TransformerEncoder, 4 layers, d=256, batch 16 x 128 tokens, on
 the CPU; every self-attention and Linear output and its gradient is captured
 (12 activations and 12 gradients a step).
 
-    python bench/bench_recorder.py [--rounds 6] [--block 3] [--only full|stats]
+    python bench/bench_recorder.py [--only full|stats]
 
 Every contender trains its own identical copy of the model.  The contenders
-take turns in blocks of ``--block`` steps, for ``--rounds`` rounds (after one
-warm-up round), so machine noise hits them all alike.  A block's time includes
-its flush (the writer thread catching up), so a background writer cannot hide
-its cost in the next contender's block.  Reported: the median step time of
-each contender relative to the bare step.
+take turns in blocks of steps, for several rounds (after one warm-up round),
+so machine noise hits them all alike.  Reported: the median step time of each
+contender relative to the bare step.
+
+Full mode: blocks of 20 steps (about 5 s, the recorder's commit interval), 3
+rounds.  A block's time includes a flush (the writer thread catching up and
+committing), so a background writer cannot hide its cost in the next
+contender's block, and commits come about as often as in real use.
+Statistics mode: blocks of 3 steps, 6 rounds; its writer's work is small and
+is not flushed per block.
 
   full   tensortape full tensors every step   vs torch.save of the same tensors
   stats  tensortape statistics only           vs TensorBoard add_histogram of the
@@ -158,21 +163,19 @@ def bench_stats(base, x, tmp, rounds, block):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--block", type=int, default=3)
     ap.add_argument("--only", choices=["full", "stats"], default=None)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="tt-bench-")
     base, x = model_and_data()
-    print(f"threads={torch.get_num_threads()}  rounds={args.rounds}  block={args.block} steps")
+    print(f"threads={torch.get_num_threads()}")
     try:
-        for mode, fn in (("full", bench_full), ("stats", bench_stats)):
+        for mode, fn, rounds, block in (("full", bench_full, 3, 20), ("stats", bench_stats, 6, 3)):
             if args.only not in (None, mode):
                 continue
-            res = fn(base, x, tmp, args.rounds, args.block)
+            res = fn(base, x, tmp, rounds, block)
             bare = res.pop("bare")
             sizes = res.pop("_bytes", None)
-            print(f"\n[{mode}] bare step (median): {bare * 1e3:.1f} ms")
+            print(f"\n[{mode}] {rounds} rounds of {block}-step blocks; bare step (median): {bare * 1e3:.1f} ms")
             for k, v in res.items():
                 print(f"  {k:28s} {v / bare:6.2f}x bare   (+{(v - bare) * 1e3:7.1f} ms/step)")
             if mode == "full":
