@@ -375,3 +375,18 @@ def test_sparse_tensors_are_compressed_and_dense_ones_stay_exact(tmp_store):
     raw = 2 * xs[0].numel() * 4
     sparse = size[sorted(size)[0]]     # node names of "0:0" and "0:1", in that order
     assert sparse < 0.75 * raw
+
+
+def test_plain_xarray_opens_the_store_without_tensortape(tmp_store):
+    import xarray as xr
+    model = transformer()
+    with Recorder(model, tmp_store, layers=["layers.0.linear1"]) as rec:
+        for _ in range(2):
+            with rec.step():
+                model(torch.randn(2, 3, 32)).sum().backward()
+    tree = xr.open_datatree(tmp_store, engine="zarr", consolidated=False)
+    stats = tree["rank0/stats/activations"].to_dataset()
+    assert stats["std"].dims == ("step", "layer") and stats["hist"].dims == ("step", "layer", "bin")
+    data = tree["rank0/tensors/activations/layers.0.linear1"].to_dataset()["data"]
+    assert data.dims[0] == "step"
+    np.testing.assert_array_equal(data.values[:2], open_run(tmp_store).tensor("layers.0.linear1").values)
