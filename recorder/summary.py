@@ -3,12 +3,14 @@
 ``reduce(x)`` turns a tensor into one small float64 vector on the tensor's
 own device (no host sync): a few reductions, then the counts of the raw
 histogram codes.  Many such vectors are concatenated and moved to the host
-once per step; ``finalize`` then turns each into the statistics of the store.
+once per step; ``finalize_many`` then turns a step's vectors into the
+statistics of the store in one vectorised pass.
 
 Two fused kernels (``torch.compile`` when it works on this machine, the same
 functions eagerly otherwise) read ``x``: one computes the NaN-safe
-reductions, the other gives every element an integer code: ``sign | exponent | top 2 mantissa bits`` for finite non-zero values,
-and four special codes for +0, -0, +Inf and -Inf.  One ``bincount`` of those
+reductions, the other gives every element an integer code, ``sign |
+exponent | top 2 mantissa bits`` for finite non-zero values and four special
+codes for +0, -0, +Inf and -Inf.  One ``bincount`` of those
 codes then gives the histogram *and* the exact zero, NaN and Inf counts, so
 the reductions need not count anything.  Sums accumulate in float64, the
 variance around a shift taken from the tensor itself (no cancellation).
@@ -127,8 +129,9 @@ def _bincount(code: torch.Tensor, n: int) -> torch.Tensor:
     if code.device.type != "cpu" or parts < 2:
         return torch.bincount(code, minlength=n)
     global _pool
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="tensortape-bincount")
+    with _compile_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="tensortape-bincount")
     chunks = code.chunk(parts)
     futures = [_pool.submit(torch.bincount, c, minlength=n) for c in chunks[1:]]
     counts = torch.bincount(chunks[0], minlength=n)
