@@ -48,12 +48,7 @@ def demo(out, steps, diverge):
     from sample_runs.task import record
     if os.path.exists(out):
         raise click.BadParameter(f"{out!r} already exists; choose a new OUT", param_hint="OUT")
-    kw = {"diverge": diverge}
-    if steps:
-        kw["steps"] = steps
-    elif diverge:
-        kw["steps"] = 60
-    record(out, log=lambda s: click.echo(s, err=True), **kw)
+    record(out, steps=steps, diverge=diverge, log=lambda s: click.echo(s, err=True))
     run = _open(out)
     click.echo(repr(run))
     click.echo("\nTry next:")

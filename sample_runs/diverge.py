@@ -6,4 +6,4 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sample_runs.task import record  # noqa: E402
 
 if __name__ == "__main__":
-    record(sys.argv[1], diverge=True, steps=60)
+    record(sys.argv[1], diverge=True)

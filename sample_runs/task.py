@@ -32,9 +32,14 @@ class Sorter(nn.Module):
 LAYERS = ["embed", "encoder.layers.*.self_attn", "encoder.layers.*.linear*", "head"]
 
 
-def record(out: str, *, seed: int = 0, steps: int = 150, diverge: bool = False,
+def record(out: str, *, seed: int = 0, steps: int | None = None, diverge: bool = False,
            mode: str = "w-", log=print) -> str:
-    """Train the sorter and record it into ``out``; returns ``out``."""
+    """Train the sorter and record it into ``out``; returns ``out``.
+
+    ``steps`` defaults to 150, or 60 for a diverging run (it is NaN by step 10).
+    """
+    if steps is None:
+        steps = 60 if diverge else 150
     torch.manual_seed(seed)
     model = Sorter()
     lr = 3.0 if diverge else 3e-3
