@@ -80,7 +80,7 @@ def info(run):
     click.echo("\n" + "layer".ljust(width) + "  " + "  ".join(f"{k[:12]:>12}" for k in s["kinds"]))
     for layer, kinds in s["layers"].items():
         click.echo(layer.ljust(width) + "  " + "  ".join(f"{kinds[k] or '-':>12}" for k in s["kinds"]))
-    click.echo("(S = statistics, T = full tensors)")
+    click.echo("(S = statistics, T = full tensors, with their size decoded)")
     ev = s["events"]
     click.echo(f"\nnon-finite events: {len(ev)}" + (f"; first at step {ev[0].step} in "
                f"{ev[0].layer} ({ev[0].kind})" if ev else ""))

@@ -50,6 +50,10 @@ def _decode_bf16(block: np.ndarray) -> np.ndarray:
     return (block.astype(np.uint32) << 16).view(np.float32)
 
 
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f}MB" if n >= 1e5 else f"{n / 1e3:.0f}kB"
+
+
 def open_run(path) -> "Run":
     """Open a run (Zarr store, fsspec URL, or HDF5 export) lazily."""
     return Run(path)
@@ -292,14 +296,25 @@ class Run:
         from .export import to_hdf5
         return to_hdf5(self, path, progress=progress)
 
+    def _tensor_bytes(self, path: str, rank: int) -> int:
+        """Bytes of one table's full tensors as decoded (committed rows, padded shape)."""
+        data = self._src.array(path + "/data")
+        return self._committed(rank)[path] * int(np.prod(data.shape[1:])) * data.dtype.itemsize
+
     # --- display -------------------------------------------------------------------
     def summary(self, rank: int | None = None) -> dict:
         rank = self._rank(rank)
         kinds = self.kinds_of(rank)
         table = {}
+        stats_layers = {k: set(self._stats_layers(k, rank)) for k in kinds}
+        tensor_paths = {k: self._tensor_paths(k, rank) for k in kinds}
         for layer in self.layers_of(rank):
-            table[layer] = {k: ("S" if layer in self._stats_layers(k, rank) else "")
-                            + ("T" if layer in self._tensor_paths(k, rank) else "") for k in kinds}
+            table[layer] = {}
+            for k in kinds:
+                mark = "S" if layer in stats_layers[k] else ""
+                if layer in tensor_paths[k]:
+                    mark += f"T {_megabytes(self._tensor_bytes(tensor_paths[k][layer], rank))}"
+                table[layer][k] = mark
         steps = {k: self.steps(k, rank=rank) for k in kinds}
         return {"status": self.status, "ranks": self.ranks, "kinds": kinds, "layers": table,
                 "steps": {k: (int(v[0]), int(v[-1]), len(v)) if len(v) else None for k, v in steps.items()},
@@ -328,4 +343,4 @@ class Run:
                 f"<b>{html.escape(s['status'])}</b>, {len(ev)} non-finite events"
                 + (f" (first: step {ev[0].step}, {html.escape(ev[0].layer)}, {ev[0].kind})" if ev else "")
                 + f"<table><tr><th>layer</th>{head}</tr>{rows}</table>"
-                "<small>S = statistics, T = full tensors</small></div>")
+                "<small>S = statistics, T = full tensors (their size decoded)</small></div>")

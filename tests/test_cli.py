@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 import cli
+from analysis import open_run
 from sample_runs.task import record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +41,11 @@ def script(*args):
 def test_info_stats_and_json(runs):
     r = invoke("info", runs["stable"])
     assert r.exit_code == 0 and "status   complete" in r.output and "encoder.layers.0.linear1" in r.output
+    run = open_run(runs["stable"])
+    layer = "encoder.layers.0.linear1"
+    decoded = run.tensor(layer).nbytes          # every stored step, as decoded
+    row = next(line for line in r.output.splitlines() if line.startswith(layer + " "))
+    assert f"T {decoded / 1e6:.1f}MB" in row or f"T {decoded / 1e3:.0f}kB" in row
     r = invoke("stats", runs["stable"], "--layer", "encoder.*", "--format", "json", "--step", "5")
     rows = json.loads(r.output)
     assert rows and all(row["step"] == 5 and row["layer"].startswith("encoder.") for row in rows)
