@@ -20,7 +20,7 @@ from .hooks import HookSet
 from .selection import select_layers, unwrap
 from .snapshot import Snapshot
 from .store import RunStore, open_root, store_exists
-from .summary import nonfinite, reduce
+from .summary import is_small, nonfinite, reduce, reduce_many
 from .writer import StepRecord, Writer
 
 __all__ = ["Recorder"]
@@ -34,11 +34,11 @@ def _rank() -> int:
 
 
 class _Capture:
-    __slots__ = ("order", "kind", "name", "vec", "light", "snap", "ref")
+    __slots__ = ("order", "kind", "name", "vec", "small", "light", "snap", "ref")
 
-    def __init__(self, order, kind, name, vec, light, snap, ref):
+    def __init__(self, order, kind, name, vec, small, light, snap, ref):
         self.order, self.kind, self.name = order, kind, name
-        self.vec, self.light, self.snap, self.ref = vec, light, snap, ref
+        self.vec, self.small, self.light, self.snap, self.ref = vec, small, light, snap, ref
 
 
 class _StepScope:
@@ -195,15 +195,17 @@ class Recorder:
         cfg, step = self.config, self._step
         keep = cfg.persists(step) or cfg.ring > 0 or cfg.on_nonfinite != "record"
         snap = Snapshot(tensor, cfg.max_samples, cfg.tensor_dtype) if keep else None
-        vec = light = ref = None
-        if cfg.stats_at(step):
+        vec = small = light = ref = None
+        if cfg.stats_at(step) and is_small(tensor):
+            small = tensor.detach().clone()    # summarised with the step's other tiny tensors
+        elif cfg.stats_at(step):
             vec = reduce(tensor)
         elif tensor.is_floating_point():
             light = tensor.detach().sum().reshape(1).to(torch.float64)
             exact_snap = snap is not None and cfg.max_samples is None and cfg.tensor_dtype is None
             ref = None if exact_snap else tensor.detach()
         with self._lock:
-            self._captures.append(_Capture(self._order, kind, name, vec, light, snap, ref))
+            self._captures.append(_Capture(self._order, kind, name, vec, small, light, snap, ref))
             self._order += 1
             if name not in self._layers:
                 self._layers[name] = None
@@ -254,6 +256,9 @@ class Recorder:
 
     def _summaries(self, caps: list[_Capture], rec: StepRecord) -> list[dict]:
         """Move every summary to the host at once, then find non-finite captures."""
+        smalls = [c for c in caps if c.small is not None]
+        for c, vec in zip(smalls, reduce_many([c.small for c in smalls])):
+            c.vec, c.small = vec, None
         parts = [c.vec if c.vec is not None else c.light for c in caps
                  if c.vec is not None or c.light is not None]
         flat = torch.cat(parts).cpu().numpy() if parts else np.zeros(0)

@@ -27,7 +27,8 @@ import torch
 
 from .format import STATS, bins_from_codes, code_to_bin
 
-__all__ = ["reduce", "split", "finalize", "finalize_many", "nonfinite", "summarize"]
+__all__ = ["reduce", "reduce_many", "is_small", "split", "finalize", "finalize_many", "nonfinite",
+           "summarize"]
 
 # Layout of a summary vector: the reductions, then the code counts.
 _FIELDS = ("count", "shift", "dsum", "dsq", "min", "max")
@@ -149,6 +150,62 @@ def reduce(x: torch.Tensor) -> torch.Tensor:
     ncodes = _RAW[11 if x.dtype == torch.float64 else 8]
     counts = _bincount(_fused(_codes, x), ncodes + len(_SPECIAL))
     return torch.cat([_fused(_reductions, x), counts.to(torch.float64)])
+
+
+SMALL = 1 << 13   # elements below which a tensor waits for the step's batched summary
+
+
+def is_small(x: torch.Tensor) -> bool:
+    """Whether ``x`` is summarised with the rest of its step (``reduce_many``):
+    for tiny tensors the fixed cost of a kernel call exceeds the work."""
+    return x.is_floating_point() and 0 < x.numel() < SMALL
+
+
+def _segment_reductions(flat: torch.Tensor, seg: torch.Tensor, starts: torch.Tensor,
+                        lengths: torch.Tensor) -> torch.Tensor:
+    """``_reductions`` of each segment of ``flat`` at once: (segments, fields)."""
+    inf = float("inf")
+    k = len(lengths)            # segment sums: segment_reduce; min/max: scatter_reduce (faster)
+    fin = torch.isfinite(flat)
+    xd = flat.to(torch.float64)
+    c = torch.where(fin[starts], xd[starts], 0)
+    d = torch.where(fin, xd - c[seg], 0)
+    lo = torch.full((k,), inf, dtype=flat.dtype, device=flat.device)
+    lo = lo.scatter_reduce_(0, seg, torch.where(fin, flat, inf), "amin")
+    hi = torch.full((k,), -inf, dtype=flat.dtype, device=flat.device)
+    hi = hi.scatter_reduce_(0, seg, torch.where(fin, flat, -inf), "amax")
+    return torch.stack([lengths.to(torch.float64), c,
+                        torch.segment_reduce(d, "sum", lengths=lengths),
+                        torch.segment_reduce(d * d, "sum", lengths=lengths),
+                        lo.to(torch.float64), hi.to(torch.float64)], 1)
+
+
+@torch.compiler.disable
+def reduce_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``reduce`` of many small float tensors, with a few kernels for all of them.
+
+    The tensors are concatenated per (device, float width); segment
+    reductions give each one's sums, minimum and maximum, and one ``bincount`` of
+    codes offset by segment gives every histogram.  Same vectors as ``reduce``.
+    """
+    out: list = [None] * len(xs)
+    groups: dict = {}
+    for i, x in enumerate(xs):
+        groups.setdefault((x.device, x.dtype == torch.float64), []).append(i)
+    for (device, wide), idx in groups.items():
+        parts = [xs[i].detach().reshape(-1) for i in idx]
+        flat = torch.cat([p.to(torch.float64 if wide else torch.float32) for p in parts])
+        lengths = torch.tensor([p.numel() for p in parts], device=device)
+        seg = torch.repeat_interleave(torch.arange(len(parts), device=device), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        width = _RAW[11 if wide else 8] + len(_SPECIAL)
+        codes = _fused(_codes, flat) + seg * width
+        counts = torch.bincount(codes, minlength=len(parts) * width).view(len(parts), width)
+        table = torch.cat([_segment_reductions(flat, seg, starts, lengths),
+                           counts.to(torch.float64)], 1)
+        for row, i in zip(table, idx):
+            out[i] = row
+    return out
 
 
 def split(flat: np.ndarray, lengths: list[int]) -> list[np.ndarray]:

@@ -7,7 +7,7 @@ from torch import nn
 from analysis import open_run
 from recorder import NonFiniteError, Recorder
 from recorder import format as fmt
-from recorder.summary import _codes, _fused, _reductions, summarize
+from recorder.summary import _codes, _fused, _reductions, reduce, reduce_many, summarize
 from conftest import transformer
 
 
@@ -75,6 +75,16 @@ def test_compiled_and_eager_summaries_agree():
         stats, _ = summarize(x)
         np.testing.assert_allclose([stats["mean"], stats["std"], stats["norm"]],
                                    [f.mean(), f.std(), np.linalg.norm(f)], rtol=1e-12)
+
+
+def test_batched_small_tensors_summarise_exactly_like_one_at_a_time():
+    xs = [torch.randn(5, 7), torch.tensor([0.0, -0.0, float("nan"), float("inf"), 1.0]),
+          torch.randn(300).double(), torch.randn(64).bfloat16(), torch.full((3,), float("nan")),
+          torch.randn(2, 3).t(), torch.randn(40, dtype=torch.float16) * 1e4]
+    for x, batched in zip(xs, reduce_many(xs)):
+        one = reduce(x).numpy()
+        np.testing.assert_allclose(batched.numpy(), one, rtol=1e-12, equal_nan=True)
+        np.testing.assert_array_equal(batched.numpy()[6:], one[6:])   # counts: identical
 
 
 def test_integer_tensors_get_a_count_only(tmp_store):
