@@ -195,8 +195,10 @@ def reduce_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     for (device, wide), idx in groups.items():
         parts = [xs[i].detach().reshape(-1) for i in idx]
         flat = torch.cat([p.to(torch.float64 if wide else torch.float32) for p in parts])
-        lengths = torch.tensor([p.numel() for p in parts], device=device)
-        seg = torch.repeat_interleave(torch.arange(len(parts), device=device), lengths)
+        sizes = [p.numel() for p in parts]
+        lengths = torch.tensor(sizes, device=device)
+        seg = torch.repeat_interleave(torch.arange(len(parts), device=device), lengths,
+                                      output_size=sum(sizes))   # known here: no device sync
         starts = torch.cumsum(lengths, 0) - lengths
         width = _RAW[11 if wide else 8] + len(_SPECIAL)
         codes = _fused(_codes, flat) + seg * width
