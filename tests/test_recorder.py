@@ -390,3 +390,22 @@ def test_plain_xarray_opens_the_store_without_tensortape(tmp_store):
     data = tree["rank0/tensors/activations/layers.0.linear1"].to_dataset()["data"]
     assert data.dims[0] == "step"
     np.testing.assert_array_equal(data.values[:2], open_run(tmp_store).tensor("layers.0.linear1").values)
+
+
+def test_s3_store_on_a_real_server_matches_a_local_one(s3_server, tmp_store):
+    """fsspec URLs end to end: record to S3 (SeaweedFS on loopback) and read back."""
+    url = s3_server + "/run.zarr"
+    for location in (url, tmp_store):
+        model = InplaceMLP()
+        torch.manual_seed(5)
+        with Recorder(model, location, layers=["fc1", "fc2"], ring=2) as rec:
+            for _ in range(3):
+                with rec.step():
+                    model(torch.randn(4, 8)).sum().backward()
+    remote, local = open_run(url), open_run(tmp_store)
+    assert remote.status == "complete" and remote.layers == local.layers
+    for kind in ("activations", "gradients"):
+        assert remote.stats(kind).compute().identical(local.stats(kind).compute())
+        np.testing.assert_array_equal(remote.tensor("fc1", kind).values, local.tensor("fc1", kind).values)
+    with pytest.raises(StoreExistsError):
+        Recorder(InplaceMLP(), url)                  # mode "w-" sees the remote store too
