@@ -20,7 +20,7 @@ from .hooks import HookSet
 from .selection import select_layers, unwrap
 from .snapshot import Snapshot
 from .store import RunStore, open_root, store_exists
-from .summary import is_small, nonfinite, reduce, reduce_many
+from .summary import finalize_layers, is_small, nonfinite, reduce, reduce_many
 from .writer import StepRecord, Writer
 
 __all__ = ["Recorder"]
@@ -285,10 +285,10 @@ class Recorder:
                 events.append({"step": rec.step, "layer": c.name, "kind": c.kind,
                                "nan": bad[0], "posinf": bad[1], "neginf": bad[2], "order": c.order,
                                "phase": "backward" if c.kind in fmt.BACKWARD_KINDS else "forward"})
-        if stats_caps:
-            for c, vec in stats_caps:
-                rec.stats.setdefault(c.kind, []).append((c.name, vec.size))
-            rec.flat = np.concatenate([v for _, v in stats_caps])
+        per_kind: dict[str, list] = {}
+        for c, vec in stats_caps:
+            per_kind.setdefault(c.kind, []).append((c.name, vec))
+        rec.stats = {kind: finalize_layers(entries) for kind, entries in per_kind.items()}
         self._events_total += len(events)
         room = MAX_EVENTS - len(self._events)
         self._events.extend(events[:max(room, 0)])
@@ -299,6 +299,6 @@ class Recorder:
             if c.snap is not None:
                 rec.tensors.append((c.kind, c.name, c.snap))
                 rec.nbytes += c.snap.nbytes
-        if rec.flat is None and not rec.tensors:
+        if not rec.stats and not rec.tensors:
             return
         self._writer.put(rec, list(self._layers), self._events, self._events_total, self.dropped)

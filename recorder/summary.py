@@ -3,8 +3,9 @@
 ``reduce(x)`` turns a tensor into one small float64 vector on the tensor's
 own device (no host sync): a few reductions, then the counts of the raw
 histogram codes.  Many such vectors are concatenated and moved to the host
-once per step; ``finalize_many`` then turns a step's vectors into the
-statistics of the store in one vectorised pass.
+once per step; ``finalize_layers`` then turns a step's vectors into the
+statistics of the store in vectorised passes (on the training thread: numpy
+work there is cheaper than the GIL hand-offs it would cause on the writer's).
 
 Two fused kernels (``torch.compile`` when it works on this machine, the same
 functions eagerly otherwise) read ``x``: one computes the NaN-safe
@@ -25,10 +26,10 @@ import threading
 import numpy as np
 import torch
 
-from .format import STATS, bins_from_codes, code_to_bin
+from .format import NBINS, STATS, bins_from_codes, code_to_bin
 
-__all__ = ["reduce", "reduce_many", "is_small", "split", "finalize", "finalize_many", "nonfinite",
-           "summarize"]
+__all__ = ["reduce", "reduce_many", "is_small", "finalize", "finalize_many", "finalize_layers",
+           "nonfinite", "summarize"]
 
 # Layout of a summary vector: the reductions, then the code counts.
 _FIELDS = ("count", "shift", "dsum", "dsq", "min", "max")
@@ -210,11 +211,6 @@ def reduce_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def split(flat: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
-    """Cut the host copy of concatenated ``reduce`` vectors apart again."""
-    return np.split(flat, np.cumsum(lengths)[:-1]) if lengths else []
-
-
 def _nan_codes(exp_bits: int) -> np.ndarray:
     return code_to_bin(exp_bits) < 0   # all-ones exponent: NaN, once the Infs are coded apart
 
@@ -262,6 +258,28 @@ def finalize_many(vecs: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray |
         "neginf": neginf,
     }
     return stats, bins_from_codes(raw, exp_bits, zeros)
+
+
+def finalize_layers(entries: list[tuple[str, np.ndarray]]
+                    ) -> tuple[list[str], dict[str, np.ndarray], np.ndarray]:
+    """One kind's (layer, vector) pairs of a step -> (layers, statistics, histograms).
+
+    Vectors of float32-like, float64 and integer tensors differ in length;
+    each length is finalised in one vectorised pass.
+    """
+    n = len(entries)
+    stats = {s: np.full(n, np.nan) for s in STATS}
+    hist = np.zeros((n, NBINS), dtype=np.int64)
+    by_length: dict[int, list[int]] = {}
+    for i, (_, vec) in enumerate(entries):
+        by_length.setdefault(vec.size, []).append(i)
+    for rows in by_length.values():
+        part, h = finalize_many(np.stack([entries[i][1] for i in rows]))
+        for s, v in part.items():
+            stats[s][rows] = v
+        if h is not None:
+            hist[rows] = h
+    return [layer for layer, _ in entries], stats, hist
 
 
 def finalize(vec: np.ndarray) -> tuple[dict[str, float], np.ndarray | None]:

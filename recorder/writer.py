@@ -16,7 +16,6 @@ import torch
 from . import format as fmt
 from .errors import RecorderError
 from .store import RunStore
-from .summary import finalize_many, split
 
 __all__ = ["StepRecord", "Writer", "to_numpy"]
 
@@ -25,8 +24,8 @@ __all__ = ["StepRecord", "Writer", "to_numpy"]
 class StepRecord:
     """What one step hands to the writer."""
     step: int
-    stats: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # kind -> [(layer, length)]
-    flat: np.ndarray | None = None            # concatenated summary vectors, host copy
+    # kind -> (layers, statistics by name, histograms), one row per layer
+    stats: dict[str, tuple[list[str], dict[str, np.ndarray], np.ndarray]] = field(default_factory=dict)
     tensors: list[tuple[str, str, Any]] = field(default_factory=list)  # (kind, layer, Snapshot)
     nbytes: int = 0
 
@@ -161,39 +160,33 @@ class Writer:
         return int(self.state.get("committed", {}).get(path, 0))
 
     def _write(self, rec: StepRecord) -> None:
-        if rec.flat is not None:
-            lengths = [n for kind in rec.stats for _, n in rec.stats[kind]]
-            vecs = iter(split(rec.flat, lengths))
-            for kind, entries in rec.stats.items():
-                self._write_stats(kind, rec.step, [(layer, next(vecs)) for layer, _ in entries])
+        for kind, (layers, stats, hist) in rec.stats.items():
+            self._write_stats(kind, rec.step, layers, stats, hist)
         for kind, layer, snap in rec.tensors:
             self._write_tensor(kind, layer, rec.step, snap)
 
-    def _write_stats(self, kind: str, step: int, entries: list[tuple[str, np.ndarray]]) -> None:
+    def _write_stats(self, kind: str, step: int, layers: list[str], stats: dict[str, np.ndarray],
+                     hist: np.ndarray) -> None:
         names: list[str] = self.state.setdefault("stats_layers", {}).setdefault(kind, [])
-        for layer, _ in entries:
-            if layer not in names:
-                names.append(layer)
+        known = set(names)
+        names.extend(layer for layer in layers if layer not in known)
         path = fmt.stats_group(self.store.rank, kind)
         table = self.store.stats_table(kind, len(names), self._committed(path))
         n = len(names)
-        row = {s: np.full(n, np.nan) for s in fmt.STATS}
-        hist = np.zeros((n, fmt.NBINS), dtype=np.int64)
-        index = {name: i for i, name in enumerate(names)}
-        by_length: dict[int, list[tuple[str, np.ndarray]]] = {}
-        for layer, vec in entries:      # float32 / float64 / integer vectors differ in length
-            by_length.setdefault(vec.size, []).append((layer, vec))
-        for group in by_length.values():
-            rows = [index[layer] for layer, _ in group]
-            stats, h = finalize_many(np.stack([vec for _, vec in group]))
-            for s, v in stats.items():
-                row[s][rows] = v
-            if h is not None:
-                hist[rows] = h
+        if names[:len(layers)] == layers and n == len(layers):
+            row, full = stats, hist                  # the usual case: the same layers, in order
+        else:
+            index = {name: i for i, name in enumerate(names)}
+            rows = [index[layer] for layer in layers]
+            row = {s: np.full(n, np.nan) for s in fmt.STATS}
+            full = np.zeros((n, fmt.NBINS), dtype=np.int64)
+            for s in fmt.STATS:
+                row[s][rows] = stats[s]
+            full[rows] = hist
         for s in fmt.STATS:
             table.columns[s].grow_inner((n,))
         table.columns["hist"].grow_inner((n, fmt.NBINS))
-        table.append({"step": np.int64(step), "hist": hist, **row})
+        table.append({"step": np.int64(step), "hist": full, **row})
 
     def _write_tensor(self, kind: str, layer: str, step: int, snap) -> None:
         arr, logical = to_numpy(snap.host())
