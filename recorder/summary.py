@@ -122,13 +122,18 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _bincount(code: torch.Tensor, n: int) -> torch.Tensor:
-    """``torch.bincount``, split across the CPU's threads for large inputs.
+    """``torch.bincount(code, minlength=n)`` without a device sync.
 
-    On the CPU ``bincount`` runs on one thread; the parts run concurrently
-    (torch releases the GIL) and their counts add up exactly.
+    On the CPU ``bincount`` runs on one thread; large inputs are split and the
+    parts run concurrently (torch releases the GIL); their counts add up exactly.
     """
+    if code.device.type != "cpu":
+        # bincount on an accelerator reads the maximum back to the host (a sync per
+        # tensor); an index_add of ones into n counters needs none
+        ones = torch.ones(1, dtype=torch.int64, device=code.device).expand(code.numel())
+        return torch.zeros(n, dtype=torch.int64, device=code.device).index_add_(0, code, ones)
     parts = min(torch.get_num_threads(), 4, code.numel() // _PARALLEL_MIN)
-    if code.device.type != "cpu" or parts < 2:
+    if parts < 2:
         return torch.bincount(code, minlength=n)
     global _pool
     with _compile_lock:
@@ -203,7 +208,7 @@ def reduce_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
         starts = torch.cumsum(lengths, 0) - lengths
         width = _RAW[11 if wide else 8] + len(_SPECIAL)
         codes = _fused(_codes, flat) + seg * width
-        counts = torch.bincount(codes, minlength=len(parts) * width).view(len(parts), width)
+        counts = _bincount(codes, len(parts) * width).view(len(parts), width)
         table = torch.cat([_segment_reductions(flat, seg, starts, lengths),
                            counts.to(torch.float64)], 1)
         for row, i in zip(table, idx):
