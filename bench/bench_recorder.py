@@ -27,6 +27,7 @@ is not flushed per block.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import fnmatch
 import os
@@ -74,11 +75,7 @@ class Contender:
         self.times: list[float] = []
 
     def step(self, i):
-        ctx = self.before(i) if self.before else None
-        if ctx is not None:
-            with ctx:
-                self.m(self.x).pow(2).mean().backward()
-        else:
+        with (self.before(i) if self.before else None) or contextlib.nullcontext():
             self.m(self.x).pow(2).mean().backward()
         self.opt.step()
         self.opt.zero_grad()

@@ -171,11 +171,12 @@ def _segment_reductions(flat: torch.Tensor, seg: torch.Tensor, starts: torch.Ten
                         lengths: torch.Tensor) -> torch.Tensor:
     """``_reductions`` of each segment of ``flat`` at once: (segments, fields)."""
     inf = float("inf")
-    k = len(lengths)            # segment sums: segment_reduce; min/max: scatter_reduce (faster)
+    k = len(lengths)
     fin = torch.isfinite(flat)
     xd = flat.to(torch.float64)
     c = torch.where(fin[starts], xd[starts], 0)
     d = torch.where(fin, xd - c[seg], 0)
+    # sums by segment_reduce; min and max by scatter_reduce (the faster of the two for them)
     lo = torch.full((k,), inf, dtype=flat.dtype, device=flat.device)
     lo = lo.scatter_reduce_(0, seg, torch.where(fin, flat, inf), "amin")
     hi = torch.full((k,), -inf, dtype=flat.dtype, device=flat.device)
@@ -216,22 +217,29 @@ def reduce_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _nan_codes(exp_bits: int) -> np.ndarray:
-    return code_to_bin(exp_bits) < 0   # all-ones exponent: NaN, once the Infs are coded apart
+def _raw_codes(vecs: np.ndarray) -> tuple[np.ndarray, int]:
+    """The raw code counts of float summary vectors (rows), and their exponent width."""
+    raw = vecs[:, _NF:-len(_SPECIAL)]
+    return raw, 8 if raw.shape[1] == _RAW[8] else 11
+
+
+def _nonfinite_counts(vecs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Exact (nan, posinf, neginf) per row of float summary vectors of one length."""
+    raw, exp_bits = _raw_codes(vecs)
+    nan = raw[:, code_to_bin(exp_bits) < 0].sum(axis=1)   # all-ones exponent, Infs coded apart
+    return nan, vecs[:, -2], vecs[:, -1]
 
 
 def nonfinite(vec: np.ndarray) -> tuple[int, int, int]:
     """Exact (nan, posinf, neginf) counts of one host summary vector."""
     if vec.size <= _NF:
         return 0, 0, 0                # integer, bool or empty: no NaN or Inf
-    raw = vec[_NF:-len(_SPECIAL)]
-    nan = raw[_nan_codes(8 if raw.size == _RAW[8] else 11)].sum()
-    return int(nan), int(vec[-2]), int(vec[-1])
+    return tuple(int(v[0]) for v in _nonfinite_counts(vec[None]))
 
 
 def finalize_many(vecs: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     """Statistics (one array per store name) and histograms of summary vectors
-    of equal length, one per row: the writer finalises a whole step at once."""
+    of equal length, one per row, in one vectorised pass."""
     vecs = np.atleast_2d(vecs)
     count = vecs[:, 0]
     if vecs.shape[1] == 1:  # integer, bool or empty tensors: a count and nothing else
@@ -239,10 +247,9 @@ def finalize_many(vecs: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray |
         stats.update(count=count, nan=0 * count, posinf=0 * count, neginf=0 * count)
         return stats, None
     c, s1, s2, lo, hi = (vecs[:, _FIELDS.index(f)] for f in ("shift", "dsum", "dsq", "min", "max"))
-    raw = vecs[:, _NF:-len(_SPECIAL)]
-    poszero, negzero, posinf, neginf = vecs[:, -len(_SPECIAL):].T
-    exp_bits = 8 if raw.shape[1] == _RAW[8] else 11
-    nan = raw[:, _nan_codes(exp_bits)].sum(axis=1)
+    raw, exp_bits = _raw_codes(vecs)
+    poszero, negzero = vecs[:, -4], vecs[:, -3]
+    nan, posinf, neginf = _nonfinite_counts(vecs)
     n = count - nan - posinf - neginf
     zeros = poszero + negzero
     has = n > 0

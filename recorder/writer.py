@@ -173,16 +173,13 @@ class Writer:
         path = fmt.stats_group(self.store.rank, kind)
         table = self.store.stats_table(kind, len(names), self._committed(path))
         n = len(names)
-        if names[:len(layers)] == layers and n == len(layers):
-            row, full = stats, hist                  # the usual case: the same layers, in order
-        else:
-            index = {name: i for i, name in enumerate(names)}
-            rows = [index[layer] for layer in layers]
-            row = {s: np.full(n, np.nan) for s in fmt.STATS}
-            full = np.zeros((n, fmt.NBINS), dtype=np.int64)
-            for s in fmt.STATS:
-                row[s][rows] = stats[s]
-            full[rows] = hist
+        index = {name: i for i, name in enumerate(names)}
+        rows = [index[layer] for layer in layers]
+        row = {s: np.full(n, np.nan) for s in fmt.STATS}     # layers absent this step: NaN
+        full = np.zeros((n, fmt.NBINS), dtype=np.int64)
+        for s in fmt.STATS:
+            row[s][rows] = stats[s]
+        full[rows] = hist
         for s in fmt.STATS:
             table.columns[s].grow_inner((n,))
         table.columns["hist"].grow_inner((n, fmt.NBINS))
