@@ -74,6 +74,22 @@ def _codes(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x == -float("inf"), ncodes + 3, code).reshape(-1)
 
 
+_LANES = 4   # interleaved sub-histograms that ``reduce`` counts into
+
+
+def _lane_codes(x: torch.Tensor) -> torch.Tensor:
+    """``_codes`` spread over ``_LANES`` sub-histograms by element position.
+
+    Neighbouring elements land in different counters, so a run of one code (the
+    zeros of a ReLU output or its gradient) no longer makes each increment wait
+    for the last: counting such data runs about twice as fast.
+    """
+    code = _codes(x)
+    width = _RAW[11 if x.dtype == torch.float64 else 8] + len(_SPECIAL)
+    lane = torch.arange(code.numel(), device=code.device, dtype=code.dtype) % _LANES
+    return code + lane * width
+
+
 _compiled: dict = {}
 _compile_lock = threading.Lock()
 _PARALLEL_MIN = 1 << 18        # elements from which CPU work is split across threads
@@ -153,8 +169,8 @@ def reduce(x: torch.Tensor) -> torch.Tensor:
     x = x.detach()
     if x.is_complex() or not x.is_floating_point() or x.numel() == 0:
         return torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)
-    ncodes = _RAW[11 if x.dtype == torch.float64 else 8]
-    counts = _bincount(_fused(_codes, x), ncodes + len(_SPECIAL))
+    width = _RAW[11 if x.dtype == torch.float64 else 8] + len(_SPECIAL)
+    counts = _bincount(_fused(_lane_codes, x), _LANES * width).view(_LANES, width).sum(0)
     return torch.cat([_fused(_reductions, x), counts.to(torch.float64)])
 
 
