@@ -19,6 +19,7 @@ Statistics mode: blocks of 3 steps, 6 rounds; its writer's work is small and
 is not flushed per block.
 
   full   tensortape full tensors every step   vs torch.save of the same tensors
+         (twice: the default compression="auto", and compression=None)
   stats  tensortape statistics only           vs TensorBoard add_histogram of the
          same tensors (hooks wired by hand)   vs wandb.watch(log="all") offline
          (parameters and their gradients only: wandb cannot see activations)
@@ -108,10 +109,13 @@ def dir_bytes(path):
 
 def bench_full(base, x, tmp, rounds, block):
     c = {"bare": Contender(base, x)}
-    store = os.path.join(tmp, "full.zarr")
-    tt = c["tensortape full"] = Contender(base, x)
-    rec = Recorder(tt.m, store, layers=LAYERS, tensors_every=1).attach()
-    tt.before, tt.end_block = (lambda i: rec.step()), rec.flush
+    recs = {}
+    for name, compression in (("tensortape full", "auto"), ("tensortape full, uncompressed", None)):
+        tt = c[name] = Contender(base, x)
+        store = os.path.join(tmp, f"{compression}.zarr")
+        rec = recs[store] = Recorder(tt.m, store, layers=LAYERS, tensors_every=1,
+                                     compression=compression).attach()
+        tt.before, tt.end_block = (lambda i, rec=rec: rec.step()), rec.flush
     sv = c["torch.save"] = Contender(base, x)
     buf, save_dir = {}, os.path.join(tmp, "save")
     os.makedirs(save_dir)
@@ -122,8 +126,10 @@ def bench_full(base, x, tmp, rounds, block):
         buf.clear()
     sv.after = save
     res = run(c, rounds, block)
-    rec.close()
+    for rec in recs.values():
+        rec.close()
     from analysis import open_run
+    store = next(iter(recs))
     res["_bytes"] = (open_run(store).summary()["bytes_raw"], dir_bytes(store), dir_bytes(save_dir))
     return res
 
@@ -176,7 +182,8 @@ def main():
             for k, v in res.items():
                 print(f"  {k:28s} {v / bare:6.2f}x bare   (+{(v - bare) * 1e3:7.1f} ms/step)")
             if mode == "full":
-                print(f"  tensortape full / torch.save: {res['tensortape full'] / res['torch.save']:.2f}")
+                for k in ("tensortape full", "tensortape full, uncompressed"):
+                    print(f"  {k} / torch.save: {res[k] / res['torch.save']:.2f}")
                 raw, disk, saved = sizes
                 print(f"  tensortape: {raw / 1e6:.0f} MB of tensors -> {disk / 1e6:.0f} MB on disk "
                       f"(compression {raw / disk:.2f}, statistics included); torch.save: {saved / 1e6:.0f} MB")

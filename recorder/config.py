@@ -11,6 +11,7 @@ from .format import KINDS
 
 NONFINITE_POLICIES = ("record", "dump", "raise")
 MODES = ("w-", "w", "a")
+ZSTD_LEVELS = range(-(1 << 17), 23)    # zstd's fast modes (negative) up to its maximum, 22
 
 _DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -43,10 +44,12 @@ class RecorderConfig:
     mode: str = "w-"
     flush_interval: float = 5.0
     max_pending_bytes: int = 1 << 30
+    compression: str | int | None = "auto"
 
     @classmethod
-    def build(cls, *, capture, tensors_every, stats_every, ring, on_nonfinite,
-              max_samples, tensor_dtype, mode, flush_interval, max_pending_bytes) -> "RecorderConfig":
+    def build(cls, *, capture, tensors_every, stats_every, ring, on_nonfinite, max_samples,
+              tensor_dtype, mode, flush_interval, max_pending_bytes,
+              compression="auto") -> "RecorderConfig":
         if isinstance(capture, str):
             capture = (capture,)
         capture = tuple(capture)
@@ -71,8 +74,13 @@ class RecorderConfig:
             raise ConfigError(f"flush_interval={flush_interval!r} is not valid; use seconds > 0")
         if not isinstance(max_pending_bytes, int) or max_pending_bytes < 1:
             raise ConfigError(f"max_pending_bytes={max_pending_bytes!r} is not valid; use a positive integer")
+        if compression not in ("auto", None) and (
+                not isinstance(compression, int) or isinstance(compression, bool)
+                or compression not in ZSTD_LEVELS):
+            raise ConfigError(f"compression={compression!r} is not valid; use 'auto', None, or a "
+                              f"zstd level from {ZSTD_LEVELS[0]} to {ZSTD_LEVELS[-1]}")
         return cls(capture, tensors_every, stats_every, ring, on_nonfinite, max_samples,
-                   tensor_dtype, mode, float(flush_interval), max_pending_bytes)
+                   tensor_dtype, mode, float(flush_interval), max_pending_bytes, compression)
 
     def persists(self, step: int) -> bool:
         return self.tensors_every is not None and step % self.tensors_every == 0

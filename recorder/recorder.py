@@ -59,19 +59,23 @@ class Recorder:
     """Record activations and gradients of chosen layers into a Zarr store.
 
     See the README and ``shared/SPEC.md`` for every argument.  Beyond the
-    SPEC: ``flush_interval`` (seconds between commits, default 5) and
+    SPEC: ``flush_interval`` (seconds between commits, default 5),
     ``max_pending_bytes`` (snapshot bytes queued for the writer before the
-    training thread waits, default 1 GiB).
+    training thread waits, default 1 GiB) and ``compression`` of full tensors
+    (``"auto"``: zstd level 1 where it shrinks an array's first step by 10% or
+    more, else zstd's fast mode; or a zstd level for every array; or ``None``).
     """
 
     def __init__(self, model: nn.Module, store, *, layers="*",
                  capture=("activations", "gradients"), tensors_every=1, stats_every=1, ring=0,
                  on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
-                 metadata=None, flush_interval=5.0, max_pending_bytes=1 << 30):
+                 metadata=None, flush_interval=5.0, max_pending_bytes=1 << 30,
+                 compression="auto"):
         self.config = RecorderConfig.build(
             capture=capture, tensors_every=tensors_every, stats_every=stats_every, ring=ring,
             on_nonfinite=on_nonfinite, max_samples=max_samples, tensor_dtype=tensor_dtype,
-            mode=mode, flush_interval=flush_interval, max_pending_bytes=max_pending_bytes)
+            mode=mode, flush_interval=flush_interval, max_pending_bytes=max_pending_bytes,
+            compression=compression)
         self.metadata = fmt.to_json(metadata or {})
         self.store_location = store if isinstance(store, str) else os.fspath(store)
         self.layers = select_layers(model, layers)
@@ -104,7 +108,7 @@ class Recorder:
             return self
         cfg = self.config
         root = open_root(self.store_location, cfg.mode)
-        store = RunStore(root, self.rank)
+        store = RunStore(root, self.rank, cfg.compression)
         state = store.state if cfg.mode == "a" else {}
         state.update(rank=self.rank)
         self._layers = dict.fromkeys(state.get("layers", []))

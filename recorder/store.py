@@ -147,15 +147,17 @@ class Table:
 
 
 def _array(group: zarr.Group, name: str, shape, chunks, dtype, fill, dims, attrs=None,
-           level: int = 1) -> zarr.Array:
+           level: int | None = 1) -> zarr.Array:
+    """A new array, zstd-compressed at ``level`` (``None``: uncompressed)."""
     return group.create_array(
-        name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill,
-        dimension_names=dims, compressors=ZstdCodec(level=level), attributes=attrs or {},
+        name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill, dimension_names=dims,
+        compressors=None if level is None else ZstdCodec(level=level), attributes=attrs or {},
         overwrite=True)
 
 
 def zstd_level(sample: np.ndarray) -> int:
-    """zstd level 1 where it pays on ``sample``, else zstd's fast mode.
+    """The level of ``compression="auto"``: zstd level 1 where it pays on
+    ``sample``, else zstd's fast mode.
 
     Dense float activations shrink by about 8% at level 1, at a cost per byte
     that exceeds writing them; zstd's fast mode (level -1) stores such blocks
@@ -178,9 +180,10 @@ def _fill_for(dtype: np.dtype):
 class RunStore:
     """One rank's part of a store: its tables and its committed state."""
 
-    def __init__(self, root: zarr.Group, rank: int):
+    def __init__(self, root: zarr.Group, rank: int, compression: str | int | None = "auto"):
         self.root = root
         self.rank = rank
+        self.compression = compression     # of full tensors: "auto", a zstd level, or None
         self.rank_group = root.require_group(fmt.rank_group(rank))
         self.tables: dict[str, Table] = {}
 
@@ -231,7 +234,7 @@ class RunStore:
             cols = {
                 "data": _array(g, "data", (0, *sample.shape), (k, *inner), sample.dtype,
                                _fill_for(sample.dtype) if not logical else 0x7FC0, dims, attrs,
-                               level=zstd_level(sample)),
+                               level=self._level(sample)),
                 "step": _array(g, "step", (0,), (SMALL_CHUNK_ROWS,), "int64", -1, ["step"]),
                 "extent": _array(g, "extent", (0, max(sample.ndim, 1)),
                                  (SMALL_CHUNK_ROWS, max(sample.ndim, 1)), "int64", -1,
@@ -239,6 +242,9 @@ class RunStore:
             }
         table = self.tables[path] = Table(g, cols, committed)
         return table
+
+    def _level(self, sample: np.ndarray) -> int | None:
+        return zstd_level(sample) if self.compression == "auto" else self.compression
 
     # --- commit ---------------------------------------------------------------
     def flush(self) -> dict[str, int]:

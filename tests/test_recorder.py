@@ -377,6 +377,26 @@ def test_sparse_tensors_are_compressed_and_dense_ones_stay_exact(tmp_store):
     assert sparse < 0.75 * raw
 
 
+@pytest.mark.parametrize("compression,level", [(None, None), (3, 3), (-5, -5)])
+def test_compression_setting_applies_to_every_full_tensor(tmp_store, compression, level):
+    model = InplaceMLP()
+    x = torch.randn(4, 8)
+    expect = copy.deepcopy(model).fc1(x).detach().numpy()      # before the in-place ReLU
+    with Recorder(model, tmp_store, compression=compression) as rec:
+        with rec.step():
+            model(x).sum().backward()
+    root = zarr.open_group(tmp_store, mode="r")
+    codecs = {(kind, name): root[f"rank0/tensors/{kind}/{name}/data"].compressors
+              for kind in ("activations", "gradients")
+              for name in root[f"rank0/tensors/{kind}"].group_keys()}
+    assert len(codecs) == 8      # (root), fc1, act and fc2: activations and gradients
+    for codec in codecs.values():
+        assert [c.level for c in codec] == ([] if level is None else [level])
+    np.testing.assert_array_equal(open_run(tmp_store).tensor("fc1", step=0).values, expect)
+    with pytest.raises(ValueError, match=r"compression='lz4' is not valid; use 'auto', None"):
+        Recorder(model, tmp_store + "2", compression="lz4")
+
+
 def test_plain_xarray_opens_the_store_without_tensortape(tmp_store):
     import xarray as xr
     model = transformer()
