@@ -163,10 +163,20 @@ def _bincount(code: torch.Tensor, n: int) -> torch.Tensor:
     return counts
 
 
+def _memory_order(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its dimensions in memory order, when that makes it contiguous
+    (a transposed output, such as attention's): a summary ignores element order,
+    and reading memory in order lets its kernels vectorise."""
+    if x.dim() < 2 or x.is_contiguous():
+        return x
+    y = x.permute(sorted(range(x.dim()), key=x.stride, reverse=True))
+    return y if y.is_contiguous() else x
+
+
 @torch.compiler.disable
 def reduce(x: torch.Tensor) -> torch.Tensor:
     """One float64 vector (on ``x``'s device) summarising ``x``; no sync."""
-    x = x.detach()
+    x = _memory_order(x.detach())
     if x.is_complex() or not x.is_floating_point() or x.numel() == 0:
         return torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)
     width = _RAW[11 if x.dtype == torch.float64 else 8] + len(_SPECIAL)
