@@ -12,8 +12,10 @@ functions eagerly otherwise) read ``x``: one computes the NaN-safe
 reductions, the other gives every element an integer code, ``sign |
 exponent | top 2 mantissa bits`` for finite non-zero values and four special
 codes for +0, -0, +Inf and -Inf.  One ``bincount`` of those
-codes then gives the histogram *and* the exact zero, NaN and Inf counts, so
-the reductions need not count anything.  Sums accumulate in float64, the
+codes (spread over four interleaved sub-histograms, so runs of zeros do not
+serialise the counting) then gives the histogram *and* the exact zero, NaN and
+Inf counts, so the reductions need not count anything.  A transposed tensor is
+read in memory order.  Sums accumulate in float64, the
 variance around a shift taken from the tensor itself (no cancellation).
 """
 
