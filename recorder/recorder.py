@@ -15,11 +15,11 @@ from torch import nn
 
 from . import format as fmt
 from .config import RecorderConfig
-from .errors import InspectionError, NonFiniteError
+from .errors import InspectionError, NonFiniteError, RecorderError
 from .hooks import HookSet
 from .selection import select_layers, unwrap
 from .snapshot import Snapshot
-from .store import RunStore, open_root, store_exists
+from .store import RunStore, check_mode, open_root
 from .summary import finalize_layers, is_small, nonfinite, reduce, reduce_many
 from .writer import StepRecord, Writer
 
@@ -28,9 +28,19 @@ __all__ = ["Recorder"]
 MAX_EVENTS = 1000
 
 
-def _rank() -> int:
+def _rank_and_world() -> tuple[int, int]:
     dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_ranks_then(world: int, error: BaseException | None) -> None:
+    """Wait for every rank (under torch.distributed), then raise ``error`` if any."""
+    if world > 1:
+        torch.distributed.barrier()
+    if error is not None:
+        raise error
 
 
 class _Capture:
@@ -79,12 +89,16 @@ class Recorder:
         self.metadata = fmt.to_json(metadata or {})
         self.store_location = store if isinstance(store, str) else os.fspath(store)
         self.layers = select_layers(model, layers)
-        self.rank = _rank()
+        self.rank, self._world = _rank_and_world()
         self._model_class = type(unwrap(model)).__qualname__
         self._hooks = HookSet(model, self.layers, self.config.capture, self._on_capture,
                               self._current_token)
-        if self.config.mode == "w-" and store_exists(self.store_location):
-            open_root(self.store_location, "w-")   # raises StoreExistsError, before any hook
+        error = None
+        try:
+            check_mode(self.store_location, self.config.mode)   # before any hook
+        except RecorderError as e:
+            error = e
+        _all_ranks_then(self._world, error)      # every rank looks before rank 0 creates
         self._writer: Writer | None = None
         self._closed = False
         self._step: int | None = None
@@ -107,7 +121,15 @@ class Recorder:
         if self._writer is not None:
             return self
         cfg = self.config
-        root = open_root(self.store_location, cfg.mode)
+        root, error = None, None
+        if self.rank == 0:                        # applies the mode to the run as a whole
+            try:
+                root = open_root(self.store_location, cfg.mode)
+            except Exception as e:
+                error = e
+        _all_ranks_then(self._world, error)
+        if root is None:
+            root = open_root(self.store_location, cfg.mode, self.rank)
         store = RunStore(root, self.rank, cfg.compression)
         state = store.state if cfg.mode == "a" else {}
         state.update(rank=self.rank)

@@ -23,7 +23,7 @@ from zarr.codecs import ZstdCodec
 from . import format as fmt
 from .errors import StoreExistsError, StoreFormatError, StoreNotFoundError
 
-__all__ = ["RunStore", "Table", "open_root", "store_exists"]
+__all__ = ["RunStore", "Table", "check_mode", "open_root", "store_exists"]
 
 CHUNK_BYTES = 8 << 20          # target size of one data chunk, uncompressed
 SMALL_CHUNK_ROWS = 1024        # rows per chunk of small columns (step, extent)
@@ -39,8 +39,8 @@ def _is_url(location: str) -> bool:
     return "://" in location
 
 
-def open_root(location, mode: str) -> zarr.Group:
-    """Open the root group of a store for writing, applying the run's ``mode``."""
+def check_mode(location, mode: str) -> None:
+    """Raise now, before anything is created, if ``mode`` cannot apply to ``location``."""
     location = os.fspath(location)
     exists = store_exists(location)
     if mode == "w-" and exists:
@@ -49,11 +49,19 @@ def open_root(location, mode: str) -> zarr.Group:
     if mode == "a" and not exists:
         raise StoreNotFoundError(f"store {location!r} does not exist, so mode='a' cannot append "
                                  f"to it; use mode='w-' to create it")
+    if mode == "a" and "tensortape_format" not in zarr.open_group(location, mode="r").attrs:
+        raise StoreFormatError(f"{location!r} is not a tensortape store; pick another path")
+
+
+def open_root(location, mode: str, rank: int = 0) -> zarr.Group:
+    """Open the root group of a store for writing.  Rank 0 applies the run's
+    ``mode`` (``"w"`` clears the store); other ranks open what it prepared."""
+    location = os.fspath(location)
+    if rank != 0:
+        return zarr.open_group(location, mode="r+")
+    check_mode(location, mode)
     if mode == "a":
-        root = zarr.open_group(location, mode="a")
-        if "tensortape_format" not in root.attrs:
-            raise StoreFormatError(f"{location!r} is not a tensortape store; pick another path")
-        return root
+        return zarr.open_group(location, mode="a")
     return zarr.open_group(location, mode="w", zarr_format=3)
 
 
