@@ -15,7 +15,7 @@ from torch import nn
 
 from . import format as fmt
 from .config import RecorderConfig
-from .errors import InspectionError, NonFiniteError, RecorderError
+from .errors import InspectionError, NonFiniteError
 from .hooks import HookSet
 from .selection import select_layers, unwrap
 from .snapshot import Snapshot
@@ -96,7 +96,7 @@ class Recorder:
         error = None
         try:
             check_mode(self.store_location, self.config.mode)   # before any hook
-        except RecorderError as e:
+        except Exception as e:        # raised after the barrier, so no other rank hangs
             error = e
         _all_ranks_then(self._world, error)      # every rank looks before rank 0 creates
         self._writer: Writer | None = None

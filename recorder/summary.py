@@ -40,6 +40,11 @@ _RAW = {8: 1 << 11, 11: 1 << 14}      # raw code count, by exponent width
 _SPECIAL = ("poszero", "negzero", "posinf", "neginf")
 
 
+def _width(wide: bool) -> int:
+    """Codes per histogram: the raw ones, then the special ones."""
+    return _RAW[11 if wide else 8] + len(_SPECIAL)
+
+
 def _reductions(x: torch.Tensor) -> torch.Tensor:
     """The NaN-safe reductions of ``x`` (see ``_FIELDS``), in float64."""
     inf = float("inf")
@@ -87,9 +92,8 @@ def _lane_codes(x: torch.Tensor) -> torch.Tensor:
     for the last: counting such data runs about twice as fast.
     """
     code = _codes(x)
-    width = _RAW[11 if x.dtype == torch.float64 else 8] + len(_SPECIAL)
     lane = torch.arange(code.numel(), device=code.device, dtype=code.dtype) % _LANES
-    return code + lane * width
+    return code + lane * _width(x.dtype == torch.float64)
 
 
 _compiled: dict = {}
@@ -181,7 +185,7 @@ def reduce(x: torch.Tensor) -> torch.Tensor:
     x = _memory_order(x.detach())
     if x.is_complex() or not x.is_floating_point() or x.numel() == 0:
         return torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)
-    width = _RAW[11 if x.dtype == torch.float64 else 8] + len(_SPECIAL)
+    width = _width(x.dtype == torch.float64)
     counts = _bincount(_fused(_lane_codes, x), _LANES * width).view(_LANES, width).sum(0)
     return torch.cat([_fused(_reductions, x), counts.to(torch.float64)])
 
@@ -235,7 +239,7 @@ def reduce_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
         seg = torch.repeat_interleave(torch.arange(len(parts), device=device), lengths,
                                       output_size=sum(sizes))   # known here: no device sync
         starts = torch.cumsum(lengths, 0) - lengths
-        width = _RAW[11 if wide else 8] + len(_SPECIAL)
+        width = _width(wide)
         codes = _fused(_codes, flat) + seg * width
         counts = _bincount(codes, len(parts) * width).view(len(parts), width)
         table = torch.cat([_segment_reductions(flat, seg, starts, lengths),
