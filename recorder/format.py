@@ -1,26 +1,37 @@
-"""The store format: names, versions and the shared histogram bins.
+"""The on-disk schema of a tensortape store, in one place.
 
-This module is the single source of truth for the on-disk layout; the
-writer (``recorder.store``) and every reader (``analysis``) import it.
+The writer (``recorder``) and every reader (``analysis``) import it.  It
+imports nothing heavier than numpy, so readers start without torch.
 
 Layout of a store (Zarr v3)::
 
-    run.zarr/                       root attrs: tensortape_format, status, ...
-      rank0/                        attrs: committed row counts, layers, events
+    run.zarr/                       root attrs: tensortape_format, status, ... (``root_attrs``)
+      rank0/                        attrs: the rank's durable state (``RankState``)
         stats/<kind>/               step (step), <stat> (step, layer),
                                     hist (step, layer, bin), bin_lo/bin_hi (bin)
-        tensors/<kind>/<layer>/     data (step, dim_0, ...), step (step),
-                                    extent (step, axis)
+        tensors/<kind>/<node>/      data (step, dim_0, ...), step (step),
+                                    extent (step, axis); attrs: name, kind
+
+This module owns: the names (kinds, statistics, statuses), the table paths
+and their parsing, the columns of each table, the rank state and the events
+to and from JSON, and the histogram codes and bins, both ways.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import fnmatch
 import hashlib
 import json
 import math
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
+
+from .errors import LayerNotFoundError, StoreFormatError
 
 FORMAT_VERSION = 1
 
@@ -36,21 +47,281 @@ STATS = (
 STATUS_RECORDING = "recording"
 STATUS_COMPLETE = "complete"
 STATUS_INTERRUPTED = "interrupted"
+STATUSES = (STATUS_RECORDING, STATUS_COMPLETE, STATUS_INTERRUPTED)
 
 ROOT_LABEL = "(root)"
 BF16_ATTR = "logical_dtype"
 BF16 = "bfloat16"
+MAX_EVENTS = 1000          # events kept in the attributes; ``events_total`` counts them all
 
-# --- histogram bins --------------------------------------------------------
-# A value x != 0 lies in [2^e (1 + m/4), 2^e (1 + (m+1)/4)) with m in 0..3.
+# --- tables and their columns ----------------------------------------------
+STATS_COLUMNS = ("step", "hist", *STATS)      # rows keyed by step
+BIN_COLUMNS = ("bin_lo", "bin_hi")            # fixed: one value per bin
+TENSOR_COLUMNS = ("data", "step", "extent")
+
+
+def is_url(location: str) -> bool:
+    """Whether a store location is an fsspec URL rather than a local path."""
+    return "://" in str(location)
+
+
+def rank_group(rank: int) -> str:
+    return f"rank{int(rank)}"
+
+
+def stats_group(rank: int, kind: str) -> str:
+    return f"{rank_group(rank)}/stats/{kind}"
+
+
+def tensor_group(rank: int, kind: str, layer: str) -> str:
+    return f"{rank_group(rank)}/tensors/{kind}/{node_name(layer)}"
+
+
+@dataclass(frozen=True)
+class TablePath:
+    """A parsed table path: ``rankR/stats/KIND`` or ``rankR/tensors/KIND/NODE``."""
+    rank: int
+    section: str            # "stats" or "tensors"
+    kind: str
+    node: str | None = None
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return STATS_COLUMNS if self.section == "stats" else TENSOR_COLUMNS
+
+
+def parse_path(path: str) -> TablePath:
+    """The parts of a table path; ``StoreFormatError`` for anything else."""
+    parts = path.split("/") if isinstance(path, str) else []
+    ok = (len(parts) in (3, 4) and parts[0].startswith("rank") and parts[0][4:].isdigit()
+          and parts[2] in KINDS and ((parts[1] == "stats" and len(parts) == 3)
+                                     or (parts[1] == "tensors" and len(parts) == 4
+                                         and parts[3] == node_name_safe(parts[3]))))
+    if not ok:
+        raise StoreFormatError(f"{path!r} is not a table path of a tensortape store")
+    return TablePath(int(parts[0][4:]), parts[1], parts[2], parts[3] if len(parts) == 4 else None)
+
+
+# --- names -------------------------------------------------------------------
+_SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.%~")
+
+
+def label(module_name: str) -> str:
+    """The recorded name of a module: its ``named_modules()`` name, or ``(root)``."""
+    return module_name if module_name else ROOT_LABEL
+
+
+def join(base: str, path: str) -> str:
+    """The recorded name of a leaf at ``path`` inside a module's output or inputs."""
+    return f"{base}:{path}" if path else base
+
+
+def node_name(layer: str) -> str:
+    """A store node name for a layer name that can never escape its folder.
+
+    Characters outside ``[A-Za-z0-9_.-]`` are percent-encoded, a leading dot
+    too (so ``.`` and ``..`` are impossible), and overlong names are cut and
+    suffixed with a hash.  Readers never invert this: the true name is kept
+    in the node's ``name`` attribute.
+    """
+    out = "".join(c if c in _SAFE and c not in "%~" else "".join(f"%{b:02X}" for b in c.encode())
+                  for c in layer)
+    if not out or out.startswith(".") or out.startswith("__"):
+        out = "%2E" + out[1:] if out.startswith(".") else "%5F" + out[1:] if out else "%00"
+    if len(out) > 180:
+        out = out[:160] + "~" + hashlib.sha1(layer.encode()).hexdigest()[:16]
+    return out
+
+
+def node_name_safe(node: str) -> str:
+    """``node`` if it is a name ``node_name`` can produce (safe on any file system), else ''."""
+    ok = node and len(node) <= 180 and set(node) <= _SAFE and not node.startswith(".")
+    return node if ok else ""
+
+
+def closest(name: str, names: list[str]) -> str:
+    """The few names most like ``name``, for error messages."""
+    shown = [n if n else '"" (the root)'
+             for n in difflib.get_close_matches(name, names, n=3, cutoff=0.3)]
+    return ", ".join(shown or [n for n in names if n][:3]) or "none"
+
+
+def match_layers(names: list[str], layers, what: str = "module") -> list[str]:
+    """The names matched by one glob pattern or a list of them (``fnmatch``
+    rules, case-sensitive), in the order of ``names``.  Every pattern must
+    match something, or ``LayerNotFoundError`` names it and the closest names."""
+    patterns = [layers] if isinstance(layers, str) else list(layers)
+    chosen: set[str] = set()
+    for p in patterns:
+        if not isinstance(p, str):
+            raise LayerNotFoundError(f"layer pattern {p!r} is not a string; pass glob patterns "
+                                     f"like 'encoder.*'")
+        hits = [n for n in names if n == p or fnmatch.fnmatchcase(n, p)]
+        if not hits:
+            raise LayerNotFoundError(f"layer pattern {p!r} matches no {what}; closest names: "
+                                     f"{closest(p, names)}")
+        chosen.update(hits)
+    return [n for n in names if n in chosen]
+
+
+# --- JSON ----------------------------------------------------------------------
+def _plain(obj):
+    if hasattr(obj, "tolist"):          # numpy and torch scalars and arrays
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def to_json(obj):
+    """A JSON-safe copy of ``obj``; numpy and torch scalars become plain numbers
+    (``TypeError`` for other objects)."""
+    return json.loads(json.dumps(obj, allow_nan=False, default=_plain))
+
+
+@dataclass(frozen=True)
+class NonFiniteEvent:
+    """One capture that held NaN or Inf."""
+    step: int
+    layer: str
+    kind: str
+    nan: int
+    posinf: int
+    neginf: int
+    order: int = 0
+    phase: str = "forward"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d) -> "NonFiniteEvent":
+        try:
+            ev = cls(_int(d["step"]), str(d["layer"]), str(d["kind"]), _int(d["nan"]),
+                     _int(d["posinf"]), _int(d["neginf"]), _int(d.get("order", 0)),
+                     str(d.get("phase", "forward")))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise StoreFormatError(f"a non-finite event in the store is malformed ({d!r:.80})") from e
+        return ev
+
+    @property
+    def sort_key(self):
+        return (self.step, self.phase != "forward", self.order)
+
+
+def _int(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+        raise TypeError(f"{v!r} is not an integer")
+    return int(v)
+
+
+@dataclass
+class RankState:
+    """One rank's durable state, kept in its group's attributes.
+
+    ``committed`` maps each table path to the rows a reader may trust: the
+    writer advances it only after the data is written.
+    """
+    rank: int = 0
+    layers: list[str] = field(default_factory=list)           # first-capture order
+    events: list[NonFiniteEvent] = field(default_factory=list)
+    events_total: int = 0
+    dropped: int = 0
+    last_step: int | None = None
+    committed: dict[str, int] = field(default_factory=dict)
+    stats_layers: dict[str, list[str]] = field(default_factory=dict)   # kind -> layer rows
+    bytes_raw: int = 0
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["events"] = [e.to_json() for e in self.events]
+        return to_json(d)
+
+    @classmethod
+    def from_json(cls, d, where: str = "the store") -> "RankState":
+        if not isinstance(d, dict):
+            raise StoreFormatError(f"the rank state of {where} is not a JSON object")
+        try:
+            committed = {str(p): _int(n) for p, n in dict(d.get("committed", {})).items()}
+            for p in committed:
+                parse_path(p)
+            return cls(
+                rank=_int(d.get("rank", 0)),
+                layers=_strings(d.get("layers", [])),
+                events=[NonFiniteEvent.from_json(e) for e in list(d.get("events", []))],
+                events_total=_int(d.get("events_total", len(d.get("events", [])))),
+                dropped=_int(d.get("dropped", 0)),
+                last_step=None if d.get("last_step") is None else _int(d["last_step"]),
+                committed=committed,
+                stats_layers={str(k): _strings(v) for k, v in dict(d.get("stats_layers", {})).items()},
+                bytes_raw=_int(d.get("bytes_raw", 0)))
+        except StoreFormatError:
+            raise
+        except (TypeError, ValueError, AttributeError) as e:
+            raise StoreFormatError(f"the rank state of {where} is malformed: {e}") from e
+
+
+def _strings(v) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise TypeError(f"{v!r:.60} is not a list of names")
+    return list(v)
+
+
+def root_attrs(state: RankState, base: dict[str, Any], status: str | None = None) -> dict:
+    """The root attributes: ``base`` (format, versions, config, ...) with rank 0's
+    layers, events and drop count, and ``status`` when given."""
+    out = dict(base, layers=list(state.layers), events=[e.to_json() for e in state.events],
+               dropped=state.dropped)
+    if status:
+        out["status"] = status
+    return out
+
+
+# --- histogram codes and bins ----------------------------------------------------
+# The device gives every float element an integer code.  A finite non-zero value
+# gets its raw code: sign | exponent | top 2 mantissa bits, taken from the float's
+# bits (float32 for 16- and 32-bit floats, 8 exponent bits; float64, 11).  Exact
+# zeros and Infs get the special codes after the raw ones.  Counting the codes
+# gives the histogram and exact zero, NaN and Inf counts at once.
+#
+# Bins: a value x != 0 lies in [2^e (1 + m/4), 2^e (1 + (m+1)/4)) with m in 0..3.
 # Exponents E_MIN..E_MAX-1 get four bins each, per sign; magnitudes below
 # 2^E_MIN fall in an "underflow" bin, those at or above 2^E_MAX in an
 # "overflow" bin; exact zeros have their own bin.  NaN and +/-Inf are counted
 # apart (the ``nan``, ``posinf`` and ``neginf`` statistics).
+MANTISSA_BITS = {8: 23, 11: 52}
+SPECIAL_CODES = ("poszero", "negzero", "posinf", "neginf")
 E_MIN, E_MAX, SUB = -64, 64, 4
 _PER_SIGN = (E_MAX - E_MIN) * SUB + 2          # + underflow and overflow
 NBINS = 2 * _PER_SIGN + 1
 ZERO_BIN = _PER_SIGN
+
+
+def raw_codes(exp_bits: int) -> int:
+    """How many raw codes floats with ``exp_bits`` exponent bits have."""
+    return 1 << (exp_bits + 3)
+
+
+def code_shift(exp_bits: int) -> int:
+    """The right shift of a float's bits that leaves its raw code."""
+    return MANTISSA_BITS[exp_bits] - 2
+
+
+def code_width(exp_bits: int) -> int:
+    """Codes per histogram: the raw ones, then the special ones."""
+    return raw_codes(exp_bits) + len(SPECIAL_CODES)
+
+
+def encode(x: np.ndarray) -> tuple[np.ndarray, int]:
+    """The codes of a float array and their exponent width (the reference the
+    device engines implement; 16-bit floats are coded as float32)."""
+    x = np.asarray(x)
+    x = x.astype(np.float64 if x.dtype == np.float64 else np.float32).ravel()
+    exp_bits = 11 if x.dtype == np.float64 else 8
+    bits = x.view(np.int64 if exp_bits == 11 else np.int32)
+    n = raw_codes(exp_bits)
+    code = (bits >> code_shift(exp_bits)) & (n - 1)
+    code = np.where(x == 0, n + (bits < 0), code)
+    code = np.where(x == np.inf, n + 2, code)
+    return np.where(x == -np.inf, n + 3, code).astype(np.int64), exp_bits
 
 
 @lru_cache(maxsize=None)
@@ -79,14 +350,10 @@ def _magnitude_bin(exponent: np.ndarray, sub: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=None)
 def code_to_bin(exp_bits: int) -> np.ndarray:
-    """Map raw codes ``sign | exponent | 2 mantissa bits`` to global bins.
-
-    ``exp_bits`` is 8 for float32 codes and 11 for float64 codes.  Codes with
-    an all-ones exponent (NaN; Infs and exact zeros are coded apart by the
-    summary) map to -1; a zero exponent (subnormals) maps to underflow.
-    """
+    """Map raw codes to global bins; NaN codes (all-ones exponent) map to -1,
+    subnormals to underflow."""
     bias = (1 << (exp_bits - 1)) - 1
-    codes = np.arange(1 << (exp_bits + 3))
+    codes = np.arange(raw_codes(exp_bits))
     sign = codes >> (exp_bits + 2)
     exp_field = (codes >> 2) & ((1 << exp_bits) - 1)
     sub = codes & 3
@@ -107,52 +374,17 @@ def _bin_groups(exp_bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return order, starts, ordered[starts]
 
 
-def bins_from_codes(raw: np.ndarray, exp_bits: int, zeros) -> np.ndarray:
-    """Global histogram counts (..., NBINS) from raw code counts (..., codes).
-
-    The raw counts exclude exact zeros (``zeros``, one per row), which get
-    ``ZERO_BIN``.  Works on one vector or on a batch of rows at once.
-    """
+def decode(counts: np.ndarray, exp_bits: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Code counts (..., ``code_width``) -> global histograms (..., NBINS) and
+    exact counts ``nan``, ``posinf``, ``neginf`` and ``zeros`` (one per row)."""
+    counts = np.asarray(counts)
+    n = raw_codes(exp_bits)
+    raw, special = counts[..., :n], counts[..., n:]
+    exact = {"nan": raw[..., code_to_bin(exp_bits) < 0].sum(axis=-1),
+             "posinf": special[..., 2], "neginf": special[..., 3],
+             "zeros": special[..., 0] + special[..., 1]}
     order, starts, bins = _bin_groups(exp_bits)
-    raw = np.asarray(raw)
     hist = np.zeros((*raw.shape[:-1], NBINS), dtype=np.int64)
     hist[..., bins] = np.rint(np.add.reduceat(raw[..., order], starts, axis=-1))
-    hist[..., ZERO_BIN] = zeros
-    return hist
-
-
-# --- names and paths -------------------------------------------------------
-_SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
-
-
-def node_name(layer: str) -> str:
-    """A store node name for a layer name that can never escape its folder.
-
-    Characters outside ``[A-Za-z0-9_.-]`` are percent-encoded, a leading dot
-    too (so ``.`` and ``..`` are impossible), and overlong names are cut and
-    suffixed with a hash.  Readers never invert this: the true name is kept
-    in the node's ``name`` attribute.
-    """
-    out = "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in layer)
-    if not out or out.startswith(".") or out.startswith("__"):
-        out = "%2E" + out[1:] if out.startswith(".") else "%5F" + out[1:] if out else "%00"
-    if len(out) > 180:
-        out = out[:160] + "~" + hashlib.sha1(layer.encode()).hexdigest()[:16]
-    return out
-
-
-def rank_group(rank: int) -> str:
-    return f"rank{int(rank)}"
-
-
-def stats_group(rank: int, kind: str) -> str:
-    return f"{rank_group(rank)}/stats/{kind}"
-
-
-def tensor_group(rank: int, kind: str, layer: str) -> str:
-    return f"{rank_group(rank)}/tensors/{kind}/{node_name(layer)}"
-
-
-def to_json(obj):
-    """A JSON-safe copy of ``obj`` (raises ``TypeError`` for other objects)."""
-    return json.loads(json.dumps(obj, allow_nan=False))
+    hist[..., ZERO_BIN] = exact["zeros"]
+    return hist, exact

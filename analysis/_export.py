@@ -12,7 +12,7 @@ import numpy as np
 
 from recorder import format as fmt
 
-from .source import JSON_ATTR
+from ._source import JSON_ATTR
 
 __all__ = ["to_hdf5"]
 
@@ -21,19 +21,20 @@ def to_hdf5(run, path, progress=None) -> str:
     import h5py
     tables = []
     for r in run.ranks:
-        tables += [(p, n) for p, n in run._committed(r).items() if n]
+        tables += [(p, n) for p, n in run.state(r).committed.items() if n]
     with h5py.File(path, "w") as f:
         f.attrs[JSON_ATTR] = json.dumps(run.attrs)
         for r in run.ranks:
             g = f.require_group(f"rank{r}")
-            g.attrs[JSON_ATTR] = json.dumps(run._state[r])
+            g.attrs[JSON_ATTR] = json.dumps(run.state(r).to_json())
         bar = progress(tables) if progress else tables
         for path_, n in bar:
             group = f.require_group(path_)
-            group.attrs[JSON_ATTR] = json.dumps(run._src.attrs(path_))
-            for name in _arrays(run, path_):
-                src = run._src.array(f"{path_}/{name}")
-                rows = n if src.ndim and name not in ("bin_lo", "bin_hi") else src.shape[0]
+            group.attrs[JSON_ATTR] = json.dumps(run.source.attrs(path_))
+            table = fmt.parse_path(path_)
+            for name in table.columns + (fmt.BIN_COLUMNS if table.section == "stats" else ()):
+                src = run.source.array(f"{path_}/{name}")
+                rows = n if src.ndim and name not in fmt.BIN_COLUMNS else src.shape[0]
                 shape = (rows, *src.shape[1:]) if src.ndim else ()
                 chunks = tuple(max(1, min(c, s)) for c, s in zip(src.chunks, shape)) or None
                 dst = group.create_dataset(name, shape=shape, dtype=src.dtype, chunks=chunks,
@@ -46,9 +47,3 @@ def to_hdf5(run, path, progress=None) -> str:
                 for lo in range(0, rows, step):
                     dst[lo: lo + step] = np.asarray(src[lo: min(lo + step, rows)])
     return str(path)
-
-
-def _arrays(run, path: str) -> list[str]:
-    if "/stats/" in path:
-        return ["step", "hist", "bin_lo", "bin_hi", *fmt.STATS]
-    return ["data", "step", "extent"]

@@ -7,15 +7,11 @@ import xarray as xr
 
 from recorder import format as fmt
 
-from .run import Run, open_run
+from ._run import Run, open_run
 
-__all__ = ["compare_runs", "first_divergence", "tensor_metrics"]
+__all__ = ["compare_runs", "first_divergence", "plot_comparison", "tensor_metrics"]
 
 _METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
-
-
-def _as_run(r) -> Run:
-    return r if isinstance(r, Run) else open_run(r)
 
 
 def tensor_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
@@ -39,10 +35,6 @@ def _common(a: Run, b: Run, kind: str, layers) -> tuple[list[str], np.ndarray]:
     return names, steps
 
 
-def _tensor_layers(r: Run, kind: str) -> dict[str, str]:
-    return r._tensor_paths(kind, r._rank(None)) if kind in r.kinds else {}
-
-
 def compare_runs(a, b, kind: str = "activations", layers=None, progress=None) -> xr.Dataset:
     """An ``xr.Dataset`` (step, layer) over the steps and layers both runs hold.
 
@@ -51,12 +43,12 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None) ->
     ``progress`` wraps the iterable of layers whose full tensors are scanned
     (for example ``click.progressbar`` or ``tqdm.tqdm``).
     """
-    a, b = _as_run(a), _as_run(b)
+    a, b = open_run(a), open_run(b)
     names, steps = _common(a, b, kind, layers)
     sa = a.stats(kind, names).sel(step=steps).compute()
     sb = b.stats(kind, names).sel(step=steps).compute()
     out = xr.Dataset({f"delta_{s}": sb[s] - sa[s] for s in fmt.STATS})
-    ta, tb = _tensor_layers(a, kind), _tensor_layers(b, kind)
+    ta, tb = set(a.tensor_layers(kind)), set(b.tensor_layers(kind))
     both = [n for n in names if n in ta and n in tb]
     if both:
         tsteps = np.intersect1d(a.steps(kind, tensors=True), b.steps(kind, tensors=True))
@@ -92,7 +84,7 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None) -> tuple[int, str] | 
     execution order.  ``rel_l2 > rtol`` decides where both runs hold the full
     tensor; otherwise any statistic differing by more than ``rtol`` relatively.
     """
-    a, b = _as_run(a), _as_run(b)
+    a, b = open_run(a), open_run(b)
     order = {n: i for i, n in enumerate(a.layers)}
     kinds = [k for k in (kinds or fmt.FORWARD_KINDS + fmt.BACKWARD_KINDS) if k in a.kinds and k in b.kinds]
     per_kind = {}
@@ -102,7 +94,7 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None) -> tuple[int, str] | 
             sa = a.stats(kind, names).sel(step=steps).compute()
             sb = b.stats(kind, names).sel(step=steps).compute()
             per_kind[kind] = (sorted(names, key=lambda n: order.get(n, 1 << 30)), steps, sa, sb,
-                              _tensor_layers(a, kind), _tensor_layers(b, kind))
+                              set(a.tensor_layers(kind)), set(b.tensor_layers(kind)))
     all_steps = sorted({int(s) for v in per_kind.values() for s in v[1]})
     tensor_steps: dict = {}
 
@@ -131,3 +123,12 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None) -> tuple[int, str] | 
                 if any(_stat_differs(float(xa[s]), float(xb[s]), rtol) for s in fmt.STATS):
                     return step, layer
     return None
+
+
+def plot_comparison(a, b, layer, kind="activations", stat="std", ax=None):
+    """A statistic of one layer in two runs, side by side over the steps -> Figure."""
+    from . import _plots
+    a, b = open_run(a), open_run(b)
+    das = [r.stats(kind, [layer])[stat].isel(layer=0).compute().assign_attrs(layer=layer, kind=kind)
+           for r in (a, b)]
+    return _plots.comparison(*das, labels=(a.path, b.path), ax=ax)

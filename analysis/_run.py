@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import html
 from dataclasses import dataclass, field
 
@@ -12,31 +11,11 @@ import xarray as xr
 
 from recorder import format as fmt
 from recorder.errors import ConfigError, LayerNotFoundError, StoreFormatError
+from recorder.format import NonFiniteEvent
 
-from .source import open_source
+from ._source import open_source
 
 __all__ = ["open_run", "Run", "NonFiniteEvent", "FirstNonFinite"]
-
-
-@dataclass(frozen=True)
-class NonFiniteEvent:
-    step: int
-    layer: str
-    kind: str
-    nan: int
-    posinf: int
-    neginf: int
-    order: int = 0
-    phase: str = "forward"
-
-    @classmethod
-    def from_json(cls, d: dict) -> "NonFiniteEvent":
-        return cls(int(d["step"]), d["layer"], d["kind"], int(d["nan"]), int(d["posinf"]),
-                   int(d["neginf"]), int(d.get("order", 0)), d.get("phase", "forward"))
-
-    @property
-    def sort_key(self):
-        return (self.step, self.phase != "forward", self.order)
 
 
 @dataclass(frozen=True)
@@ -50,20 +29,27 @@ def _decode_bf16(block: np.ndarray) -> np.ndarray:
     return (block.astype(np.uint32) << 16).view(np.float32)
 
 
+def _missing(layer: str, names: list[str], what: str) -> str:
+    return f"layer {layer!r} has no {what} in this run; closest: {fmt.closest(layer, names)}"
+
+
 def _megabytes(n: int) -> str:
     return f"{n / 1e6:.1f}MB" if n >= 1e5 else f"{n / 1e3:.0f}kB"
 
 
 def open_run(path) -> "Run":
-    """Open a run (Zarr store, fsspec URL, or HDF5 export) lazily."""
-    return Run(path)
+    """Open a run (Zarr store, fsspec URL, or HDF5 export) lazily; a ``Run`` is returned as is."""
+    return path if isinstance(path, Run) else Run(path)
 
 
 class Run:
+    """A recorded run.  ``source`` is the store as read (attributes and arrays),
+    ``state(rank)`` a rank's committed state; the methods below are the API."""
+
     def __init__(self, path):
         self.path = str(path)
-        self._src = open_source(path)
-        attrs = self._src.attrs()
+        self.source = open_source(path)
+        attrs = self.source.attrs()
         version = attrs.get("tensortape_format")
         if version is None:
             raise StoreFormatError(f"{self.path!r} is not a tensortape store (no "
@@ -72,8 +58,9 @@ class Run:
             raise StoreFormatError(f"{self.path!r} has format version {version!r}, newer than "
                                    f"this tensortape reads ({fmt.FORMAT_VERSION}); upgrade tensortape")
         self.attrs = attrs
-        self.ranks = sorted(int(g[4:]) for g in self._src.groups() if g.startswith("rank") and g[4:].isdigit())
-        self._state = {r: self._src.attrs(fmt.rank_group(r)) for r in self.ranks}
+        self.ranks = sorted(int(g[4:]) for g in self.source.groups() if g.startswith("rank") and g[4:].isdigit())
+        self._states = {r: fmt.RankState.from_json(self.source.attrs(fmt.rank_group(r)),
+                                                   f"{self.path!r} rank {r}") for r in self.ranks}
 
     # --- what is in the run -----------------------------------------------------
     def _rank(self, rank: int | None) -> int:
@@ -85,8 +72,12 @@ class Run:
             raise ConfigError(f"rank {rank} is not in this run; its ranks are {self.ranks}")
         return rank
 
+    def state(self, rank: int | None = None) -> fmt.RankState:
+        """What a rank committed: row counts per table, layers, events, counters."""
+        return self._states[self._rank(rank)]
+
     def _committed(self, rank: int) -> dict[str, int]:
-        return self._state[rank].get("committed", {})
+        return self._states[rank].committed
 
     @property
     def status(self) -> str:
@@ -105,15 +96,14 @@ class Run:
         return int(self.attrs.get("dropped", 0))
 
     def layers_of(self, rank: int | None = None) -> list[str]:
-        return list(self._state[self._rank(rank)].get("layers", []))
+        return list(self.state(rank).layers)
 
     @property
     def layers(self) -> list[str]:
         return self.layers_of()
 
     def kinds_of(self, rank: int | None = None) -> list[str]:
-        prefix = fmt.rank_group(self._rank(rank)) + "/"
-        found = {p[len(prefix):].split("/")[1] for p, n in self._committed(self._rank(rank)).items() if n}
+        found = {fmt.parse_path(p).kind for p, n in self.state(rank).committed.items() if n}
         return [k for k in fmt.KINDS if k in found]
 
     @property
@@ -128,24 +118,28 @@ class Run:
 
     def _tensor_paths(self, kind: str, rank: int) -> dict[str, str]:
         """Layer name -> table path of the full tensors of one kind."""
-        prefix = f"{fmt.rank_group(rank)}/tensors/{kind}/"
         out = {}
         for p, n in self._committed(rank).items():
-            if p.startswith(prefix) and n:
-                out[self._src.attrs(p).get("name", p[len(prefix):])] = p
+            t = fmt.parse_path(p)
+            if n and t.section == "tensors" and t.kind == kind:
+                name = self.source.attrs(p).get("name", t.node)
+                out[name if isinstance(name, str) else t.node] = p
         return out
+
+    def tensor_layers(self, kind: str = "activations", rank: int | None = None) -> list[str]:
+        """The layers of ``kind`` that hold full tensors, in execution order."""
+        rank = self._rank(rank)
+        if kind not in self.kinds_of(rank):
+            return []
+        found = self._tensor_paths(kind, rank)
+        order = {n: i for i, n in enumerate(self.layers_of(rank))}
+        return sorted(found, key=lambda n: order.get(n, len(order)))
 
     def _tensor_path(self, layer: str, kind: str, rank: int) -> str:
         paths = self._tensor_paths(self._kind(kind, rank), rank)
         if layer not in paths:
-            raise LayerNotFoundError(self._missing(layer, list(paths), f"full {kind} tensors"))
+            raise LayerNotFoundError(_missing(layer, list(paths), f"full {kind} tensors"))
         return paths[layer]
-
-    @staticmethod
-    def _missing(layer: str, names: list[str], what: str) -> str:
-        import difflib
-        close = difflib.get_close_matches(layer, names, n=3, cutoff=0.3) or names[:3]
-        return f"layer {layer!r} has no {what} in this run; closest: {', '.join(close) or 'none'}"
 
     def steps(self, kind: str = "activations", tensors: bool = False, rank: int | None = None,
               layer: str | None = None) -> np.ndarray:
@@ -155,23 +149,21 @@ class Run:
         if not tensors:
             path = fmt.stats_group(rank, kind)
             n = self._committed(rank).get(path, 0)
-            return np.asarray(self._src.array(path + "/step")[:n]) if n else np.zeros(0, np.int64)
+            return np.asarray(self.source.array(path + "/step")[:n]) if n else np.zeros(0, np.int64)
         paths = [self._tensor_path(layer, kind, rank)] if layer else self._tensor_paths(kind, rank).values()
-        found = [np.asarray(self._src.array(p + "/step")[: self._committed(rank)[p]]) for p in paths]
+        found = [np.asarray(self.source.array(p + "/step")[: self._committed(rank)[p]]) for p in paths]
         return np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
 
     # --- statistics and histograms ------------------------------------------------
     def _stats_layers(self, kind: str, rank: int) -> list[str]:
-        return list(self._state[rank].get("stats_layers", {}).get(kind, []))
+        return list(self._states[rank].stats_layers.get(kind, []))
 
-    def _select(self, names: list[str], layers) -> list[int]:
+    @staticmethod
+    def _select(names: list[str], layers) -> list[int]:
         if layers is None:
             return list(range(len(names)))
-        pats = [layers] if isinstance(layers, str) else list(layers)
-        idx = [i for i, n in enumerate(names) if any(n == p or fnmatch.fnmatchcase(n, p) for p in pats)]
-        if not idx:
-            raise LayerNotFoundError(self._missing(pats[0], names, "statistics"))
-        return idx
+        chosen = set(fmt.match_layers(names, layers, what="layer with statistics"))
+        return [i for i, n in enumerate(names) if n in chosen]
 
     def stats(self, kind: str = "activations", layers=None, rank: int | None = None) -> xr.Dataset:
         """Per-step statistics: an ``xr.Dataset`` with dims (step, layer)."""
@@ -181,7 +173,7 @@ class Run:
         n = self._committed(rank).get(path, 0)
         names = self._stats_layers(kind, rank)
         idx = self._select(names, layers)
-        steps = np.asarray(self._src.array(path + "/step")[:n])
+        steps = np.asarray(self.source.array(path + "/step")[:n])
         data = {}
         for s in fmt.STATS:
             arr = self._lazy(path + "/" + s)[:n, : len(names)]
@@ -198,10 +190,10 @@ class Run:
         path = fmt.stats_group(rank, kind)
         names = self._stats_layers(kind, rank)
         if layer not in names:
-            raise LayerNotFoundError(self._missing(layer, names, f"{kind} statistics"))
+            raise LayerNotFoundError(_missing(layer, names, f"{kind} statistics"))
         i = names.index(layer)
         n = self._committed(rank).get(path, 0)
-        steps = np.asarray(self._src.array(path + "/step")[:n])
+        steps = np.asarray(self.source.array(path + "/step")[:n])
         lo, hi = fmt.bin_edges()
         counts = self._lazy(path + "/hist")[:n, i]
         out = xr.DataArray(counts, dims=("step", "bin"),
@@ -218,9 +210,9 @@ class Run:
 
     # --- full tensors --------------------------------------------------------------
     def _lazy(self, path: str) -> da.Array:
-        arr = self._src.array(path)
+        arr = self.source.array(path)
         chunks = getattr(arr, "chunks", None) or arr.shape
-        return da.from_array(arr, chunks=chunks, lock=self._src.lock, name=f"{self.path}:{path}")
+        return da.from_array(arr, chunks=chunks, lock=self.source.lock, name=f"{self.path}:{path}")
 
     def tensor(self, layer: str, kind: str = "activations", step=None,
                rank: int | None = None) -> xr.DataArray:
@@ -231,10 +223,10 @@ class Run:
         rank = self._rank(rank)
         path = self._tensor_path(layer, kind, rank)
         n = self._committed(rank)[path]
-        steps = np.asarray(self._src.array(path + "/step")[:n])
-        extent = np.asarray(self._src.array(path + "/extent")[:n])
+        steps = np.asarray(self.source.array(path + "/step")[:n])
+        extent = np.asarray(self.source.array(path + "/extent")[:n])
         data = self._lazy(path + "/data")[:n]
-        logical = dict(self._src.array(path + "/data").attrs).get(fmt.BF16_ATTR)
+        logical = dict(self.source.array(path + "/data").attrs).get(fmt.BF16_ATTR)
         if logical == fmt.BF16:
             data = data.map_blocks(_decode_bf16, dtype=np.float32)
         order = np.argsort(steps, kind="stable")
@@ -257,8 +249,7 @@ class Run:
 
     # --- non-finite values -----------------------------------------------------------
     def events_of(self, rank: int | None = None) -> list[NonFiniteEvent]:
-        evs = [NonFiniteEvent.from_json(e) for e in self._state[self._rank(rank)].get("events", [])]
-        return sorted(evs, key=lambda e: e.sort_key)
+        return sorted(self.state(rank).events, key=lambda e: e.sort_key)
 
     @property
     def events(self) -> list[NonFiniteEvent]:
@@ -280,25 +271,31 @@ class Run:
                               history=hist, same_step=same)
 
     # --- plots and export ------------------------------------------------------------
-    def plot_histogram(self, layer, kind="activations", steps=None, **kw):
-        from .plots import plot_histogram
-        return plot_histogram(self, layer, kind=kind, steps=steps, **kw)
+    def plot_histogram(self, layer, kind="activations", steps=None, rank=None, ax=None):
+        """Histogram of ``layer`` at some steps (default: the last) -> Figure."""
+        from . import _plots
+        return _plots.histogram(self.histogram(layer, kind, rank=rank).compute(), steps, ax)
 
-    def plot_evolution(self, layers=None, kind="activations", stat="std", **kw):
-        from .plots import plot_evolution
-        return plot_evolution(self, layers=layers, kind=kind, stat=stat, **kw)
+    def plot_evolution(self, layers=None, kind="activations", stat="std", rank=None, ax=None):
+        """One statistic over the steps, a line per layer -> Figure."""
+        from . import _plots
+        ds = self.stats(kind, layers, rank=rank)
+        if stat not in ds:
+            raise ConfigError(f"stat {stat!r} is not recorded; use one of {', '.join(ds.data_vars)}")
+        return _plots.evolution(ds[stat].compute().assign_attrs(kind=kind), ax)
 
-    def plot_distribution(self, layer, kind="activations", **kw):
-        from .plots import plot_distribution
-        return plot_distribution(self, layer, kind=kind, **kw)
+    def plot_distribution(self, layer, kind="activations", rank=None, ax=None):
+        """Step x value heat map of ``layer``'s histogram -> Figure."""
+        from . import _plots
+        return _plots.distribution(self.histogram(layer, kind, rank=rank).compute(), ax)
 
     def to_hdf5(self, path, progress=None) -> str:
-        from .export import to_hdf5
+        from ._export import to_hdf5
         return to_hdf5(self, path, progress=progress)
 
     def _tensor_bytes(self, path: str, rank: int) -> int:
         """Bytes of one table's full tensors as decoded (committed rows, padded shape)."""
-        data = self._src.array(path + "/data")
+        data = self.source.array(path + "/data")
         return self._committed(rank)[path] * int(np.prod(data.shape[1:])) * data.dtype.itemsize
 
     # --- display -------------------------------------------------------------------
@@ -319,7 +316,7 @@ class Run:
         return {"status": self.status, "ranks": self.ranks, "kinds": kinds, "layers": table,
                 "steps": {k: (int(v[0]), int(v[-1]), len(v)) if len(v) else None for k, v in steps.items()},
                 "events": self.events_of(rank), "dropped": self.dropped,
-                "bytes_raw": int(self._state[rank].get("bytes_raw", 0))}
+                "bytes_raw": self._states[rank].bytes_raw}
 
     def __repr__(self) -> str:
         s = self.summary()

@@ -1,13 +1,19 @@
-"""Plots of a run. Each returns a matplotlib Figure; none calls ``plt.show()``."""
+"""Plot functions: xarray objects in, a matplotlib Figure out.
+
+They know nothing of runs or stores (``Run`` and ``plot_comparison`` hand them
+the data); none calls ``plt.show()``, and each takes ``ax=None``.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["plot_histogram", "plot_evolution", "plot_distribution", "plot_comparison"]
+__all__ = ["comparison", "distribution", "evolution", "histogram"]
 
 
-def _figure(figsize=(7, 4)):
+def _figure(figsize=(7, 4), ax=None):
+    if ax is not None:
+        return ax.figure, ax
     from matplotlib.figure import Figure      # no pyplot: headless, no global state
     fig = Figure(figsize=figsize, layout="constrained")
     return fig, fig.add_subplot()
@@ -23,15 +29,16 @@ def _short(name: str, width: int = 28) -> str:
     return name if len(name) <= width else "…" + name[-(width - 1):]
 
 
-def plot_histogram(run, layer, kind="activations", steps=None, ax=None):
-    """Histogram of one layer at one or more steps: log counts, NaN/Inf marked."""
-    h = run.histogram(layer, kind).compute()
+def histogram(h, steps=None, ax=None):
+    """Histogram (an ``xr.DataArray`` (step, bin) as ``Run.histogram`` gives) at one
+    or more steps (default: the last): log counts, NaN/Inf counts in the legend."""
+    layer, kind = h.attrs.get("layer", h.name), h.attrs.get("kind", "")
     all_steps = h.step.values
     if steps is None:
         steps = [int(all_steps[-1])] if len(all_steps) else []
     elif np.isscalar(steps):
         steps = [int(steps)]
-    fig, ax = _figure() if ax is None else (ax.figure, ax)
+    fig, ax = _figure(ax=ax)
     lo, hi = h.bin_lo.values, h.bin_hi.values
     x = _centers(lo, hi)
     nz_any = np.zeros(len(x), bool)
@@ -39,7 +46,7 @@ def plot_histogram(run, layer, kind="activations", steps=None, ax=None):
         row = h.sel(step=s)
         counts = row.values.astype(float)
         nz_any |= counts > 0
-        bad = {k: int(row[k]) for k in ("nan", "posinf", "neginf")}
+        bad = {k: int(row[k]) for k in ("nan", "posinf", "neginf") if k in row.coords}
         label = f"step {s}" + ("" if not any(bad.values()) else
                                "  (" + ", ".join(f"{k} {v}" for k, v in bad.items() if v) + ")")
         ax.step(x, np.where(counts > 0, counts, np.nan), where="mid", label=label)
@@ -56,14 +63,11 @@ def plot_histogram(run, layer, kind="activations", steps=None, ax=None):
     return fig
 
 
-def plot_evolution(run, layers=None, kind="activations", stat="std", ax=None, max_legend=12):
-    """One statistic over steps, one line per layer (log scale where it fits)."""
-    ds = run.stats(kind, layers)
-    if stat not in ds:
-        from recorder.errors import ConfigError
-        raise ConfigError(f"stat {stat!r} is not recorded; use one of {', '.join(ds.data_vars)}")
-    da = ds[stat].compute()
-    fig, ax = _figure((8, 4.5)) if ax is None else (ax.figure, ax)
+def evolution(da, ax=None, max_legend=12):
+    """One statistic (an ``xr.DataArray`` (step, layer) named after it) over steps,
+    one line per layer (log scale where it fits)."""
+    stat, kind = da.name, da.attrs.get("kind", "")
+    fig, ax = _figure((8, 4.5), ax)
     steps = da.step.values
     for i, layer in enumerate(da.layer.values):
         ax.plot(steps, da.isel(layer=i).values, lw=1.2,
@@ -93,13 +97,14 @@ def _percentiles(counts: np.ndarray, lo: np.ndarray, hi: np.ndarray, qs) -> np.n
     return out
 
 
-def plot_distribution(run, layer, kind="activations", ax=None):
-    """Step x value heat map of the histogram over time, with percentile bands."""
+def distribution(h, ax=None):
+    """Step x value heat map of a histogram over time (``Run.histogram``), with
+    percentile bands."""
     from matplotlib.colors import LogNorm
-    h = run.histogram(layer, kind).compute()
+    layer, kind = h.attrs.get("layer", h.name), h.attrs.get("kind", "")
     counts = h.values.astype(float)
     lo, hi = h.bin_lo.values, h.bin_hi.values
-    fig, ax = _figure((8, 4.5)) if ax is None else (ax.figure, ax)
+    fig, ax = _figure((8, 4.5), ax)
     used = np.nonzero(counts.sum(0))[0]
     steps = h.step.values
     if used.size:
@@ -130,14 +135,13 @@ def plot_distribution(run, layer, kind="activations", ax=None):
     return fig
 
 
-def plot_comparison(a, b, layer, kind="activations", stat="std", ax=None):
-    """A statistic of one layer in two runs, side by side over the steps."""
-    from .compare import _as_run
-    a, b = _as_run(a), _as_run(b)
-    fig, ax = _figure() if ax is None else (ax.figure, ax)
-    for run, style in ((a, "-"), (b, "--")):
-        da = run.stats(kind, [layer])[stat].isel(layer=0).compute()
-        ax.plot(da.step.values, da.values, style, lw=1.4, label=_short(run.path, 40))
+def comparison(da_a, da_b, labels=("run A", "run B"), ax=None):
+    """One statistic of one layer in two runs (1-d ``xr.DataArray``s over step),
+    side by side."""
+    layer, kind, stat = da_a.attrs.get("layer", ""), da_a.attrs.get("kind", ""), da_a.name
+    fig, ax = _figure(ax=ax)
+    for da, style, name in ((da_a, "-", labels[0]), (da_b, "--", labels[1])):
+        ax.plot(da.step.values, da.values, style, lw=1.4, label=_short(name, 40))
     ax.set_xlabel("step")
     ax.set_ylabel(stat)
     ax.set_title(f"{_short(layer, 50)} · {kind} · {stat}: run A vs run B")

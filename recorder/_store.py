@@ -23,7 +23,7 @@ from zarr.codecs import ZstdCodec
 from . import format as fmt
 from .errors import StoreExistsError, StoreFormatError, StoreNotFoundError
 
-__all__ = ["RunStore", "Table", "check_mode", "open_root", "store_exists"]
+__all__ = ["RunStore", "check_mode", "open_root"]
 
 CHUNK_BYTES = 8 << 20          # target size of one data chunk, uncompressed
 SMALL_CHUNK_ROWS = 1024        # rows per chunk of small columns (step, extent)
@@ -33,10 +33,6 @@ LAYER_CHUNK = 64
 HIST_LAYER_CHUNK = 8
 SAMPLE_BYTES = 1 << 20         # how much of a tensor's first step picks its zstd level
 PAYS = 0.9                     # level 1 if it makes that sample at least 10% smaller
-
-
-def _is_url(location: str) -> bool:
-    return "://" in location
 
 
 def check_mode(location, mode: str) -> None:
@@ -66,7 +62,7 @@ def open_root(location, mode: str, rank: int = 0) -> zarr.Group:
 
 
 def store_exists(location: str) -> bool:
-    if not _is_url(location):
+    if not fmt.is_url(location):
         return os.path.exists(location)
     try:
         zarr.open_group(location, mode="r")
@@ -195,9 +191,9 @@ class RunStore:
         self.rank_group = root.require_group(fmt.rank_group(rank))
         self.tables: dict[str, Table] = {}
 
-    @property
-    def state(self) -> dict[str, Any]:
-        return dict(self.rank_group.attrs)
+    def state(self) -> fmt.RankState:
+        """The rank's committed state (empty for a new rank)."""
+        return fmt.RankState.from_json(dict(self.rank_group.attrs) or {"rank": self.rank})
 
     # --- tables --------------------------------------------------------------
     def stats_table(self, kind: str, n_layers: int, committed: int) -> Table:
@@ -206,7 +202,7 @@ class RunStore:
             return self.tables[path]
         if committed:
             g = self.root[path]
-            cols = {n: g[n] for n in ("step", "hist", *fmt.STATS)}
+            cols = {n: g[n] for n in fmt.STATS_COLUMNS}
         else:
             g = self.root.require_group(path)
             lo, hi = fmt.bin_edges()
@@ -230,7 +226,7 @@ class RunStore:
             return self.tables[path]
         if committed:
             g = self.root[path]
-            cols = {n: g[n] for n in ("data", "step", "extent")}
+            cols = {n: g[n] for n in fmt.TENSOR_COLUMNS}
         else:
             g = self.root.require_group(path)
             g.attrs.update({"name": layer, "kind": kind})
@@ -251,6 +247,37 @@ class RunStore:
         table = self.tables[path] = Table(g, cols, committed)
         return table
 
+    # --- rows -------------------------------------------------------------------
+    def append_stats(self, kind: str, step: int, names: list[str], layers: list[str],
+                     stats: dict[str, np.ndarray], hist: np.ndarray, committed: int) -> None:
+        """One step's statistics of ``layers`` as a row of the kind's table, whose
+        layer axis is ``names`` (the run's rows so far); absent layers are NaN."""
+        n = len(names)
+        table = self.stats_table(kind, n, committed)
+        index = {name: i for i, name in enumerate(names)}
+        rows = [index[layer] for layer in layers]
+        row = {s: np.full(n, np.nan) for s in fmt.STATS}
+        full = np.zeros((n, fmt.NBINS), dtype=np.int64)
+        for s in fmt.STATS:
+            row[s][rows] = stats[s]
+        full[rows] = hist
+        for s in fmt.STATS:
+            table.columns[s].grow_inner((n,))
+        table.columns["hist"].grow_inner((n, fmt.NBINS))
+        table.append({"step": np.int64(step), "hist": full, **row})
+
+    def append_tensor(self, kind: str, layer: str, step: int, t, committed: int) -> int:
+        """One step's full tensor (a host torch tensor) as a row of its table; the
+        bytes written, or -1 when its rank or dtype differs from the table's."""
+        arr, logical = to_numpy(t)
+        table = self.tensor_table(kind, layer, arr, logical, committed)
+        data = table.columns["data"].array
+        if data.ndim - 1 != arr.ndim or data.dtype != arr.dtype:
+            return -1
+        extent = np.array(arr.shape if arr.ndim else (1,), dtype=np.int64)
+        table.append({"data": arr, "step": np.int64(step), "extent": extent})
+        return arr.nbytes
+
     def _level(self, sample: np.ndarray) -> int | None:
         return zstd_level(sample) if self.compression == "auto" else self.compression
 
@@ -261,12 +288,21 @@ class RunStore:
             t.flush()
         return {path: t.rows for path, t in self.tables.items()}
 
-    def commit(self, rank_attrs: dict[str, Any], root_attrs: dict[str, Any] | None) -> None:
-        """Advance the commit counter: rank state first, then the root (rank 0)."""
-        self.rank_group.attrs.update(fmt.to_json(rank_attrs))
+    def commit(self, state: fmt.RankState, root_attrs: dict[str, Any] | None) -> None:
+        """Advance the commit counters after the data: the rank's state in one
+        write of its ``zarr.json``, then (rank 0) the root's in one write."""
+        self.rank_group.update_attributes(state.to_json())
         if root_attrs is not None:
-            self.root.attrs.update(fmt.to_json(root_attrs))
+            self.root.update_attributes(fmt.to_json(root_attrs))
 
     def trim(self) -> None:
         for t in self.tables.values():
             t.trim()
+
+
+def to_numpy(t) -> tuple[np.ndarray, str | None]:
+    """A host torch tensor as numpy; bfloat16 becomes its uint16 bits."""
+    if str(t.dtype) == "torch.bfloat16":
+        import torch
+        return t.view(torch.int16).numpy().view(np.uint16), fmt.BF16
+    return t.numpy(), None

@@ -1,9 +1,9 @@
 """The one place where hooks are registered on a model, and removed.
 
 A ``HookSet`` turns module calls into named captures and hands each one to a
-callback: ``on_capture(kind, name, tensor, token)``.  ``token`` identifies
-the step a capture belongs to; gradients carry the token of the forward that
-produced them.  Hooks hold only weak references, act only on the modules
+sink (``_step.StepBuffer``, or the Inspector): ``sink.add(kind, name, tensor,
+token)``.  ``sink.current_token()`` identifies the step a capture belongs to;
+gradients carry the token of the forward that produced them.  Hooks hold only weak references, act only on the modules
 they were attached to (so a ``deepcopy`` of the model records nothing), and
 run eagerly under ``torch.compile``.
 """
@@ -11,27 +11,30 @@ run eagerly under ``torch.compile``.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from .naming import input_leaves, join, label, leaves
-from .selection import module_table
+from .format import join, label
+from ._naming import input_leaves, leaves
+from ._selection import module_table
 
 __all__ = ["HookSet"]
 
-Capture = Callable[[str, str, torch.Tensor, object], None]
+class Sink(Protocol):
+    def add(self, kind: str, name: str, tensor: torch.Tensor, token: object) -> None: ...
+
+    def current_token(self) -> object: ...
 
 
 class HookSet:
-    def __init__(self, model: nn.Module, names: list[str], kinds: tuple[str, ...],
-                 on_capture: Capture, token: Callable[[], object]):
+    def __init__(self, model: nn.Module, names: list[str], kinds: tuple[str, ...], sink: Sink):
         table = module_table(model)
         self._modules = [(n, table[n]) for n in names]
         self._kinds = set(kinds)
-        self._on_capture = on_capture
-        self._token = token
+        self._sink = sink
         self._handles: list = []
         self._calls: dict[tuple[str, str], int] = {}
 
@@ -77,22 +80,22 @@ class HookSet:
         return (label(name) + (f"#{k}" if k else "")), k
 
     def _pre(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        token = self._token()
+        token = self._sink.current_token()
         base, k = self._base("pre", name)
         if "inputs" in self._kinds:
             for path, t in input_leaves(args, kwargs):
-                self._on_capture("inputs", join(base, path), t, token)
+                self._sink.add("inputs", join(base, path), t, token)
         if "weights" in self._kinds and k == 0:
             for pname, p in module.named_parameters(recurse=False):
-                self._on_capture("weights", f"{label(name)}:{pname}", p, token)
+                self._sink.add("weights", f"{label(name)}:{pname}", p, token)
 
     def _post(self, name: str, output) -> None:
-        token = self._token()
+        token = self._sink.current_token()
         base, _ = self._base("post", name)
         for path, t in leaves(output):
             full = join(base, path)
             if "activations" in self._kinds:
-                self._on_capture("activations", full, t, token)
+                self._sink.add("activations", full, t, token)
             if "gradients" in self._kinds and t.requires_grad:
                 t.register_hook(_grad_hook(weakref.ref(self), full, token))
 
@@ -119,5 +122,5 @@ def _grad_hook(me: weakref.ref, name: str, token: object):
     def hook(grad):
         hs = me()
         if hs is not None:
-            hs._on_capture("gradients", name, grad, token)
+            hs._sink.add("gradients", name, grad, token)
     return hook

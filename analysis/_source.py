@@ -11,6 +11,7 @@ import json
 import os
 import threading
 
+from recorder import format as fmt
 from recorder.errors import StoreFormatError, StoreNotFoundError
 
 __all__ = ["open_source", "ZarrSource", "H5Source"]
@@ -73,7 +74,7 @@ class H5Source:
 
 def open_source(location) -> ZarrSource | H5Source:
     location = os.fspath(location)
-    local = "://" not in location
+    local = not fmt.is_url(location)
     if local and not os.path.exists(location):
         raise StoreNotFoundError(f"no run at {location!r}; check the path (record one with "
                                  f"`tensortape demo OUT`)")

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
-
 from torch import nn
 
-from .errors import LayerNotFoundError
+from .format import match_layers
 
 __all__ = ["unwrap", "module_table", "select_layers"]
 
@@ -41,28 +38,10 @@ def module_table(model: nn.Module) -> dict[str, nn.Module]:
     return table
 
 
-def _closest(pattern: str, names: list[str]) -> str:
-    shown = [n if n else '"" (the root)' for n in difflib.get_close_matches(pattern, names, n=3, cutoff=0.3)]
-    if not shown:
-        shown = [n for n in names if n][:3]
-    return ", ".join(shown)
-
-
 def select_layers(model: nn.Module, layers: str | list[str] = "*") -> list[str]:
     """Module names matched by one glob pattern or a list of them, in model order.
 
     Each pattern must match at least one module, or ``LayerNotFoundError``
     names it and the closest real names.
     """
-    patterns = [layers] if isinstance(layers, str) else list(layers)
-    names = list(module_table(model))
-    chosen: set[str] = set()
-    for p in patterns:
-        if not isinstance(p, str):
-            raise LayerNotFoundError(f"layer pattern {p!r} is not a string; pass glob patterns like 'encoder.*'")
-        hits = [n for n in names if fnmatch.fnmatchcase(n, p)]
-        if not hits:
-            raise LayerNotFoundError(
-                f"layer pattern {p!r} matches no module; closest names: {_closest(p, names)}")
-        chosen.update(hits)
-    return [n for n in names if n in chosen]
+    return match_layers(list(module_table(model)), layers)

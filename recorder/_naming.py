@@ -1,4 +1,5 @@
-"""How captured values are named: nested outputs, inputs, parameters."""
+"""Which tensors a module's output or inputs hold, and their paths (see
+``format.label`` and ``format.join`` for the recorded names)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,7 @@ from typing import Any
 
 import torch
 
-from .format import ROOT_LABEL
-
-__all__ = ["label", "leaves", "input_leaves", "join"]
-
-
-def label(module_name: str) -> str:
-    """The recorded name of a module: its ``named_modules()`` name, or ``(root)``."""
-    return module_name if module_name else ROOT_LABEL
-
-
-def join(base: str, path: str) -> str:
-    return f"{base}:{path}" if path else base
+__all__ = ["leaves", "input_leaves"]
 
 
 def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:

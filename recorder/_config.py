@@ -47,8 +47,9 @@ class RecorderConfig:
     compression: str | int | None = "auto"
 
     @classmethod
-    def build(cls, *, capture, tensors_every, stats_every, ring, on_nonfinite, max_samples,
-              tensor_dtype, mode, flush_interval, max_pending_bytes,
+    def build(cls, *, capture=("activations", "gradients"), tensors_every=1, stats_every=1,
+              ring=0, on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
+              flush_interval=5.0, max_pending_bytes=1 << 30,
               compression="auto") -> "RecorderConfig":
         if isinstance(capture, str):
             capture = (capture,)

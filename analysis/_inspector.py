@@ -1,0 +1,123 @@
+"""The in-memory, one-batch sibling of the Recorder, for notebooks.
+
+It registers hooks with the recorder's own ``HookSet`` and summarises with the
+recorder's statistics engine, so its numbers are the store's numbers.  For one
+batch it runs the eager kernels: compiling them would cost seconds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import xarray as xr
+from torch import nn
+
+from recorder import format as fmt
+from recorder._config import RecorderConfig
+from recorder._engines import summarize
+from recorder._hooks import HookSet
+from recorder._naming import leaves
+from recorder._selection import select_layers
+from recorder.errors import LayerNotFoundError
+
+__all__ = ["Inspector"]
+
+
+class Inspector:
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._watched: list[tuple[list[str], tuple[str, ...]]] = []
+        self.captured_data: dict[tuple[str, str], torch.Tensor] = {}
+        self._stats: dict[tuple[str, str], tuple[dict, np.ndarray]] = {}
+        self._token: object | None = None
+
+    def watch(self, pattern, what=("activations", "gradients"), *, capture=None) -> list[str]:
+        """Watch the layers a glob pattern (or list) selects; returns their names.
+        ``capture=`` is a synonym of ``what=``, as in ``Recorder``."""
+        if capture is not None:
+            what = capture
+        kinds = RecorderConfig.build(capture=what).capture
+        names = select_layers(self.model, pattern)
+        self._watched.append((names, kinds))
+        return names
+
+    # --- the HookSet's sink -----------------------------------------------------------
+    def current_token(self) -> object:
+        return self._token
+
+    def add(self, kind, name, tensor, token) -> None:
+        if token is None or token is not self._token:
+            return
+        t = tensor.detach()
+        self.captured_data[(name, kind)] = t.to("cpu", copy=True)
+        s = summarize(t, compile=False)
+        self._stats[(name, kind)] = ({k: float(v[0]) for k, v in s.stats.items()}, s.hist[0])
+
+    def run_inspection(self, data, target=None, loss_fn=None):
+        """One forward (and backward, when gradients are watched); returns the output.
+
+        Parameters' ``.grad`` are as they were before the call.
+        """
+        self.captured_data, self._stats = {}, {}
+        self._token = token = object()
+        backward = any(k in fmt.BACKWARD_KINDS for _, kinds in self._watched for k in kinds)
+        saved = {p: p.grad for p in self.model.parameters()} if backward else {}
+        hooksets = [HookSet(self.model, names, kinds, self) for names, kinds in self._watched]
+        try:
+            for h in hooksets:
+                h.attach()
+            if isinstance(data, dict):
+                out = self.model(**data)
+            elif isinstance(data, (tuple, list)):
+                out = self.model(*data)
+            else:
+                out = self.model(data)
+            if backward:
+                for p in saved:
+                    p.grad = None
+                if loss_fn is not None:
+                    loss = loss_fn(out, target)
+                else:
+                    loss = sum(t.float().sum() for _, t in leaves(out) if t.requires_grad)
+                loss.backward()
+                for h, (_, kinds) in zip(hooksets, self._watched):
+                    if "weight_grads" in kinds:
+                        for name, g in h.weight_grads():
+                            self.add("weight_grads", name, g, token)
+        finally:
+            self._token = None
+            for h in hooksets:
+                h.detach()
+            for p, g in saved.items():
+                p.grad = g
+        return out
+
+    def _key(self, layer: str, what: str) -> tuple[str, str]:
+        if (layer, what) not in self._stats:
+            names = sorted({n for n, k in self._stats if k == what})
+            shown = fmt.closest(layer, names) if names else "none (call run_inspection first)"
+            raise LayerNotFoundError(f"no {what} captured for layer {layer!r}; captured: {shown}")
+        return layer, what
+
+    def get_statistics(self, layer: str, what: str = "activations") -> dict[str, float]:
+        """The statistics of one capture (the store's names)."""
+        return dict(self._stats[self._key(layer, what)][0])
+
+    def get_histogram(self, layer: str, what: str = "activations") -> xr.DataArray:
+        """The histogram of one capture in the shared bins: dims (bin,), coords
+        ``bin_lo``/``bin_hi``, and the ``nan``/``posinf``/``neginf`` counts."""
+        stats, hist = self._stats[self._key(layer, what)]
+        lo, hi = fmt.bin_edges()
+        coords = {"bin_lo": ("bin", lo), "bin_hi": ("bin", hi)}
+        coords.update({k: int(stats[k]) for k in ("nan", "posinf", "neginf")})
+        return xr.DataArray(hist, dims=("bin",), coords=coords, name=f"{layer} {what}",
+                            attrs={"layer": layer, "kind": f"{what} (one batch)"})
+
+    def plot_histogram(self, layer: str, what: str = "activations", ax=None):
+        """The histogram of one capture -> Figure."""
+        from . import _plots
+        h = self.get_histogram(layer, what).expand_dims(step=[0])
+        for k in ("nan", "posinf", "neginf"):
+            h.coords[k] = ("step", [int(h.coords[k])])
+        return _plots.histogram(h, ax=ax)
+

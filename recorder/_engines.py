@@ -1,0 +1,196 @@
+"""Statistics engines: one per device type, picked per tensor (``engine_for``).
+
+An engine turns tensors into summary vectors on their own device, with no
+host sync (``reduce``, and ``reduce_many`` for a step's tiny tensors at
+once).  The kernels are the pure functions of ``_summary``; an engine
+decides how to run them: fused by ``torch.compile`` where that works on the
+device, eagerly otherwise (the same numbers), and how to count codes.
+
+- ``CpuEngine``: large tensors get kernels that OpenMP splits across threads,
+  small ones serial kernels; ``bincount`` is split across threads.
+- ``DeviceEngine``: any accelerator; codes are counted with ``index_add_``
+  (``bincount`` there reads its maximum back to the host, a sync per tensor).
+
+``TENSORTAPE_COMPILE=0`` picks the eager kernels everywhere.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import warnings
+
+import numpy as np
+import torch
+
+from . import format as fmt
+from ._summary import (LANES, Summaries, codes, exp_bits_of, finalize, lane_codes,
+                       memory_order, reductions, segment_reductions)
+
+__all__ = ["Engine", "engine_for", "summarize"]
+
+SMALL = 1 << 13                # elements below which a tensor waits for the step's batch
+_PARALLEL_MIN = 1 << 18        # elements from which CPU work is split across threads
+
+
+def _compile_enabled() -> bool:
+    return os.environ.get("TENSORTAPE_COMPILE", "1") not in ("0", "false", "no")
+
+
+class Engine:
+    """Runs the summary kernels on one device type."""
+
+    def __init__(self, device_type: str, compile: bool):
+        self.device_type = device_type
+        self.compile = compile
+        self._compiled: dict = {}
+        self._lock = threading.Lock()
+        self._warned = False
+
+    # --- the public face ---------------------------------------------------------
+    @staticmethod
+    def is_small(x: torch.Tensor) -> bool:
+        """Whether ``x`` waits for the step's batched summary (``reduce_many``):
+        for tiny tensors the fixed cost of a kernel call exceeds the work."""
+        return x.is_floating_point() and 0 < x.numel() < SMALL
+
+    @torch.compiler.disable
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The summary vector of ``x``, on ``x``'s device; no sync."""
+        x = memory_order(x.detach())
+        exp_bits = exp_bits_of(x)
+        if exp_bits == 0:
+            return torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)
+        width = fmt.code_width(exp_bits)
+        counts = self._bincount(self._run(lane_codes, x), LANES * width).view(LANES, width).sum(0)
+        return torch.cat([self._run(reductions, x), counts.to(torch.float64)])
+
+    @torch.compiler.disable
+    def reduce_many(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``reduce`` of many small float tensors of this device, with a few kernels
+        for all of them: segment reductions, and one count of codes offset by
+        segment.  The same vectors as ``reduce``."""
+        out: list = [None] * len(xs)
+        groups: dict = {}
+        for i, x in enumerate(xs):
+            groups.setdefault((x.device, exp_bits_of(x)), []).append(i)
+        for (device, exp_bits), idx in groups.items():
+            parts = [xs[i].detach().reshape(-1) for i in idx]
+            flat = torch.cat([p.to(torch.float64 if exp_bits == 11 else torch.float32) for p in parts])
+            sizes = [p.numel() for p in parts]
+            lengths = torch.tensor(sizes, device=device)
+            seg = torch.repeat_interleave(torch.arange(len(parts), device=device), lengths,
+                                          output_size=sum(sizes))   # known here: no device sync
+            starts = torch.cumsum(lengths, 0) - lengths
+            width = fmt.code_width(exp_bits)
+            counts = self._bincount(self._run(codes, flat) + seg * width,
+                                    len(parts) * width).view(len(parts), width)
+            table = torch.cat([segment_reductions(flat, seg, starts, lengths),
+                               counts.to(torch.float64)], 1)
+            for row, i in zip(table, idx):
+                out[i] = row
+        return out
+
+    # --- how kernels run ------------------------------------------------------------
+    def _parallel(self, x: torch.Tensor) -> bool:
+        return False
+
+    def _run(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """``fn(x)`` as one fused kernel, compiled once per (kernel, dtype, threading)."""
+        if not self.compile:
+            return fn(x)
+        key = (fn, x.dtype, self._parallel(x))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            with self._lock:
+                compiled = self._compiled.get(key)
+                if compiled is None:
+                    compiled = self._compiled[key] = self._compile(fn, x, key[2])
+        if compiled is not False:
+            try:
+                with torch.no_grad():  # one grad mode: no recompiles between forward and backward
+                    return compiled(x)
+            except Exception as e:   # a compiled kernel must never break training
+                self._compiled[key] = False
+                self._warn(fn, e)
+        return fn(x)
+
+    def _compile(self, fn, x: torch.Tensor, parallel: bool):
+        try:
+            probe = torch.tensor([1.0, float("nan"), 0.0, -float("inf")], device=x.device,
+                                 dtype=x.dtype)
+            options = {"cpp.dynamic_threads": parallel} if self.device_type == "cpu" else {}
+            compiled = torch.compile(fn, dynamic=True, options=options)
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(probe), fn(probe), equal_nan=True)
+            return compiled
+        except Exception as e:
+            self._warn(fn, e)
+            return False
+
+    def _warn(self, fn, e: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"tensortape: torch.compile of the {self.device_type} statistics kernel "
+                          f"{fn.__name__} failed ({type(e).__name__}: {str(e)[:120]}); using the "
+                          f"eager kernels, with the same results (set TENSORTAPE_COMPILE=0 to "
+                          f"skip compiling)", RuntimeWarning, stacklevel=2)
+
+    def _bincount(self, code: torch.Tensor, n: int) -> torch.Tensor:
+        ones = torch.ones(1, dtype=torch.int64, device=code.device).expand(code.numel())
+        return torch.zeros(n, dtype=torch.int64, device=code.device).index_add_(0, code, ones)
+
+
+class CpuEngine(Engine):
+    _pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _parallel(self, x: torch.Tensor) -> bool:
+        # the size is unknown at compile time, so inductor would run a large tensor
+        # on one thread; a parallel region costs more than it saves on small ones
+        return x.numel() >= _PARALLEL_MIN
+
+    def _bincount(self, code: torch.Tensor, n: int) -> torch.Tensor:
+        """``bincount`` runs on one thread: large inputs are split and the parts
+        run concurrently (torch releases the GIL); their counts add up exactly."""
+        parts = min(torch.get_num_threads(), 4, code.numel() // _PARALLEL_MIN)
+        if parts < 2:
+            return torch.bincount(code, minlength=n)
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    3, thread_name_prefix="tensortape-bincount")
+        chunks = code.chunk(parts)
+        futures = [self._pool.submit(torch.bincount, c, minlength=n) for c in chunks[1:]]
+        counts = torch.bincount(chunks[0], minlength=n)
+        for f in futures:
+            counts += f.result()
+        return counts
+
+
+class DeviceEngine(Engine):
+    """Any accelerator (CUDA, MPS, XPU): the torch kernels, counted by ``index_add_``."""
+
+
+_engines: dict[tuple[str, bool], Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def engine_for(x: torch.Tensor, compile: bool | None = None) -> Engine:
+    """The statistics engine of ``x``'s device type (compiled kernels unless
+    ``compile=False`` or ``TENSORTAPE_COMPILE=0``)."""
+    key = (x.device.type, _compile_enabled() if compile is None else compile and _compile_enabled())
+    engine = _engines.get(key)
+    if engine is None:
+        with _engines_lock:
+            engine = _engines.get(key)
+            if engine is None:
+                cls = CpuEngine if x.device.type == "cpu" else DeviceEngine
+                engine = _engines[key] = cls(*key)
+    return engine
+
+
+def summarize(x: torch.Tensor, compile: bool | None = None) -> Summaries:
+    """Statistics and histogram of one tensor, on the host (one sync)."""
+    x = x.detach()
+    return finalize([engine_for(x, compile).reduce(x).cpu().numpy()], [exp_bits_of(x)])

@@ -1,0 +1,228 @@
+"""The Recorder: the user's handle on a recording.
+
+It wires the one-way flow and owns the lifecycle, nothing more::
+
+    hooks (_hooks) -> captures -> step buffer and ring (_step) -> writer (_writer)
+        -> tables (_store) -> commit
+
+Settings are validated once (``_config``); the run's durable state lives with
+the writer.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import format as fmt
+from ._config import RecorderConfig
+from ._hooks import HookSet
+from ._selection import select_layers, unwrap
+from ._step import StepBuffer
+from ._store import RunStore, check_mode, open_root
+from ._writer import Writer
+from .errors import InspectionError, NonFiniteError
+
+__all__ = ["Recorder"]
+
+
+def _rank_and_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_ranks_then(world: int, error: BaseException | None) -> None:
+    """Wait for every rank (under torch.distributed), then raise ``error`` if any."""
+    if world > 1:
+        torch.distributed.barrier()
+    if error is not None:
+        raise error
+
+
+class _StepScope:
+    """What ``rec.step()`` returns: ending it ends the step."""
+
+    def __init__(self, rec: "Recorder"):
+        self._rec = rec
+
+    def __enter__(self):
+        return self._rec
+
+    def __exit__(self, exc_type, exc, tb):
+        self._rec._end_step(raise_nonfinite=exc_type is None)
+        return False
+
+
+class Recorder:
+    """Record activations and gradients of chosen layers into a Zarr store.
+
+    See the README and ``shared/SPEC.md`` for every argument.  Beyond the
+    SPEC: ``flush_interval`` (seconds between commits, default 5),
+    ``max_pending_bytes`` (snapshot bytes queued for the writer before the
+    training thread waits, default 1 GiB) and ``compression`` of full tensors
+    (``"auto"``: zstd level 1 where it shrinks an array's first step by 10% or
+    more, else zstd's fast mode; or a zstd level for every array; or ``None``).
+    """
+
+    def __init__(self, model: nn.Module, store, *, layers="*",
+                 capture=("activations", "gradients"), tensors_every=1, stats_every=1, ring=0,
+                 on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
+                 metadata=None, flush_interval=5.0, max_pending_bytes=1 << 30,
+                 compression="auto"):
+        self.config = RecorderConfig.build(
+            capture=capture, tensors_every=tensors_every, stats_every=stats_every, ring=ring,
+            on_nonfinite=on_nonfinite, max_samples=max_samples, tensor_dtype=tensor_dtype,
+            mode=mode, flush_interval=flush_interval, max_pending_bytes=max_pending_bytes,
+            compression=compression)
+        self.metadata = fmt.to_json(metadata or {})
+        self.store_location = os.fspath(store)
+        self.layers = select_layers(model, layers)
+        self.rank, self._world = _rank_and_world()
+        self._model_class = type(unwrap(model)).__qualname__
+        self._model = model
+        self._hooks: HookSet | None = None
+        self._writer: Writer | None = None
+        self._buffer: StepBuffer | None = None
+        self._closed = False
+        self._last_step: int | None = None
+        self._dropped_before = 0
+        error = None
+        try:
+            check_mode(self.store_location, self.config.mode)   # before any hook
+        except Exception as e:        # raised after the barrier, so no other rank hangs
+            error = e
+        _all_ranks_then(self._world, error)      # every rank looks before rank 0 creates
+
+    # --- lifecycle ------------------------------------------------------------
+    def attach(self) -> "Recorder":
+        """Open the store and register the hooks (``__enter__`` calls it)."""
+        if self._closed:
+            raise InspectionError("this Recorder is closed; create a new one to record again")
+        if self._writer is not None:
+            return self
+        cfg = self.config
+        root, error = None, None
+        if self.rank == 0:                        # applies the mode to the run as a whole
+            try:
+                root = open_root(self.store_location, cfg.mode)
+            except Exception as e:
+                error = e
+        _all_ranks_then(self._world, error)
+        if root is None:
+            root = open_root(self.store_location, cfg.mode, self.rank)
+        store = RunStore(root, self.rank, cfg.compression)
+        state = store.state() if cfg.mode == "a" else fmt.RankState(rank=self.rank)
+        state.rank = self.rank
+        root_base = None
+        if self.rank == 0:
+            old = dict(root.attrs) if cfg.mode == "a" else {}
+            root_base = dict(
+                old, tensortape_format=fmt.FORMAT_VERSION, status=fmt.STATUS_RECORDING,
+                torch_version=torch.__version__, model_class=self._model_class,
+                config=cfg.to_json(), metadata=self.metadata or old.get("metadata", {}))
+            root_base.setdefault("created", datetime.now(timezone.utc).isoformat())
+            store.commit(state, fmt.root_attrs(state, root_base))
+        self._last_step, self._dropped_before = state.last_step, state.dropped
+        self._buffer = StepBuffer(cfg, state.layers)
+        self._writer = Writer(store, state, root_base, cfg.flush_interval, cfg.max_pending_bytes)
+        self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
+        self._model = None
+        self._hooks.attach()
+        return self
+
+    def close(self, status: str = fmt.STATUS_COMPLETE) -> None:
+        """End any open step, flush everything, and remove every hook. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._buffer is not None and self._buffer.step is not None:
+                self._end_step(raise_nonfinite=False)
+        finally:
+            self._model = None
+            if self._hooks is not None:
+                self._hooks.detach()
+            if self._writer is not None:
+                late = self._buffer.pending_record()
+                if late is not None:
+                    self._writer.put(late)
+                self._buffer.clear()
+                self._writer.close(status)
+
+    def __enter__(self) -> "Recorder":
+        return self.attach()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close(fmt.STATUS_INTERRUPTED if exc_type is not None else fmt.STATUS_COMPLETE)
+        return False
+
+    def __del__(self):
+        if getattr(self, "_closed", True):
+            return
+        if getattr(self, "_writer", None) is None:
+            return
+        warnings.warn(f"tensortape: a Recorder of {self.store_location!r} was never closed; it is "
+                      f"closed now with status 'interrupted' (use `with Recorder(...)` or call "
+                      f"close())", ResourceWarning, stacklevel=2)
+        try:
+            self.close(fmt.STATUS_INTERRUPTED)
+        except Exception:       # never raise from a finaliser
+            pass
+
+    @property
+    def dropped(self) -> int:
+        """Late gradients dropped in this run (see the README)."""
+        return self._dropped_before + (self._buffer.dropped_total if self._buffer else 0)
+
+    # --- steps ----------------------------------------------------------------
+    def step(self, i: int | None = None) -> _StepScope:
+        """Begin step ``i`` (default: the previous step plus 1, from 0)."""
+        if self._writer is None:
+            if self._closed:
+                raise InspectionError("this Recorder is closed; create a new one to record again")
+            self.attach()
+        if self._buffer.step is not None:
+            self._end_step(raise_nonfinite=True)
+        if i is None:
+            i = 0 if self._last_step is None else self._last_step + 1
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
+            raise InspectionError(f"step {i!r} is not an integer; call rec.step() or rec.step(int)")
+        self._buffer.begin(int(i))
+        self._hooks.new_step()
+        return _StepScope(self)
+
+    def flush(self) -> None:
+        """Block until every finished step is written and committed."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _end_step(self, raise_nonfinite: bool) -> None:
+        buffer, cfg = self._buffer, self.config
+        step = buffer.step
+        if step is None:
+            return
+        try:
+            if "weight_grads" in cfg.capture:
+                for name, g in self._hooks.weight_grads():
+                    buffer.add("weight_grads", name, g, buffer.token)
+        finally:
+            self._last_step = step
+            records = buffer.end()
+        for rec in records:
+            self._writer.put(rec)
+        events = records[-1].events if records and records[-1].step == step else []
+        if events and cfg.on_nonfinite == "raise":
+            self._writer.flush()
+            if raise_nonfinite:
+                e = events[0]
+                raise NonFiniteError(
+                    f"step {step}: {e.kind} of layer {e.layer!r} holds {e.nan} NaN, "
+                    f"{e.posinf} +Inf and {e.neginf} -Inf values (first of {len(events)} "
+                    f"non-finite captures in this step); the ring and this step were dumped")
