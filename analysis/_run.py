@@ -5,7 +5,6 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-import dask.array as da
 import numpy as np
 import xarray as xr
 
@@ -209,7 +208,10 @@ class Run:
         return out
 
     # --- full tensors --------------------------------------------------------------
-    def _lazy(self, path: str) -> da.Array:
+    def _lazy(self, path: str):
+        """A lazy dask array of a store array, chunked like it (dask loads here:
+        commands that only read attributes start faster)."""
+        import dask.array as da
         arr = self.source.array(path)
         chunks = getattr(arr, "chunks", None) or arr.shape
         return da.from_array(arr, chunks=chunks, lock=self.source.lock, name=f"{self.path}:{path}")

@@ -24,16 +24,21 @@ class InplaceMLP(nn.Module):
 
 
 def reference_capture(model, names, run_steps):
-    """Plain forward hooks and tensor hooks on a copy: the ground truth."""
+    """Plain forward hooks and tensor hooks on a copy: the ground truth (tuple
+    outputs by index, as ``name:i``)."""
     got = {}
     mods = dict(model.named_modules())
     step = {"i": None}
     handles = []
     for n in names:
         def fwd(m, a, out, n=n):
-            got[("activations", n, step["i"])] = out.detach().clone()
-            if out.requires_grad:
-                out.register_hook(lambda g: got.__setitem__(("gradients", n, step["i"]), g.detach().clone()))
+            leaves = [(n, out)] if isinstance(out, torch.Tensor) else [
+                (f"{n}:{i}", t) for i, t in enumerate(out) if isinstance(t, torch.Tensor)]
+            for name, t in leaves:
+                got[("activations", name, step["i"])] = t.detach().clone()
+                if t.requires_grad:
+                    t.register_hook(lambda g, name=name, i=step["i"]:
+                                    got.__setitem__(("gradients", name, i), g.detach().clone()))
         handles.append(mods[n].register_forward_hook(fwd))
     run_steps(model, step)
     for h in handles:

@@ -34,18 +34,17 @@ def _batches(i):
 ])
 def test_values_are_bit_exact_against_plain_hooks(tmp_store, make, names, batches):
     ref_model = make()
-    plain = [n for n in names if "self_attn" not in n]
-    expect = reference_capture(ref_model, plain, lambda m, box: train(m, 3, batches, step_box=box))
+    expect = reference_capture(ref_model, names, lambda m, box: train(m, 3, batches, step_box=box))
     model = make()
     with Recorder(model, tmp_store, layers=names) as rec:
         train(model, 3, batches, rec=rec)
     run = open_run(tmp_store)
+    assert {(k, n) for k, n, _ in expect} == {(k, n) for k in run.kinds for n in run.tensor_layers(k)}
+    assert len(expect) == 3 * 2 * len(names)    # every layer, both kinds, every step
     for (kind, name, step), want in expect.items():
         got = run.tensor(name, kind, step=step).values
         assert got.dtype == want.numpy().dtype
         np.testing.assert_array_equal(got, want.numpy(), err_msg=f"{kind} {name} step {step}")
-    # the attention block returns a tuple (output, None): its tensor leaf is ":0"
-    assert "layers.0.self_attn:0" in run.layers if "layers.0.self_attn" in names else True
 
 
 def test_inplace_relu_after_linear_does_not_change_the_snapshot(tmp_store):
@@ -296,13 +295,44 @@ def test_hugging_face_model_from_config(tmp_store):
     assert "bert.encoder.layer.1.output.dense" in run.stats("gradients").layer.values
 
 
-def test_no_pickle_anywhere():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for pkg in ("recorder", "analysis"):
-        for name in os.listdir(os.path.join(root, pkg)):
-            if name.endswith(".py"):
-                text = open(os.path.join(root, pkg, name)).read()
-                assert "import pickle" not in text and "torch.load" not in text and "allow_pickle=True" not in text
+def test_reading_a_store_never_unpickles(tmp_path, monkeypatch):
+    """Every read path (open, statistics, tensors, post-mortem, export, and the
+    HDF5 export read back) with pickle.load(s) and torch.load made to fail:
+    opening a store executes nothing.  (dask's tokenizer round-trips its own
+    in-memory graph objects through pickle; that is allowed.)"""
+    import pickle
+    import sys
+
+    store = str(tmp_path / "run.zarr")
+    model = InplaceMLP()
+    with Recorder(model, store, capture=("activations", "gradients", "inputs", "weights",
+                                         "weight_grads"), ring=2, on_nonfinite="dump",
+                  metadata={"lr": np.float32(0.5), "steps": torch.tensor(3)}) as rec:
+        for i in range(3):
+            with rec.step():
+                x = torch.randn(2, 8)
+                if i == 2:
+                    x[0, 0] = float("nan")
+                model(x).sum().backward()
+
+    def guard(real):
+        def refuse(*a, **k):
+            if sys._getframe(1).f_globals.get("__name__") == "dask.tokenize":
+                return real(*a, **k)
+            raise AssertionError("store data was unpickled")
+        return refuse
+    for name in ("load", "loads"):
+        monkeypatch.setattr(pickle, name, guard(getattr(pickle, name)))
+    monkeypatch.setattr(torch, "load", guard(torch.load))
+    for path in (store, open_run(store).to_hdf5(str(tmp_path / "run.h5"))):
+        run = open_run(path)
+        assert run.metadata == {"lr": 0.5, "steps": 3}
+        assert run.first_nonfinite().step == 2
+        assert set(run.kinds) == {"activations", "gradients", "inputs", "weights", "weight_grads"}
+        for kind in run.kinds:
+            run.stats(kind).compute()
+            for layer in run.tensor_layers(kind):
+                run.tensor(layer, kind).compute()
 
 
 CHILD = textwrap.dedent("""

@@ -4,11 +4,38 @@ import pytest
 import torch
 from torch import nn
 
-from analysis import open_run
+from analysis import Inspector, open_run
 from recorder import NonFiniteError, Recorder
 from recorder import format as fmt
-from recorder.summary import _codes, _fused, _reductions, reduce, reduce_many, summarize
 from conftest import transformer
+
+
+def inspect(x):
+    """Statistics and histogram of one tensor, through the public Inspector."""
+    ident = nn.Identity()
+    insp = Inspector(ident)
+    insp.watch("", what="activations")
+    insp.run_inspection(x)
+    return insp.get_statistics("(root)"), insp.get_histogram("(root)").values
+
+
+class Emit(nn.Module):
+    """A model whose output is the given tensors (each recorded as ``(root):i``)."""
+    def __init__(self, xs):
+        super().__init__()
+        self.xs = xs
+
+    def forward(self, _=None):
+        return tuple(self.xs)
+
+
+def record_tensors(store, xs):
+    model = Emit(xs)
+    with Recorder(model, store, layers="", capture="activations", tensors_every=None) as rec:
+        with rec.step():
+            model()
+    run = open_run(store)
+    return run.stats().isel(step=0).compute(), run
 
 
 def test_statistics_equal_numpy_on_the_stored_tensor(tmp_store):
@@ -43,8 +70,8 @@ def _numpy_hist(a, lo, hi):
 
 def test_nan_and_inf_are_counted_and_never_poison_the_rest():
     x = torch.tensor([1.0, -3.0, 0.0, float("nan"), float("inf"), -float("inf"), 2.0, -0.0])
-    for dtype in (torch.float32, torch.float64, torch.bfloat16):
-        stats, hist = summarize(x.to(dtype))
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        stats, hist = inspect(x.to(dtype))
         assert (stats["nan"], stats["posinf"], stats["neginf"], stats["count"]) == (1, 1, 1, 8)
         f = np.array([1.0, -3.0, 0.0, 2.0, 0.0])
         np.testing.assert_allclose([stats["mean"], stats["std"], stats["min"], stats["max"],
@@ -55,36 +82,56 @@ def test_nan_and_inf_are_counted_and_never_poison_the_rest():
 
 def test_a_nan_with_low_mantissa_bits_is_still_a_nan():
     x = torch.tensor([0x7F800001, 0xFF800002, 0x7F800000], dtype=torch.int64).to(torch.int32).view(torch.float32)
-    stats, hist = summarize(x)
+    stats, hist = inspect(x)
     assert (stats["nan"], stats["posinf"], stats["neginf"]) == (2, 1, 0) and hist.sum() == 0
 
 
-def test_compiled_and_eager_summaries_agree():
+def _awkward_tensors():
     x = torch.randn(1000) * 10 + 1e4       # a large mean: the shifted variance stays exact
     x[1::97] = float("nan")
     x[5] = -float("inf")
     big = torch.randn(64, 8192).relu()      # large: the kernels split across threads
     big[3, ::7] = float("nan")
-    cases = [x.to(d) for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)]
-    for y in cases + [big, big.t()]:
-        np.testing.assert_allclose(_fused(_reductions, y).numpy(), _reductions(y).numpy(), rtol=1e-9)
-        assert torch.equal(_fused(_codes, y), _codes(y))
-    for first in (x[0], 1e30):            # the shift: a typical value, then a huge outlier
-        x[0] = first
+    outlier = x.clone()
+    outlier[0] = 1e30                       # the shift is a huge outlier
+    return [x.to(d) for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)] + [
+        big, big.t(), outlier, torch.randn(4, 3, 5).permute(2, 0, 1)]
+
+
+def test_compiled_and_eager_kernels_record_the_same_statistics(tmp_path, monkeypatch):
+    xs = _awkward_tensors()
+    got = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("TENSORTAPE_COMPILE", flag)
+        got[flag] = record_tensors(str(tmp_path / f"c{flag}.zarr"), xs)
+    (a, run_a), (b, run_b) = got["1"], got["0"]
+    for s in ("count", "nan", "posinf", "neginf", "min", "max", "abs_max", "zero_frac"):
+        np.testing.assert_array_equal(a[s].values, b[s].values, err_msg=s)
+    for s in ("mean", "std", "norm"):
+        np.testing.assert_allclose(a[s].values, b[s].values, rtol=1e-9, err_msg=s)
+    for layer in run_a.stats().layer.values:
+        np.testing.assert_array_equal(run_a.histogram(str(layer), step=0).values,
+                                      run_b.histogram(str(layer), step=0).values)
+    for i, x in enumerate(xs):                 # and both equal numpy, in float64
         f = x[torch.isfinite(x)].double().numpy()
-        stats, _ = summarize(x)
-        np.testing.assert_allclose([stats["mean"], stats["std"], stats["norm"]],
-                                   [f.mean(), f.std(), np.linalg.norm(f)], rtol=1e-12)
+        np.testing.assert_allclose([a["mean"].values[i], a["std"].values[i], a["norm"].values[i]],
+                                   [f.mean(), f.std(), np.linalg.norm(f)], rtol=1e-9)
 
 
-def test_batched_small_tensors_summarise_exactly_like_one_at_a_time():
+def test_tiny_tensors_summarised_together_equal_one_at_a_time(tmp_store):
+    """A step's tiny tensors share kernels; their statistics must not show it."""
     xs = [torch.randn(5, 7), torch.tensor([0.0, -0.0, float("nan"), float("inf"), 1.0]),
           torch.randn(300).double(), torch.randn(64).bfloat16(), torch.full((3,), float("nan")),
           torch.randn(2, 3).t(), torch.randn(40, dtype=torch.float16) * 1e4]
-    for x, batched in zip(xs, reduce_many(xs)):
-        one = reduce(x).numpy()
-        np.testing.assert_allclose(batched.numpy(), one, rtol=1e-12, equal_nan=True)
-        np.testing.assert_array_equal(batched.numpy()[6:], one[6:])   # counts: identical
+    stats, run = record_tensors(tmp_store, xs)
+    for i, x in enumerate(xs):
+        one, hist = inspect(x)
+        row = stats.sel(layer=f"(root):{i}")
+        for s in ("count", "nan", "posinf", "neginf", "min", "max", "zero_frac"):
+            np.testing.assert_array_equal(row[s].item(), one[s], err_msg=f"{s} of tensor {i}")
+        np.testing.assert_allclose([row[s].item() for s in ("mean", "std", "norm")],
+                                   [one[s] for s in ("mean", "std", "norm")], rtol=1e-12)
+        np.testing.assert_array_equal(run.histogram(f"(root):{i}", step=0).values, hist)
 
 
 def test_integer_tensors_get_a_count_only(tmp_store):

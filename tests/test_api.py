@@ -1,0 +1,110 @@
+"""The package surface: exported names, torch-free reading, and the recorder's lifecycle."""
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import analysis
+import recorder
+from analysis import open_run
+from recorder import Recorder
+from conftest import InplaceMLP, has_hooks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_exported_names_are_exactly_the_documented_ones():
+    assert recorder.__all__ == sorted([
+        "Recorder", "select_layers", "RecorderError", "LayerNotFoundError", "InspectionError",
+        "NonFiniteError", "StoreExistsError", "StoreNotFoundError", "StoreFormatError"])
+    assert analysis.__all__ == sorted([
+        "open_run", "Run", "NonFiniteEvent", "FirstNonFinite", "compare_runs",
+        "first_divergence", "plot_comparison", "Inspector"])
+    for pkg in (recorder, analysis):
+        for name in pkg.__all__:
+            assert getattr(pkg, name) is not None
+        public = {n for n in os.listdir(os.path.dirname(pkg.__file__))
+                  if n.endswith(".py") and not n.startswith("_")}
+        assert public <= {"errors.py", "format.py", "integrations.py"}, public
+
+
+def test_every_error_is_also_the_matching_builtin():
+    from recorder import errors
+    assert issubclass(errors.LayerNotFoundError, LookupError)
+    assert issubclass(errors.StoreExistsError, FileExistsError)
+    assert issubclass(errors.StoreNotFoundError, FileNotFoundError)
+    assert issubclass(errors.NonFiniteError, FloatingPointError)
+    assert issubclass(errors.ConfigError, ValueError)
+    for cls in (errors.LayerNotFoundError, errors.StoreFormatError, errors.InspectionError):
+        assert issubclass(cls, errors.RecorderError)
+
+
+DRIVER = textwrap.dedent("""
+    import sys
+    import cli
+    try:
+        cli.main(sys.argv[1:])
+    except SystemExit as e:
+        code = e.code
+    heavy = [m for m in ("torch", "torch._dynamo") if m in sys.modules]
+    print("HEAVY", heavy, "EXIT", code)
+""")
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("api")
+    paths = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = InplaceMLP(seed)
+        path = str(d / f"r{seed}.zarr")
+        with Recorder(model, path, layers="fc*") as rec:
+            for _ in range(3):
+                with rec.step():
+                    model(torch.randn(2, 8)).sum().backward()
+        paths.append(path)
+    return paths, d
+
+
+@pytest.mark.parametrize("args", [
+    ["--help"], ["info", "A"], ["stats", "A", "--format", "json"], ["nan", "A"],
+    ["plot", "A", "--layer", "fc1", "-o", "OUT/p.png"], ["compare", "A", "B"],
+    ["export", "A", "OUT/a.h5"],
+])
+def test_reading_commands_never_import_torch(two_runs, args):
+    (a, b), out = two_runs
+    args = [a if x == "A" else b if x == "B" else x.replace("OUT", str(out)) for x in args]
+    p = subprocess.run([sys.executable, "-c", DRIVER, *args], capture_output=True, text=True,
+                       cwd=ROOT)
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("HEAVY []"), (last, p.stderr[-2000:])
+    assert not last.endswith("EXIT 2"), p.stderr
+
+
+def test_importing_the_packages_leaves_torch_out():
+    code = ("import sys, analysis, recorder, recorder.format, recorder.errors; "
+            "print([m for m in ('torch', 'xarray', 'matplotlib') if m in sys.modules])")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       check=True)
+    assert json.loads(p.stdout.replace("'", '"')) == ["xarray"]      # analysis needs xarray
+
+
+def test_an_unclosed_recorder_is_closed_as_interrupted_on_collection(tmp_store):
+    model = InplaceMLP()
+    rec = Recorder(model, tmp_store, layers="fc1").attach()
+    with rec.step(0):
+        model(torch.randn(2, 8)).sum().backward()
+    rec.step(1)
+    model(torch.randn(2, 8)).sum().backward()
+    with pytest.warns(ResourceWarning, match="never closed"):
+        del rec
+        gc.collect()
+    assert not has_hooks(model)
+    run = open_run(tmp_store)
+    assert run.status == "interrupted" and run.steps().tolist() == [0, 1]
