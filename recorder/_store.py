@@ -196,56 +196,51 @@ class RunStore:
         return fmt.RankState.from_json(dict(self.rank_group.attrs) or {"rank": self.rank})
 
     # --- tables --------------------------------------------------------------
-    def stats_table(self, kind: str, n_layers: int, committed: int) -> Table:
-        path = fmt.stats_group(self.rank, kind)
-        if path in self.tables:
-            return self.tables[path]
-        if committed:
-            g = self.root[path]
-            cols = {n: g[n] for n in fmt.STATS_COLUMNS}
-        else:
-            g = self.root.require_group(path)
-            lo, hi = fmt.bin_edges()
-            _array(g, "bin_lo", lo.shape, lo.shape, "float64", np.nan, ["bin"])[:] = lo
-            _array(g, "bin_hi", hi.shape, hi.shape, "float64", np.nan, ["bin"])[:] = hi
-            cols = {"step": _array(g, "step", (0,), (STATS_CHUNK_ROWS,), "int64", -1, ["step"])}
-            for s in fmt.STATS:
-                cols[s] = _array(g, s, (0, n_layers), (STATS_CHUNK_ROWS, LAYER_CHUNK), "float64",
-                                 np.nan, ["step", "layer"])
-            cols["hist"] = _array(g, "hist", (0, n_layers, fmt.NBINS),
-                                  (HIST_CHUNK_ROWS, HIST_LAYER_CHUNK, fmt.NBINS), "int64", 0,
-                                  ["step", "layer", "bin"])
-            g.attrs.update({"kind": kind})
-        table = self.tables[path] = Table(g, cols, committed)
+    def _table(self, path: str, committed: int, create) -> Table:
+        """The open table at ``path``: the store's arrays when it has committed
+        rows, else new ones made by ``create(group)``."""
+        table = self.tables.get(path)
+        if table is None:
+            if committed:
+                g = self.root[path]
+                cols = {n: g[n] for n in fmt.parse_path(path).columns}
+            else:
+                g = self.root.require_group(path)
+                cols = create(g)
+            table = self.tables[path] = Table(g, cols, committed)
         return table
 
-    def tensor_table(self, kind: str, layer: str, sample: np.ndarray, logical: str | None,
-                     committed: int) -> Table:
-        path = fmt.tensor_group(self.rank, kind, layer)
-        if path in self.tables:
-            return self.tables[path]
-        if committed:
-            g = self.root[path]
-            cols = {n: g[n] for n in fmt.TENSOR_COLUMNS}
-        else:
-            g = self.root.require_group(path)
-            g.attrs.update({"name": layer, "kind": kind})
-            row_bytes = max(sample.nbytes, 1)
-            k = int(min(64, max(1, CHUNK_BYTES // row_bytes)))
-            inner = tuple(max(d, 1) for d in sample.shape)
-            attrs = {fmt.BF16_ATTR: logical} if logical else {}
-            dims = ["step", *(f"dim_{i}" for i in range(sample.ndim))]
-            cols = {
-                "data": _array(g, "data", (0, *sample.shape), (k, *inner), sample.dtype,
-                               _fill_for(sample.dtype) if not logical else 0x7FC0, dims, attrs,
-                               level=self._level(sample)),
-                "step": _array(g, "step", (0,), (SMALL_CHUNK_ROWS,), "int64", -1, ["step"]),
-                "extent": _array(g, "extent", (0, max(sample.ndim, 1)),
-                                 (SMALL_CHUNK_ROWS, max(sample.ndim, 1)), "int64", -1,
-                                 ["step", "axis"]),
-            }
-        table = self.tables[path] = Table(g, cols, committed)
-        return table
+    @staticmethod
+    def _new_stats(g: zarr.Group, kind: str, n_layers: int) -> dict[str, zarr.Array]:
+        lo, hi = fmt.bin_edges()
+        _array(g, "bin_lo", lo.shape, lo.shape, "float64", np.nan, ["bin"])[:] = lo
+        _array(g, "bin_hi", hi.shape, hi.shape, "float64", np.nan, ["bin"])[:] = hi
+        cols = {"step": _array(g, "step", (0,), (STATS_CHUNK_ROWS,), "int64", -1, ["step"])}
+        for s in fmt.STATS:
+            cols[s] = _array(g, s, (0, n_layers), (STATS_CHUNK_ROWS, LAYER_CHUNK), "float64",
+                             np.nan, ["step", "layer"])
+        cols["hist"] = _array(g, "hist", (0, n_layers, fmt.NBINS),
+                              (HIST_CHUNK_ROWS, HIST_LAYER_CHUNK, fmt.NBINS), "int64", 0,
+                              ["step", "layer", "bin"])
+        g.update_attributes({"kind": kind})
+        return cols
+
+    def _new_tensor(self, g: zarr.Group, kind: str, layer: str, sample: np.ndarray,
+                    logical: str | None) -> dict[str, zarr.Array]:
+        g.update_attributes({"name": layer, "kind": kind})
+        k = int(min(64, max(1, CHUNK_BYTES // max(sample.nbytes, 1))))
+        inner = tuple(max(d, 1) for d in sample.shape)
+        attrs = {fmt.BF16_ATTR: logical} if logical else {}
+        dims = ["step", *(f"dim_{i}" for i in range(sample.ndim))]
+        return {
+            "data": _array(g, "data", (0, *sample.shape), (k, *inner), sample.dtype,
+                           _fill_for(sample.dtype) if not logical else 0x7FC0, dims, attrs,
+                           level=self._level(sample)),
+            "step": _array(g, "step", (0,), (SMALL_CHUNK_ROWS,), "int64", -1, ["step"]),
+            "extent": _array(g, "extent", (0, max(sample.ndim, 1)),
+                             (SMALL_CHUNK_ROWS, max(sample.ndim, 1)), "int64", -1,
+                             ["step", "axis"]),
+        }
 
     # --- rows -------------------------------------------------------------------
     def append_stats(self, kind: str, step: int, names: list[str], layers: list[str],
@@ -253,7 +248,8 @@ class RunStore:
         """One step's statistics of ``layers`` as a row of the kind's table, whose
         layer axis is ``names`` (the run's rows so far); absent layers are NaN."""
         n = len(names)
-        table = self.stats_table(kind, n, committed)
+        table = self._table(fmt.stats_group(self.rank, kind), committed,
+                            lambda g: self._new_stats(g, kind, n))
         index = {name: i for i, name in enumerate(names)}
         rows = [index[layer] for layer in layers]
         row = {s: np.full(n, np.nan) for s in fmt.STATS}
@@ -270,7 +266,8 @@ class RunStore:
         """One step's full tensor (a host torch tensor) as a row of its table; the
         bytes written, or -1 when its rank or dtype differs from the table's."""
         arr, logical = to_numpy(t)
-        table = self.tensor_table(kind, layer, arr, logical, committed)
+        table = self._table(fmt.tensor_group(self.rank, kind, layer), committed,
+                            lambda g: self._new_tensor(g, kind, layer, arr, logical))
         data = table.columns["data"].array
         if data.ndim - 1 != arr.ndim or data.dtype != arr.dtype:
             return -1
