@@ -3,25 +3,36 @@
 A ``HookSet`` turns module calls into named captures and hands each one to a
 sink (``_step.StepBuffer``, or the Inspector): ``sink.add(kind, name, tensor,
 token)``.  ``sink.current_token()`` identifies the step a capture belongs to;
-gradients carry the token of the forward that produced them.  Hooks hold only weak references, act only on the modules
-they were attached to (so a ``deepcopy`` of the model records nothing), and
-run eagerly under ``torch.compile``.
+gradients carry the token of the forward call that produced them.
+
+The hooks are traceable by ``torch.compile``: they only walk a module's
+output (or inputs) and call tensortape's custom ops (``_ops``) on each tensor,
+and register a gradient hook that calls the other op.  So recording adds no
+graph break; everything stateful (names, call counts, steps) happens at run
+time, in ``on_forward`` and ``on_gradient``.  Attaching also makes sure that
+code compiled without the hooks is not reused (``_see_hooks``).
+
+Hooks act only on the modules they were attached to: a ``deepcopy`` of the
+model (an EMA or evaluation copy) carries no-op hooks.
 """
 
 from __future__ import annotations
 
-import weakref
+import functools
+import warnings
 from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from .format import join, label
+from . import _ops
 from ._naming import input_leaves, leaves
-from ._selection import module_table
+from ._selection import module_table, unwrap
+from .format import join, label
 
 __all__ = ["HookSet"]
+
 
 class Sink(Protocol):
     def add(self, kind: str, name: str, tensor: torch.Tensor, token: object) -> None: ...
@@ -32,35 +43,44 @@ class Sink(Protocol):
 class HookSet:
     def __init__(self, model: nn.Module, names: list[str], kinds: tuple[str, ...], sink: Sink):
         table = module_table(model)
+        self._root = unwrap(model)
         self._modules = [(n, table[n]) for n in names]
         self._kinds = set(kinds)
         self._sink = sink
         self._handles: list = []
         self._calls: dict[tuple[str, str], int] = {}
+        self._names: dict[str, str] = {}                     # module -> base name of its call
+        self._serials: dict[int, tuple[object, str]] = {}     # gradients expected: this step
+        self._older: dict[int, tuple[object, str]] = {}       # and the step before
+        self._serial = 0
+        self._probe: tuple | None = None
+        self.id = _ops.register(self)
 
     @property
     def attached(self) -> bool:
         return bool(self._handles)
 
     def attach(self) -> None:
-        me = weakref.ref(self)
-        want_pre = self._kinds & {"inputs", "weights"}
-        want_post = self._kinds & {"activations", "gradients"}
+        pre = frozenset(self._kinds & {"inputs", "weights"})
+        post = frozenset(self._kinds & {"activations", "gradients"})
         for name, module in self._modules:
-            target = weakref.ref(module)
-            if want_pre:
+            if pre:
                 self._handles.append(module.register_forward_pre_hook(
-                    _pre_hook(me, target, name), with_kwargs=True))
-            if want_post:
-                self._handles.append(module.register_forward_hook(_post_hook(me, target, name)))
+                    _PreHook(self.id, name, pre), with_kwargs=True))
+            if post:
+                self._handles.append(module.register_forward_hook(_PostHook(self.id, name, post)))
+        _see_hooks([self._root] + [m for _, m in self._modules])
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        _ops.unregister(self.id)
 
     def new_step(self) -> None:
         self._calls.clear()
+        self._older, self._serials = self._serials, {}
+        self._probe = self._grad_state()
 
     def weight_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``module:param`` and ``.grad`` of every hooked module's own parameters."""
@@ -69,58 +89,108 @@ class HookSet:
                 if p.grad is not None:
                     yield f"{label(name)}:{pname}", p.grad
 
-    # --- called from the hooks ------------------------------------------------
-    def _call_index(self, what: str, name: str) -> int:
-        k = self._calls.get((what, name), 0)
-        self._calls[(what, name)] = k + 1
-        return k
+    def backward_ran(self) -> bool:
+        """Whether a gradient reached the model's first parameter since ``new_step``:
+        the model ran, whether or not its hooks did."""
+        return self._probe is not None and self._grad_state() != self._probe
 
-    def _base(self, what: str, name: str) -> tuple[str, int]:
-        k = self._call_index(what, name)
-        return (label(name) + (f"#{k}" if k else "")), k
+    def _grad_state(self):
+        p = next(self._root.parameters(), None)
+        g = None if p is None else p.grad
+        return ("grad", None) if g is None else ("grad", id(g), g._version)
 
-    def _pre(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    # --- called by the custom ops, at run time -------------------------------------
+    def on_forward(self, x: torch.Tensor, module: str, path: str, what: str, first: bool) -> int:
+        """One tensor of a module call; the serial its gradient will carry (or -1)."""
         token = self._sink.current_token()
-        base, k = self._base("pre", name)
-        if "inputs" in self._kinds:
+        phase = "pre" if what in ("inputs", "weights") else "post"
+        if first:                                   # a new call of the module
+            k = self._calls.get((phase, module), 0)
+            self._calls[(phase, module)] = k + 1
+            self._names[phase + module] = label(module) + (f"#{k}" if k else "")
+        if what == "weights":
+            if self._calls.get((phase, module)) == 1:   # a module's weights: once a step
+                self._sink.add("weights", f"{label(module)}:{path}", x, token)
+            return -1
+        name = join(self._names[phase + module], path)
+        if what != "gradients":
+            self._sink.add(what.split("+")[0], name, x, token)
+        if "gradients" not in what:
+            return -1
+        self._serial += 1
+        self._serials[self._serial] = (token, name)
+        return self._serial
+
+    def on_gradient(self, serial: int, g: torch.Tensor) -> None:
+        token, name = self._serials.get(serial) or self._older.get(serial) or (None, "?")
+        self._sink.add("gradients", name, g, token)
+
+
+class _Hook:
+    """A hook: the HookSet's id, the module's name and what to capture.  A deep
+    copy (of a hooked model) is a no-op hook."""
+
+    def __init__(self, hookset: int, module: str, kinds: frozenset):
+        self.hookset, self.module, self.kinds = hookset, module, kinds
+
+    def __deepcopy__(self, memo):
+        return _noop
+
+
+def _noop(*args):
+    return None
+
+
+class _PreHook(_Hook):
+    def __call__(self, module, args, kwargs):
+        first = True
+        if "inputs" in self.kinds:
             for path, t in input_leaves(args, kwargs):
-                self._sink.add("inputs", join(base, path), t, token)
-        if "weights" in self._kinds and k == 0:
+                _ops.capture(t, self.hookset, self.module, path, "inputs", first)
+                first = False
+        if "weights" in self.kinds:
             for pname, p in module.named_parameters(recurse=False):
-                self._sink.add("weights", f"{label(name)}:{pname}", p, token)
+                _ops.capture(p, self.hookset, self.module, pname, "weights", first)
+                first = False
+        return None
 
-    def _post(self, name: str, output) -> None:
-        token = self._sink.current_token()
-        base, _ = self._base("post", name)
+
+class _PostHook(_Hook):
+    def __call__(self, module, args, output):
+        acts, grads = "activations" in self.kinds, "gradients" in self.kinds
+        first = True
         for path, t in leaves(output):
-            full = join(base, path)
-            if "activations" in self._kinds:
-                self._sink.add("activations", full, t, token)
-            if "gradients" in self._kinds and t.requires_grad:
-                t.register_hook(_grad_hook(weakref.ref(self), full, token))
+            wants_grad = grads and t.requires_grad
+            if not (acts or wants_grad):
+                continue
+            what = "activations+gradients" if acts and wants_grad else \
+                "activations" if acts else "gradients"
+            serial = _ops.capture(t, self.hookset, self.module, path, what, first)
+            first = False
+            if wants_grad:
+                t.register_hook(functools.partial(_grad_hook, serial=serial, hookset=self.hookset))
+        return None
 
 
-def _pre_hook(me: weakref.ref, target: weakref.ref, name: str):
-    @torch.compiler.disable
-    def hook(module, args, kwargs):
-        hs = me()
-        if hs is not None and module is target():
-            hs._pre(name, module, args, kwargs)
-    return hook
+def _grad_hook(grad, serial, hookset):
+    _ops.capture_grad(grad, serial, hookset)
 
 
-def _post_hook(me: weakref.ref, target: weakref.ref, name: str):
-    @torch.compiler.disable
-    def hook(module, args, output):
-        hs = me()
-        if hs is not None and module is target():
-            hs._post(name, output)
-    return hook
+def _see_hooks(modules: list[nn.Module]) -> None:
+    """Make compiled code see the hooks just attached (and later removed).
 
-
-def _grad_hook(me: weakref.ref, name: str, token: object):
-    def hook(grad):
-        hs = me()
-        if hs is not None:
-            hs._sink.add("gradients", name, grad, token)
-    return hook
+    Dynamo does not guard on module hooks by default, so code compiled before
+    (for this model, or for another instance of its class) would run on without
+    them.  From now on it guards on them (a length check per hooks dict), and the
+    code already compiled for these modules' ``forward`` is dropped: it recompiles
+    once.  Nothing else of the user's compiled code is touched.
+    """
+    try:
+        import torch._dynamo
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        from torch._C._dynamo.eval_frame import reset_code
+    except Exception as e:  # no Dynamo here: nothing can be compiled
+        warnings.warn(f"tensortape: cannot make compiled code see the hooks ({e})", stacklevel=3)
+        return
+    for code in {getattr(type(m).forward, "__code__", None) for m in modules} - {None}:
+        reset_code(code)

@@ -26,7 +26,7 @@ from ._selection import select_layers, unwrap
 from ._step import StepBuffer
 from ._store import RunStore, check_mode, open_root
 from ._writer import Writer
-from .errors import InspectionError, NonFiniteError
+from .errors import ConfigError, InspectionError, NonFiniteError
 
 __all__ = ["Recorder"]
 
@@ -76,6 +76,10 @@ class Recorder:
                  on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
                  metadata=None, flush_interval=5.0, max_pending_bytes=1 << 30,
                  compression="auto"):
+        if isinstance(model, torch.jit.ScriptModule):
+            raise ConfigError(f"{type(model).__name__} is a TorchScript module, whose calls run no "
+                              f"Python hooks; record the eager module instead, or compile it "
+                              f"with torch.compile")
         self.config = RecorderConfig.build(
             capture=capture, tensors_every=tensors_every, stats_every=stats_every, ring=ring,
             on_nonfinite=on_nonfinite, max_samples=max_samples, tensor_dtype=tensor_dtype,
@@ -93,6 +97,7 @@ class Recorder:
         self._closed = False
         self._last_step: int | None = None
         self._dropped_before = 0
+        self._warned_silent = False
         error = None
         try:
             check_mode(self.store_location, self.config.mode)   # before any hook
@@ -215,6 +220,13 @@ class Recorder:
         finally:
             self._last_step = step
             records = buffer.end()
+        if not buffer.captured and not self._warned_silent and self._hooks.backward_ran():
+            self._warned_silent = True
+            warnings.warn(f"tensortape: step {step} ran the model (its gradients changed) but "
+                          f"captured nothing: its hooks did not run. Compiled code made without "
+                          f"them may be in use (a torch.compile'd function that calls the model); "
+                          f"attach the Recorder before compiling, or call torch.compiler.reset()",
+                          RuntimeWarning, stacklevel=3)
         for rec in records:
             self._writer.put(rec)
         events = records[-1].events if records and records[-1].step == step else []

@@ -103,6 +103,7 @@ class StepBuffer:
         self._ring: collections.deque = collections.deque(maxlen=config.ring or None)
         self._dropped = 0
         self.dropped_total = 0
+        self.captured = 0                       # captures of the last step ended
         self._warned_dropped = False
 
     def begin(self, step: int) -> None:
@@ -159,6 +160,7 @@ class StepBuffer:
         with self._lock:
             caps, self._captures = self._captures, []
             new, self._new = self._new, []
+        self.captured = len(caps)
         caps.sort(key=lambda c: (c.kind in fmt.BACKWARD_KINDS, c.order))
         rec = StepRecord(step, layers=new, dropped=self._dropped)
         self._dropped = 0

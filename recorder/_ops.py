@@ -1,0 +1,81 @@
+"""tensortape's two custom ops: how a hook hands a tensor over, compiled or not.
+
+``tensortape::capture`` receives a forward tensor (an output, an input or a
+weight) and ``tensortape::capture_grad`` the gradient of an output.  They are
+``torch.library`` custom ops marked as having side effects, so Dynamo and
+AOTAutograd keep them in the graph (no graph break, ``fullgraph=True`` works)
+and never eliminate them; at run time each calls back into the ``HookSet`` it
+names, which runs eagerly: a compiled model is recorded by the same code and
+the same statistics engine as an eager one.
+
+``capture`` returns a CPU int64 scalar, the capture's serial.  The gradient
+hook carries it to ``capture_grad``, so a gradient is named (and assigned to
+its step) by the forward call that produced it, also in compiled code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+import torch
+
+__all__ = ["capture", "capture_grad", "register", "unregister"]
+
+_hooksets: dict[int, weakref.ref] = {}
+_ids = itertools.count(1)
+_lock = threading.Lock()
+
+
+def register(hookset) -> int:
+    with _lock:
+        i = next(_ids)
+        _hooksets[i] = weakref.ref(hookset)
+    return i
+
+
+def unregister(i: int) -> None:
+    with _lock:
+        _hooksets.pop(i, None)
+
+
+def _hookset(i: int):
+    ref = _hooksets.get(i)
+    return ref() if ref is not None else None
+
+
+def _capture(x: torch.Tensor, hookset: int, module: str, path: str, what: str,
+             first: bool) -> torch.Tensor:
+    hs = _hookset(hookset)
+    serial = hs.on_forward(x, module, path, what, first) if hs is not None else -1
+    return torch.full((), serial, dtype=torch.int64)
+
+
+def _capture_grad(g: torch.Tensor, serial: torch.Tensor, hookset: int) -> None:
+    hs = _hookset(hookset)
+    if hs is not None:
+        hs.on_gradient(int(serial), g)
+
+
+if hasattr(torch.library, "custom_op"):           # torch >= 2.4
+    from torch.fx.node import has_side_effect
+
+    _capture_op = torch.library.custom_op("tensortape::capture", mutates_args=())(_capture)
+    _capture_grad_op = torch.library.custom_op("tensortape::capture_grad",
+                                               mutates_args=())(_capture_grad)
+
+    @_capture_op.register_fake
+    def _(x, hookset, module, path, what, first):
+        return torch.empty((), dtype=torch.int64)
+
+    @_capture_grad_op.register_fake
+    def _(g, serial, hookset):
+        return None
+
+    has_side_effect(torch.ops.tensortape.capture.default)
+    has_side_effect(torch.ops.tensortape.capture_grad.default)
+    capture, capture_grad = torch.ops.tensortape.capture, torch.ops.tensortape.capture_grad
+else:                                              # older torch: eager only (a graph break)
+    capture = torch.compiler.disable(_capture)
+    capture_grad = torch.compiler.disable(_capture_grad)

@@ -1,0 +1,178 @@
+"""Recording compiled models: never silently nothing, no graph breaks, values as eager."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+from analysis import open_run
+from recorder import Recorder
+from recorder.errors import ConfigError
+from conftest import InplaceMLP, has_hooks, transformer
+
+
+@pytest.fixture
+def fresh_dynamo(monkeypatch):
+    """Dynamo as in a fresh process: nothing compiled, and its default of no
+    guards on module hooks (an earlier Recorder in this process changed it)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", True)
+
+
+def _steps(model, rec, n, x=None, start=0):
+    for i in range(start, start + n):
+        with rec.step(i):
+            model(torch.randn(4, 8) if x is None else x).sum().backward()
+
+
+def _recorded(store):
+    run = open_run(store)
+    return run.layers, run.steps().tolist(), run.steps("gradients").tolist()
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_attach_after_the_model_was_compiled_and_run(tmp_store, backend, fresh_dynamo):
+    model = InplaceMLP()
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(3):
+        compiled(torch.randn(4, 8)).sum().backward()
+    with Recorder(compiled, tmp_store, layers="fc*") as rec:
+        _steps(compiled, rec, 2)
+    assert _recorded(tmp_store) == (["fc1", "fc2"], [0, 1], [0, 1])
+
+
+def test_a_second_instance_of_a_class_compiled_earlier(tmp_path, fresh_dynamo):
+    """The notebook re-run, and two models of one class: each records."""
+    first = torch.compile(InplaceMLP(0), backend="inductor")
+    first(torch.randn(4, 8)).sum().backward()
+    for i, seed in enumerate((1, 2)):
+        model = torch.compile(InplaceMLP(seed), backend="inductor")
+        store = str(tmp_path / f"r{i}.zarr")
+        with Recorder(model, store, layers="fc*") as rec:
+            _steps(model, rec, 2)
+        assert _recorded(store) == (["fc1", "fc2"], [0, 1], [0, 1])
+
+
+def test_two_models_of_one_class_each_record(tmp_path, fresh_dynamo):
+    a, b = InplaceMLP(0), InplaceMLP(1)
+    ca, cb = torch.compile(a, backend="inductor"), torch.compile(b, backend="inductor")
+    with Recorder(ca, str(tmp_path / "a.zarr"), layers="fc*") as ra, \
+            Recorder(cb, str(tmp_path / "b.zarr"), layers="fc1") as rb:
+        for i in range(2):
+            with ra.step(i), rb.step(i):
+                ca(torch.randn(4, 8)).sum().backward()
+                cb(torch.randn(4, 8)).sum().backward()
+    assert _recorded(str(tmp_path / "a.zarr")) == (["fc1", "fc2"], [0, 1], [0, 1])
+    assert _recorded(str(tmp_path / "b.zarr")) == (["fc1"], [0, 1], [0, 1])
+
+
+def _graph_breaks(model, x, record_to=None):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    if record_to is None:
+        compiled(x).float().pow(2).mean().backward()
+    else:
+        with Recorder(compiled, record_to, layers=["layers.*.linear*", "layers.*.self_attn"]) as rec:
+            with rec.step():
+                compiled(x).float().pow(2).mean().backward()
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def test_recording_adds_no_graph_break(tmp_store):
+    model, x = transformer(), torch.randn(2, 5, 32)
+    bare = _graph_breaks(model, x)
+    recorded = _graph_breaks(model, x, tmp_store)
+    assert recorded == bare
+    assert len(open_run(tmp_store).layers) == 6
+
+
+def test_fullgraph_compile_records(tmp_store):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store, layers="fc*", capture=("activations", "gradients", "inputs")) as rec:
+        compiled = torch.compile(model, backend="inductor", fullgraph=True)
+        _steps(compiled, rec, 2)
+    run = open_run(tmp_store)
+    assert run.layers == ["fc1", "fc2"] and set(run.kinds) == {"activations", "gradients", "inputs"}
+
+
+@pytest.mark.parametrize("backend,autocast", [("eager", False), ("inductor", False),
+                                              ("inductor", True)])
+def test_compiled_values_equal_eager(tmp_path, backend, autocast):
+    names = ["layers.0.linear1", "layers.1.linear2", "layers.0.self_attn"]
+    xs = [torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    stores = {}
+    for mode in ("eager", "compiled"):
+        model = transformer()
+        run_model = torch.compile(model, backend=backend) if mode == "compiled" else model
+        stores[mode] = store = str(tmp_path / f"{mode}.zarr")
+        with Recorder(run_model, store, layers=names) as rec:
+            for i, x in enumerate(xs):
+                with rec.step(i), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    run_model(x).float().pow(2).mean().backward()
+    eager, comp = open_run(stores["eager"]), open_run(stores["compiled"])
+    assert comp.layers == eager.layers
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-4, atol=1e-5)
+    for kind in ("activations", "gradients"):
+        assert comp.tensor_layers(kind) == eager.tensor_layers(kind)
+        for layer in eager.tensor_layers(kind):
+            for step in (0, 1):
+                np.testing.assert_allclose(comp.tensor(layer, kind, step=step).values,
+                                           eager.tensor(layer, kind, step=step).values,
+                                           err_msg=f"{kind} {layer} {step}", **tol)
+        a, b = comp.stats(kind).compute(), eager.stats(kind).compute()
+        np.testing.assert_array_equal(a["count"].values, b["count"].values)
+        np.testing.assert_allclose(a["std"].values, b["std"].values, **tol)
+
+
+def test_after_close_the_compiled_model_runs_clean(tmp_store):
+    model = InplaceMLP()
+    compiled = torch.compile(model, backend="eager")
+    with Recorder(compiled, tmp_store, layers="fc*") as rec:
+        _steps(compiled, rec, 2)
+    assert not has_hooks(model)
+    counters = torch._dynamo.utils.counters
+    compiled(torch.randn(4, 8)).sum().backward()        # at most one recompile, here
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(5):
+        compiled(torch.randn(4, 8)).sum().backward()
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_code_compiled_around_the_model_warns_once_when_nothing_is_captured(tmp_store, fresh_dynamo):
+    model = InplaceMLP()
+
+    @torch.compile(backend="eager")
+    def forward(x):            # compiled before the Recorder, around the model: not seen
+        return model(x)
+    forward(torch.randn(4, 8)).sum().backward()
+    with Recorder(model, tmp_store, layers="fc*") as rec:
+        with pytest.warns(RuntimeWarning, match="captured nothing.*torch.compiler.reset"):
+            for i in range(3):
+                with rec.step(i):
+                    forward(torch.randn(4, 8)).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with rec.step(3):
+                forward(torch.randn(4, 8)).sum().backward()     # warned once only
+
+
+def test_fx_graph_module_records_with_its_own_names(tmp_store):
+    gm = torch.fx.symbolic_trace(InplaceMLP())
+    with Recorder(gm, tmp_store, layers="*") as rec:
+        _steps(gm, rec, 1)
+    run = open_run(tmp_store)
+    assert {"fc1", "fc2", "(root)"} <= set(run.layers)
+    x = torch.randn(4, 8)
+    with Recorder(gm, tmp_store, layers="fc1", mode="w") as rec:
+        _steps(gm, rec, 1, x=x)
+    np.testing.assert_allclose(open_run(tmp_store).tensor("fc1", step=0).values,
+                               gm.fc1(x).detach().numpy())
+
+
+def test_torchscript_is_refused_with_the_alternative(tmp_store):
+    scripted = torch.jit.script(InplaceMLP())
+    with pytest.raises(ConfigError, match="TorchScript.*record the eager module.*torch.compile"):
+        Recorder(scripted, tmp_store)
