@@ -45,6 +45,9 @@ class Inspector:
     def current_token(self) -> object:
         return self._token
 
+    def begin_pass(self) -> None:
+        return None
+
     def add(self, kind, name, tensor, token) -> None:
         if token is None or token is not self._token:
             return

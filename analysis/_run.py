@@ -53,7 +53,7 @@ class Run:
         if version is None:
             raise StoreFormatError(f"{self.path!r} is not a tensortape store (no "
                                    f"'tensortape_format' attribute); pass a recorded run")
-        if not isinstance(version, int) or version > fmt.FORMAT_VERSION:
+        if version not in fmt.READS_VERSIONS:
             raise StoreFormatError(f"{self.path!r} has format version {version!r}, newer than "
                                    f"this tensortape reads ({fmt.FORMAT_VERSION}); upgrade tensortape")
         self.attrs = attrs
@@ -146,14 +146,28 @@ class Run:
         rank = self._rank(rank)
         self._kind(kind, rank)
         if not tensors:
-            path = fmt.stats_group(rank, kind)
-            n = self._committed(rank).get(path, 0)
-            return np.asarray(self.source.array(path + "/step")[:n]) if n else np.zeros(0, np.int64)
+            return self._stats_rows(kind, rank)[2]
         paths = [self._tensor_path(layer, kind, rank)] if layer else self._tensor_paths(kind, rank).values()
         found = [np.asarray(self.source.array(p + "/step")[: self._committed(rank)[p]]) for p in paths]
         return np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
 
     # --- statistics and histograms ------------------------------------------------
+    def _stats_rows(self, kind: str, rank: int) -> tuple[str, np.ndarray, np.ndarray]:
+        """The stats table's path, its rows to read (the last recording of each
+        step, in step order) and their steps."""
+        path = fmt.stats_group(rank, kind)
+        n = self._committed(rank).get(path, 0)
+        steps = np.asarray(self.source.array(path + "/step")[:n]) if n else np.zeros(0, np.int64)
+        rows = fmt.latest_rows(steps)
+        return path, rows, steps[rows]
+
+    @staticmethod
+    def _take(arr, rows: np.ndarray):
+        """``arr[rows]`` along the step axis, as a slice where the rows are one."""
+        if len(rows) and np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
+            return arr[rows[0]: rows[0] + len(rows)]
+        return arr[rows]
+
     def _stats_layers(self, kind: str, rank: int) -> list[str]:
         return list(self._states[rank].stats_layers.get(kind, []))
 
@@ -168,14 +182,12 @@ class Run:
         """Per-step statistics: an ``xr.Dataset`` with dims (step, layer)."""
         rank = self._rank(rank)
         self._kind(kind, rank)
-        path = fmt.stats_group(rank, kind)
-        n = self._committed(rank).get(path, 0)
+        path, rows, steps = self._stats_rows(kind, rank)
         names = self._stats_layers(kind, rank)
         idx = self._select(names, layers)
-        steps = np.asarray(self.source.array(path + "/step")[:n])
         data = {}
         for s in fmt.STATS:
-            arr = self._lazy(path + "/" + s)[:n, : len(names)]
+            arr = self._take(self._lazy(path + "/" + s), rows)[:, : len(names)]
             data[s] = (("step", "layer"), arr[:, idx])
         ds = xr.Dataset(data, coords={"step": steps, "layer": [names[i] for i in idx]})
         ds.attrs.update(kind=kind, rank=rank)
@@ -191,15 +203,14 @@ class Run:
         if layer not in names:
             raise LayerNotFoundError(_missing(layer, names, f"{kind} statistics"))
         i = names.index(layer)
-        n = self._committed(rank).get(path, 0)
-        steps = np.asarray(self.source.array(path + "/step")[:n])
+        path, rows, steps = self._stats_rows(kind, rank)
         lo, hi = fmt.bin_edges()
-        counts = self._lazy(path + "/hist")[:n, i]
+        counts = self._take(self._lazy(path + "/hist"), rows)[:, i]
         out = xr.DataArray(counts, dims=("step", "bin"),
                            coords={"step": steps, "bin_lo": ("bin", lo), "bin_hi": ("bin", hi)},
                            name=f"{layer} {kind}", attrs={"layer": layer, "kind": kind})
         for s in ("nan", "posinf", "neginf"):
-            out.coords[s] = ("step", self._lazy(path + "/" + s)[:n, i])
+            out.coords[s] = ("step", self._take(self._lazy(path + "/" + s), rows)[:, i])
         if step is not None:
             if step not in set(steps.tolist()):
                 raise ConfigError(f"step {step} has no statistics for {layer!r}; steps with "
@@ -216,37 +227,46 @@ class Run:
         chunks = getattr(arr, "chunks", None) or arr.shape
         return da.from_array(arr, chunks=chunks, lock=self.source.lock, name=f"{self.path}:{path}")
 
-    def tensor(self, layer: str, kind: str = "activations", step=None,
+    def tensor(self, layer: str, kind: str = "activations", step=None, micro: int | None = None,
                rank: int | None = None) -> xr.DataArray:
         """Full tensors: lazy (step, ...), floats NaN-padded, true extents in ``extent``.
 
-        With ``step=s``, that one step at its true shape.
+        With ``step=s``, that one step at its true shape.  Steps with several
+        micro-batches hold a tensor for each: ``micro=k`` picks one (default 0).
+        A step recorded twice (a resumed job) gives its last recording.
         """
         rank = self._rank(rank)
         path = self._tensor_path(layer, kind, rank)
         n = self._committed(rank)[path]
         steps = np.asarray(self.source.array(path + "/step")[:n])
-        extent = np.asarray(self.source.array(path + "/extent")[:n])
-        data = self._lazy(path + "/data")[:n]
+        micros = np.asarray(self.source.array(path + "/micro")[:n]) \
+            if self.source.has(path + "/micro") else np.zeros(n, np.int64)
+        m = 0 if micro is None else int(micro)
+        mine = np.nonzero(micros == m)[0]
+        rows = mine[fmt.latest_rows(steps[mine])]
+        if not len(rows):
+            raise ConfigError(f"no full {kind} tensor of {layer!r} has micro-batch {m}; "
+                              f"micro-batches recorded: {sorted(set(micros.tolist()))}")
+        steps, extent = steps[rows], np.asarray(self.source.array(path + "/extent")[:n])[rows]
+        data = self._take(self._lazy(path + "/data")[:n], rows)
         logical = dict(self.source.array(path + "/data").attrs).get(fmt.BF16_ATTR)
         if logical == fmt.BF16:
             data = data.map_blocks(_decode_bf16, dtype=np.float32)
-        order = np.argsort(steps, kind="stable")
-        if not np.array_equal(order, np.arange(n)):
-            data, steps, extent = data[order], steps[order], extent[order]
         dims = ("step", *(f"dim_{i}" for i in range(data.ndim - 1)))
-        shapes = np.empty(n, dtype=object)
+        shapes = np.empty(len(rows), dtype=object)
         shapes[:] = [tuple(int(v) for v in e[: data.ndim - 1]) for e in extent]
         out = xr.DataArray(data, dims=dims, coords={"step": steps, "extent": ("step", shapes)},
-                           name=f"{layer} {kind}", attrs={"layer": layer, "kind": kind})
+                           name=f"{layer} {kind}",
+                           attrs={"layer": layer, "kind": kind, "micro": m})
         if step is None:
             return out
         hits = np.nonzero(steps == step)[0]
         if not hits.size:
-            raise ConfigError(f"step {step} has no full {kind} tensor for {layer!r}; steps with "
-                              f"tensors: {steps[:8].tolist()}")
-        row = out.isel(step=int(hits[-1]))
-        true = tuple(int(e) for e in extent[hits[-1]][: data.ndim - 1])
+            raise ConfigError(f"step {step} has no full {kind} tensor for {layer!r}"
+                              f"{f' (micro-batch {m})' if m else ''}; steps with tensors: "
+                              f"{steps[:8].tolist()}")
+        row = out.isel(step=int(hits[0]))
+        true = shapes[hits[0]]
         return row.isel({d: slice(0, e) for d, e in zip(dims[1:], true)}).compute()
 
     # --- non-finite values -----------------------------------------------------------

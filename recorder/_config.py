@@ -10,6 +10,7 @@ from .errors import ConfigError
 from .format import KINDS
 
 NONFINITE_POLICIES = ("record", "dump", "raise")
+OUTSIDE_POLICIES = ("warn", "ignore", "raise")
 MODES = ("w-", "w", "a")
 ZSTD_LEVELS = range(-(1 << 17), 23)    # zstd's fast modes (negative) up to its maximum, 22
 
@@ -45,12 +46,13 @@ class RecorderConfig:
     flush_interval: float = 5.0
     max_pending_bytes: int = 1 << 30
     compression: str | int | None = "auto"
+    outside_step: str = "warn"
 
     @classmethod
     def build(cls, *, capture=("activations", "gradients"), tensors_every=1, stats_every=1,
               ring=0, on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
               flush_interval=5.0, max_pending_bytes=1 << 30,
-              compression="auto") -> "RecorderConfig":
+              compression="auto", outside_step="warn") -> "RecorderConfig":
         if isinstance(capture, str):
             capture = (capture,)
         capture = tuple(capture)
@@ -80,8 +82,10 @@ class RecorderConfig:
                 or compression not in ZSTD_LEVELS):
             raise ConfigError(f"compression={compression!r} is not valid; use 'auto', None, or a "
                               f"zstd level from {ZSTD_LEVELS[0]} to {ZSTD_LEVELS[-1]}")
+        _choice("outside_step", outside_step, OUTSIDE_POLICIES)
         return cls(capture, tensors_every, stats_every, ring, on_nonfinite, max_samples,
-                   tensor_dtype, mode, float(flush_interval), max_pending_bytes, compression)
+                   tensor_dtype, mode, float(flush_interval), max_pending_bytes, compression,
+                   outside_step)
 
     def persists(self, step: int) -> bool:
         return self.tensors_every is not None and step % self.tensors_every == 0

@@ -39,6 +39,8 @@ class Sink(Protocol):
 
     def current_token(self) -> object: ...
 
+    def begin_pass(self) -> None: ...
+
 
 class HookSet:
     def __init__(self, model: nn.Module, names: list[str], kinds: tuple[str, ...], sink: Sink):
@@ -54,6 +56,7 @@ class HookSet:
         self._older: dict[int, tuple[object, str]] = {}       # and the step before
         self._serial = 0
         self._probe: tuple | None = None
+        self._depth = 0                                      # nesting of root-module calls
         self.id = _ops.register(self)
 
     @property
@@ -63,12 +66,16 @@ class HookSet:
     def attach(self) -> None:
         pre = frozenset(self._kinds & {"inputs", "weights"})
         post = frozenset(self._kinds & {"activations", "gradients"})
+        self._handles.append(self._root.register_forward_pre_hook(
+            _PassHook(self.id, True), with_kwargs=True))
         for name, module in self._modules:
             if pre:
                 self._handles.append(module.register_forward_pre_hook(
                     _PreHook(self.id, name, pre), with_kwargs=True))
             if post:
                 self._handles.append(module.register_forward_hook(_PostHook(self.id, name, post)))
+        self._handles.append(self._root.register_forward_hook(_PassHook(self.id, False),
+                                                              always_call=True))
         _see_hooks([self._root] + [m for _, m in self._modules])
 
     def detach(self) -> None:
@@ -79,6 +86,7 @@ class HookSet:
 
     def new_step(self) -> None:
         self._calls.clear()
+        self._depth = 0
         self._older, self._serials = self._serials, {}
         self._probe = self._grad_state()
 
@@ -100,6 +108,17 @@ class HookSet:
         return ("grad", None) if g is None else ("grad", id(g), g._version)
 
     # --- called by the custom ops, at run time -------------------------------------
+    def on_pass(self, enter: bool) -> None:
+        """The root module's forward begins (``enter``) or ends: the outermost call
+        begins a forward pass, whose module calls are named afresh."""
+        if enter:
+            self._depth += 1
+            if self._depth == 1:
+                self._calls.clear()
+                self._sink.begin_pass()
+        else:
+            self._depth = max(self._depth - 1, 0)
+
     def on_forward(self, x: torch.Tensor, module: str, path: str, what: str, first: bool) -> int:
         """One tensor of a module call; the serial its gradient will carry (or -1)."""
         token = self._sink.current_token()
@@ -139,6 +158,16 @@ class _Hook:
 
 def _noop(*args):
     return None
+
+
+class _PassHook(_Hook):
+    def __init__(self, hookset: int, enter: bool):
+        super().__init__(hookset, "", frozenset())
+        self.enter = enter
+
+    def __call__(self, module, args, *rest):
+        _ops.forward_pass(self.hookset, self.enter)
+        return None
 
 
 class _PreHook(_Hook):

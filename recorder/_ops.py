@@ -8,6 +8,9 @@ and never eliminate them; at run time each calls back into the ``HookSet`` it
 names, which runs eagerly: a compiled model is recorded by the same code and
 the same statistics engine as an eager one.
 
+``forward_pass`` marks the start and end of a call of the recorded model's
+root module: a new forward pass, a micro-batch of the step.
+
 ``capture`` returns a CPU int64 scalar, the capture's serial.  The gradient
 hook carries it to ``capture_grad``, so a gradient is named (and assigned to
 its step) by the forward call that produced it, also in compiled code.
@@ -21,7 +24,7 @@ import weakref
 
 import torch
 
-__all__ = ["capture", "capture_grad", "register", "unregister"]
+__all__ = ["capture", "capture_grad", "forward_pass", "register", "unregister"]
 
 _hooksets: dict[int, weakref.ref] = {}
 _ids = itertools.count(1)
@@ -58,6 +61,13 @@ def _capture_grad(g: torch.Tensor, serial: torch.Tensor, hookset: int) -> None:
         hs.on_gradient(int(serial), g)
 
 
+def _forward_pass(hookset: int, enter: bool) -> torch.Tensor:
+    hs = _hookset(hookset)
+    if hs is not None:
+        hs.on_pass(enter)
+    return torch.zeros((), dtype=torch.int64)
+
+
 if hasattr(torch.library, "custom_op"):           # torch >= 2.4
     from torch.fx.node import has_side_effect
 
@@ -73,9 +83,18 @@ if hasattr(torch.library, "custom_op"):           # torch >= 2.4
     def _(g, serial, hookset):
         return None
 
-    has_side_effect(torch.ops.tensortape.capture.default)
-    has_side_effect(torch.ops.tensortape.capture_grad.default)
-    capture, capture_grad = torch.ops.tensortape.capture, torch.ops.tensortape.capture_grad
+    _forward_pass_op = torch.library.custom_op("tensortape::forward_pass",
+                                               mutates_args=())(_forward_pass)
+
+    @_forward_pass_op.register_fake
+    def _(hookset, enter):
+        return torch.empty((), dtype=torch.int64)
+
+    ops = torch.ops.tensortape
+    for op in (ops.capture, ops.capture_grad, ops.forward_pass):
+        has_side_effect(op.default)
+    capture, capture_grad, forward_pass = ops.capture, ops.capture_grad, ops.forward_pass
 else:                                              # older torch: eager only (a graph break)
     capture = torch.compiler.disable(_capture)
     capture_grad = torch.compiler.disable(_capture_grad)
+    forward_pass = torch.compiler.disable(_forward_pass)

@@ -11,6 +11,7 @@ the writer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from datetime import datetime, timezone
@@ -74,8 +75,8 @@ class Recorder:
     def __init__(self, model: nn.Module, store, *, layers="*",
                  capture=("activations", "gradients"), tensors_every=1, stats_every=1, ring=0,
                  on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
-                 metadata=None, flush_interval=5.0, max_pending_bytes=1 << 30,
-                 compression="auto"):
+                 metadata=None, outside_step="warn", flush_interval=5.0,
+                 max_pending_bytes=1 << 30, compression="auto"):
         if isinstance(model, torch.jit.ScriptModule):
             raise ConfigError(f"{type(model).__name__} is a TorchScript module, whose calls run no "
                               f"Python hooks; record the eager module instead, or compile it "
@@ -84,7 +85,7 @@ class Recorder:
             capture=capture, tensors_every=tensors_every, stats_every=stats_every, ring=ring,
             on_nonfinite=on_nonfinite, max_samples=max_samples, tensor_dtype=tensor_dtype,
             mode=mode, flush_interval=flush_interval, max_pending_bytes=max_pending_bytes,
-            compression=compression)
+            compression=compression, outside_step=outside_step)
         self.metadata = fmt.to_json(metadata or {})
         self.store_location = os.fspath(store)
         self.layers = select_layers(model, layers)
@@ -95,8 +96,9 @@ class Recorder:
         self._writer: Writer | None = None
         self._buffer: StepBuffer | None = None
         self._closed = False
-        self._last_step: int | None = None
-        self._dropped_before = 0
+        self._last_step: int | None = None           # the store's, for numbering steps
+        self._own_last: int | None = None            # this Recorder's: steps must increase
+        self._dropped_before = self._outside_before = 0
         self._warned_silent = False
         error = None
         try:
@@ -135,6 +137,7 @@ class Recorder:
             root_base.setdefault("created", datetime.now(timezone.utc).isoformat())
             store.commit(state, fmt.root_attrs(state, root_base))
         self._last_step, self._dropped_before = state.last_step, state.dropped
+        self._outside_before = state.outside_steps
         self._buffer = StepBuffer(cfg, state.layers)
         self._writer = Writer(store, state, root_base, cfg.flush_interval, cfg.max_pending_bytes)
         self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
@@ -199,9 +202,32 @@ class Recorder:
             i = 0 if self._last_step is None else self._last_step + 1
         if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
             raise InspectionError(f"step {i!r} is not an integer; call rec.step() or rec.step(int)")
+        if self._own_last is not None and i <= self._own_last:
+            raise InspectionError(
+                f"step {i} comes after step {self._own_last}; steps must increase. With "
+                f"gradient accumulation, begin one step per optimizer step and run every "
+                f"micro-batch's forward and backward inside it: each forward of the model is a "
+                f"micro-batch of that step")
+        self._own_last = int(i)
         self._buffer.begin(int(i))
         self._hooks.new_step()
         return _StepScope(self)
+
+    @contextlib.contextmanager
+    def pause(self):
+        """``with rec.pause():`` records nothing inside it, within a step or not."""
+        if self._buffer is None:
+            self.attach()
+        self._buffer.paused += 1
+        try:
+            yield self
+        finally:
+            self._buffer.paused -= 1
+
+    @property
+    def outside_steps(self) -> int:
+        """Forward passes of the model outside any step in this run."""
+        return self._outside_before + (self._buffer.outside_total if self._buffer else 0)
 
     def flush(self) -> None:
         """Block until every finished step is written and committed."""

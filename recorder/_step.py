@@ -22,7 +22,7 @@ from . import format as fmt
 from ._config import RecorderConfig
 from ._engines import engine_for
 from ._snapshot import Snapshot
-from ._summary import exp_bits_of, finalize
+from ._summary import Summaries, exp_bits_of, finalize, merge
 from .errors import InspectionError
 
 __all__ = ["Capture", "StepBuffer", "StepRecord", "StatsRows", "TensorRow"]
@@ -54,6 +54,7 @@ class Capture:
     order: int
     kind: str
     name: str
+    micro: int
     exp_bits: int
     summary: Reduced | Deferred | Probe | None
     snap: Snapshot | None
@@ -72,6 +73,7 @@ class StatsRows:
 class TensorRow:
     kind: str
     layer: str
+    micro: int
     snap: Snapshot
 
 
@@ -83,6 +85,7 @@ class StepRecord:
     tensors: list[TensorRow] = field(default_factory=list)
     events: list[fmt.NonFiniteEvent] = field(default_factory=list)
     dropped: int = 0                                          # late gradients since the last record
+    outside: int = 0                                          # forward passes outside a step, too
 
     @property
     def nbytes(self) -> int:
@@ -105,20 +108,50 @@ class StepBuffer:
         self.dropped_total = 0
         self.captured = 0                       # captures of the last step ended
         self._warned_dropped = False
+        self.paused = 0                         # nesting of rec.pause()
+        self.micro = 0                          # the open step's current micro-batch
+        self._passes = 0                        # forward passes of the open step
+        self._outside = 0
+        self.outside_total = 0
+        self._warned_outside = False
 
     def begin(self, step: int) -> None:
         self.step, self.token = step, object()
         self._captures = []
+        self.micro = self._passes = 0
 
     # --- hook side: start device work, append a typed record ---------------------------
-    def current_token(self) -> object:
-        if self.token is None:
+    def current_token(self) -> object | None:
+        """The open step's token; None outside a step or while paused (nothing is
+        recorded then)."""
+        return None if self.paused else self.token
+
+    def begin_pass(self) -> None:
+        """The recorded model's forward begins: a new micro-batch of the open step,
+        or a forward pass outside any step (counted, and handled by ``outside_step``)."""
+        if self.paused:
+            return
+        if self.token is not None:
+            self.micro, self._passes = self._passes, self._passes + 1
+            return
+        self._outside += 1
+        self.outside_total += 1
+        policy = self.config.outside_step
+        if policy == "raise":
             raise InspectionError(
-                "a hooked layer ran outside a step; wrap forward and backward in "
-                "`with rec.step():` (or call rec.step() before them)")
-        return self.token
+                "the recorded model ran outside a step; wrap forward and backward in "
+                "`with rec.step():`, or wrap evaluation in `with rec.pause():`, or pass "
+                "outside_step='warn' or 'ignore'")
+        if policy == "warn" and not self._warned_outside:
+            self._warned_outside = True
+            warnings.warn("tensortape: the recorded model ran outside a step (an evaluation "
+                          "loop?); such passes are not recorded, only counted. Wrap training "
+                          "steps in `with rec.step():`; pass outside_step='ignore' to silence "
+                          "this", stacklevel=4)
 
     def add(self, kind: str, name: str, tensor: torch.Tensor, token: object) -> None:
+        if token is None:                   # outside a step or paused: not recorded
+            return
         if token is not self.token or self.step is None:
             self._drop(name)
             return
@@ -138,7 +171,8 @@ class StepBuffer:
         else:
             summary = None
         with self._lock:
-            self._captures.append(Capture(len(self._captures), kind, name, exp_bits, summary, snap))
+            self._captures.append(Capture(len(self._captures), kind, name, self.micro, exp_bits,
+                                          summary, snap))
             if name not in self._known:
                 self._known[name] = None
                 self._new.append(name)
@@ -162,8 +196,8 @@ class StepBuffer:
             new, self._new = self._new, []
         self.captured = len(caps)
         caps.sort(key=lambda c: (c.kind in fmt.BACKWARD_KINDS, c.order))
-        rec = StepRecord(step, layers=new, dropped=self._dropped)
-        self._dropped = 0
+        rec = StepRecord(step, layers=new, dropped=self._dropped, outside=self._outside)
+        self._dropped = self._outside = 0
         self._summarise(caps, rec)
         persist = cfg.persists(step)
         dump = bool(rec.events) and cfg.on_nonfinite in ("dump", "raise")
@@ -176,14 +210,15 @@ class StepBuffer:
         if cfg.ring:
             self._ring.append((step, None if (persist or dump) else caps))
         out.append(rec)
-        return [r for r in out if r.stats or r.tensors or r.events or r.layers or r.dropped]
+        return [r for r in out if r.stats or r.tensors or r.events or r.layers or r.dropped
+                or r.outside]
 
     def pending_record(self) -> StepRecord | None:
-        """Drops counted since the last record, outside any step (at close)."""
-        if not self._dropped:
+        """What was counted since the last record, outside any step (at close)."""
+        if not (self._dropped or self._outside):
             return None
-        rec = StepRecord(-1, dropped=self._dropped)
-        self._dropped = 0
+        rec = StepRecord(-1, dropped=self._dropped, outside=self._outside)
+        self._dropped = self._outside = 0
         return rec
 
     def clear(self) -> None:
@@ -192,7 +227,7 @@ class StepBuffer:
 
     @staticmethod
     def _rows(caps: list[Capture]) -> list[TensorRow]:
-        return [TensorRow(c.kind, c.name, c.snap) for c in caps if c.snap is not None]
+        return [TensorRow(c.kind, c.name, c.micro, c.snap) for c in caps if c.snap is not None]
 
     def _summarise(self, caps: list[Capture], rec: StepRecord) -> None:
         """Every summary to the host at once; statistics per kind; events."""
@@ -217,23 +252,33 @@ class StepBuffer:
             stats_caps.append(c)
             vecs.append(vec)
             exps.append(c.exp_bits)
-        summaries = finalize(vecs, exps) if vecs else None
-        per_kind: dict[str, list[int]] = {}
+        per_kind: dict[str, dict[str, list[int]]] = {}      # kind -> layer -> rows of vecs
         for i, c in enumerate(stats_caps):
-            bad = summaries.nonfinite(i)
+            if isinstance(c.summary, Reduced):
+                per_kind.setdefault(c.kind, {}).setdefault(c.name, []).append(i)
+        singles = finalize(vecs, exps) if vecs else None
+        for i, c in enumerate(stats_caps):
+            bad = singles.nonfinite(i)
             if any(bad):
                 rec.events.append(fmt.NonFiniteEvent(
                     rec.step, c.name, c.kind, *bad, order=c.order,
-                    phase="backward" if c.kind in fmt.BACKWARD_KINDS else "forward"))
-            if isinstance(c.summary, Reduced):
-                per_kind.setdefault(c.kind, []).append(i)
+                    phase="backward" if c.kind in fmt.BACKWARD_KINDS else "forward",
+                    micro=c.micro))
             c.summary = None
         rec.events.sort(key=lambda e: e.sort_key)
-        for kind, rows in per_kind.items():
-            rec.stats[kind] = StatsRows([stats_caps[i].name for i in rows],
-                                        {s: v[rows] for s, v in summaries.stats.items()},
-                                        summaries.hist[rows])
-
+        for kind, layers in per_kind.items():
+            if all(len(rows) == 1 for rows in layers.values()):
+                rows = [r[0] for r in layers.values()]
+                s = Summaries({k: v[rows] for k, v in singles.stats.items()}, singles.hist[rows])
+            else:                        # micro-batches: one summary over all of them
+                merged, widths = [], []
+                for rows in layers.values():
+                    e = exps[rows[0]]
+                    same = [r for r in rows if exps[r] == e]
+                    merged.append(merge([vecs[r] for r in same], e))
+                    widths.append(e)
+                s = finalize(merged, widths)
+            rec.stats[kind] = StatsRows(list(layers), s.stats, s.hist)
 
 def _to_host(parts: list[torch.Tensor]) -> list[np.ndarray]:
     """Device vectors on the host, with one copy (one sync) per device."""

@@ -203,6 +203,10 @@ class RunStore:
         if table is None:
             if committed:
                 g = self.root[path]
+                for n, fill in fmt.OPTIONAL_COLUMNS.items():     # a store of an older format
+                    if n in fmt.parse_path(path).columns and n not in g:
+                        rows = g["step"].shape[0]
+                        _array(g, n, (rows,), (SMALL_CHUNK_ROWS,), "int64", fill, ["step"])
                 cols = {n: g[n] for n in fmt.parse_path(path).columns}
             else:
                 g = self.root.require_group(path)
@@ -237,6 +241,7 @@ class RunStore:
                            _fill_for(sample.dtype) if not logical else 0x7FC0, dims, attrs,
                            level=self._level(sample)),
             "step": _array(g, "step", (0,), (SMALL_CHUNK_ROWS,), "int64", -1, ["step"]),
+            "micro": _array(g, "micro", (0,), (SMALL_CHUNK_ROWS,), "int64", 0, ["step"]),
             "extent": _array(g, "extent", (0, max(sample.ndim, 1)),
                              (SMALL_CHUNK_ROWS, max(sample.ndim, 1)), "int64", -1,
                              ["step", "axis"]),
@@ -262,7 +267,7 @@ class RunStore:
         table.columns["hist"].grow_inner((n, fmt.NBINS))
         table.append({"step": np.int64(step), "hist": full, **row})
 
-    def append_tensor(self, kind: str, layer: str, step: int, t, committed: int) -> int:
+    def append_tensor(self, kind: str, layer: str, step: int, micro: int, t, committed: int) -> int:
         """One step's full tensor (a host torch tensor) as a row of its table; the
         bytes written, or -1 when its rank or dtype differs from the table's."""
         arr, logical = to_numpy(t)
@@ -272,7 +277,8 @@ class RunStore:
         if data.ndim - 1 != arr.ndim or data.dtype != arr.dtype:
             return -1
         extent = np.array(arr.shape if arr.ndim else (1,), dtype=np.int64)
-        table.append({"data": arr, "step": np.int64(step), "extent": extent})
+        table.append({"data": arr, "step": np.int64(step), "micro": np.int64(micro),
+                      "extent": extent})
         return arr.nbytes
 
     def _level(self, sample: np.ndarray) -> int | None:

@@ -21,8 +21,8 @@ import torch
 
 from . import format as fmt
 
-__all__ = ["FIELDS", "Summaries", "codes", "exp_bits_of", "finalize", "lane_codes",
-           "memory_order", "reductions", "segment_reductions", "LANES"]
+__all__ = ["FIELDS", "LANES", "Summaries", "codes", "exp_bits_of", "finalize", "lane_codes",
+           "memory_order", "merge", "reductions", "segment_reductions"]
 
 FIELDS = ("count", "shift", "dsum", "dsq", "min", "max")
 LANES = 4   # interleaved sub-histograms: a run of one code does not serialise counting
@@ -109,6 +109,28 @@ def segment_reductions(flat: torch.Tensor, seg: torch.Tensor, starts: torch.Tens
                         torch.segment_reduce(d, "sum", lengths=lengths),
                         torch.segment_reduce(d * d, "sum", lengths=lengths),
                         lo.to(torch.float64), hi.to(torch.float64)], 1)
+
+
+def merge(vecs: list[np.ndarray], exp_bits: int) -> np.ndarray:
+    """One host summary vector of several tensors taken together (a step's
+    micro-batches): exactly the vector of their concatenation, but for the
+    rounding of the float64 sums (moved to one shift)."""
+    if len(vecs) == 1:
+        return vecs[0]
+    v = np.stack(vecs)
+    if exp_bits == 0:
+        return v.sum(axis=0)
+    _, exact = fmt.decode(v[:, len(FIELDS):], exp_bits)
+    n = v[:, 0] - exact["nan"] - exact["posinf"] - exact["neginf"]       # finite counts
+    c, s1, s2 = v[:, 1], v[:, 2], v[:, 3]
+    c0 = c[np.argmax(n > 0)]
+    dc = c - c0
+    out = v.sum(axis=0)
+    out[1] = c0
+    out[2] = np.sum(s1 + n * dc)
+    out[3] = np.sum(s2 + 2 * dc * s1 + n * dc * dc)
+    out[4], out[5] = v[:, 4].min(), v[:, 5].max()
+    return out
 
 
 @dataclass

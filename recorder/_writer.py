@@ -143,6 +143,7 @@ class Writer:
         st = self.state
         st.layers.extend(rec.layers)
         st.dropped += rec.dropped
+        st.outside_steps += rec.outside
         st.events_total += len(rec.events)
         st.events.extend(rec.events[:max(fmt.MAX_EVENTS - len(st.events), 0)])
         if rec.step >= 0:
@@ -157,7 +158,7 @@ class Writer:
         for row in rec.tensors:
             path = fmt.tensor_group(st.rank, row.kind, row.layer)
             host = row.snap.host()
-            n = self.store.append_tensor(row.kind, row.layer, rec.step, host,
+            n = self.store.append_tensor(row.kind, row.layer, rec.step, row.micro, host,
                                          st.committed.get(path, 0))
             if n >= 0:
                 st.bytes_raw += n

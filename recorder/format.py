@@ -9,8 +9,13 @@ Layout of a store (Zarr v3)::
       rank0/                        attrs: the rank's durable state (``RankState``)
         stats/<kind>/               step (step), <stat> (step, layer),
                                     hist (step, layer, bin), bin_lo/bin_hi (bin)
-        tensors/<kind>/<node>/      data (step, dim_0, ...), step (step),
+        tensors/<kind>/<node>/      data (step, dim_0, ...), step (step), micro (step),
                                     extent (step, axis); attrs: name, kind
+
+A step's statistics are one row (over all its micro-batches); its full
+tensors are a row per micro-batch.  A step recorded again (a job resumed
+from an earlier checkpoint) appends rows: readers take the last row of each
+(step, micro).
 
 This module owns: the names (kinds, statistics, statuses), the table paths
 and their parsing, the columns of each table, the rank state and the events
@@ -33,7 +38,8 @@ import numpy as np
 
 from .errors import LayerNotFoundError, StoreFormatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # 2: tensor tables have a ``micro`` column (1: no micro-batches)
+READS_VERSIONS = (1, 2)
 
 KINDS = ("activations", "gradients", "inputs", "weights", "weight_grads")
 FORWARD_KINDS = ("inputs", "activations", "weights")
@@ -57,7 +63,8 @@ MAX_EVENTS = 1000          # events kept in the attributes; ``events_total`` cou
 # --- tables and their columns ----------------------------------------------
 STATS_COLUMNS = ("step", "hist", *STATS)      # rows keyed by step
 BIN_COLUMNS = ("bin_lo", "bin_hi")            # fixed: one value per bin
-TENSOR_COLUMNS = ("data", "step", "extent")
+TENSOR_COLUMNS = ("data", "step", "micro", "extent")
+OPTIONAL_COLUMNS = {"micro": 0}               # absent in format 1: every row is micro-batch 0
 
 
 def is_url(location: str) -> bool:
@@ -88,6 +95,21 @@ class TablePath:
     @property
     def columns(self) -> tuple[str, ...]:
         return STATS_COLUMNS if self.section == "stats" else TENSOR_COLUMNS
+
+
+def latest_rows(keys: np.ndarray) -> np.ndarray:
+    """Indices of the last row of each distinct key (rows of one table, keys such
+    as steps or (step, micro) pairs), ordered by key."""
+    keys = np.asarray(keys)
+    if keys.ndim == 1:
+        keys = keys[:, None]
+    if not len(keys):
+        return np.zeros(0, np.int64)
+    order = np.lexsort(keys.T[::-1])                       # stable: equal keys keep row order
+    k = keys[order]
+    last = np.ones(len(k), bool)
+    last[:-1] = (k[1:] != k[:-1]).any(axis=1)
+    return order[last]
 
 
 def parse_path(path: str) -> TablePath:
@@ -188,6 +210,7 @@ class NonFiniteEvent:
     neginf: int
     order: int = 0
     phase: str = "forward"
+    micro: int = 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -197,7 +220,7 @@ class NonFiniteEvent:
         try:
             ev = cls(_int(d["step"]), str(d["layer"]), str(d["kind"]), _int(d["nan"]),
                      _int(d["posinf"]), _int(d["neginf"]), _int(d.get("order", 0)),
-                     str(d.get("phase", "forward")))
+                     str(d.get("phase", "forward")), _int(d.get("micro", 0)))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise StoreFormatError(f"a non-finite event in the store is malformed ({d!r:.80})") from e
         return ev
@@ -225,6 +248,7 @@ class RankState:
     events: list[NonFiniteEvent] = field(default_factory=list)
     events_total: int = 0
     dropped: int = 0
+    outside_steps: int = 0                                    # forward passes outside a step
     last_step: int | None = None
     committed: dict[str, int] = field(default_factory=dict)
     stats_layers: dict[str, list[str]] = field(default_factory=dict)   # kind -> layer rows
@@ -249,6 +273,7 @@ class RankState:
                 events=[NonFiniteEvent.from_json(e) for e in list(d.get("events", []))],
                 events_total=_int(d.get("events_total", len(d.get("events", [])))),
                 dropped=_int(d.get("dropped", 0)),
+                outside_steps=_int(d.get("outside_steps", 0)),
                 last_step=None if d.get("last_step") is None else _int(d["last_step"]),
                 committed=committed,
                 stats_layers={str(k): _strings(v) for k, v in dict(d.get("stats_layers", {})).items()},
@@ -267,9 +292,9 @@ def _strings(v) -> list[str]:
 
 def root_attrs(state: RankState, base: dict[str, Any], status: str | None = None) -> dict:
     """The root attributes: ``base`` (format, versions, config, ...) with rank 0's
-    layers, events and drop count, and ``status`` when given."""
+    layers, events and counters, and ``status`` when given."""
     out = dict(base, layers=list(state.layers), events=[e.to_json() for e in state.events],
-               dropped=state.dropped)
+               dropped=state.dropped, outside_steps=state.outside_steps)
     if status:
         out["status"] = status
     return out

@@ -1,0 +1,132 @@
+"""Steps as a training loop has them: outside passes, pause, micro-batches, resumes."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from analysis import open_run
+from recorder import InspectionError, Recorder
+from conftest import InplaceMLP, transformer
+
+
+def _batch(i, n=4):
+    return torch.randn(n, 8, generator=torch.Generator().manual_seed(i))
+
+
+@pytest.mark.parametrize("policy", ["warn", "ignore"])
+def test_forward_passes_outside_a_step_are_counted_not_recorded(tmp_store, policy):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store, layers="fc*", outside_step=policy) as rec:
+        with rec.step(0):
+            model(_batch(0)).sum().backward()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with torch.no_grad():                   # an evaluation loop
+                for i in range(3):
+                    model(_batch(10 + i))
+        assert rec.outside_steps == 3
+        warned = [w for w in seen if "outside a step" in str(w.message)]
+        assert len(warned) == (1 if policy == "warn" else 0)      # once, not per pass
+        with rec.step(1):
+            model(_batch(1)).sum().backward()
+    run = open_run(tmp_store)
+    assert run.steps().tolist() == [0, 1] and run.attrs["outside_steps"] == 3
+    assert run.tensor("fc1").sizes["step"] == 2
+    np.testing.assert_array_equal(run.tensor("fc1", step=1).values,
+                                  model.fc1(_batch(1)).detach().numpy())
+
+
+def test_outside_step_raise_says_how_to_fix(tmp_store):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store, outside_step="raise") as rec:
+        with pytest.raises(InspectionError, match=r"rec\.step\(\).*rec\.pause\(\)"):
+            model(_batch(0))
+
+
+def test_pause_records_nothing_inside_a_step_or_not(tmp_store):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store, layers="fc1", outside_step="raise") as rec:
+        with rec.pause():
+            model(_batch(0))                         # outside a step: no error, no count
+        with rec.step(0):
+            model(_batch(1)).sum().backward()
+            with rec.pause():
+                model(_batch(2)).sum().backward()    # inside the step: not a micro-batch
+        assert rec.outside_steps == 0
+    run = open_run(tmp_store)
+    np.testing.assert_array_equal(run.tensor("fc1", step=0).values,
+                                  model.fc1(_batch(1)).detach().numpy())
+    with pytest.raises(ValueError, match="micro-batch 1"):
+        run.tensor("fc1", step=0, micro=1)
+
+
+def test_micro_batches_give_exact_step_statistics_and_every_tensor(tmp_path):
+    """Four micro-batches of 3 rows equal, in statistics, one batch of 12 rows."""
+    xs = [torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    layers = ["layers.0.linear1", "layers.1.self_attn"]
+    micro_model, whole_model = transformer(), transformer()
+    with Recorder(micro_model, str(tmp_path / "micro.zarr"), layers=layers) as rec:
+        with rec.step(0):
+            for x in xs:
+                micro_model(x).pow(2).sum().backward()
+    with Recorder(whole_model, str(tmp_path / "whole.zarr"), layers=layers) as rec:
+        with rec.step(0):
+            whole_model(torch.cat(xs)).pow(2).sum().backward()
+    micro, whole = open_run(str(tmp_path / "micro.zarr")), open_run(str(tmp_path / "whole.zarr"))
+    assert micro.layers == whole.layers == ["layers.0.linear1", "layers.1.self_attn:0"]
+    for kind in ("activations", "gradients"):
+        a, b = micro.stats(kind).compute(), whole.stats(kind).compute()
+        for s in ("count", "nan", "zero_frac", "min", "max", "abs_max"):
+            np.testing.assert_allclose(a[s].values, b[s].values, rtol=1e-6, err_msg=s)
+        for s in ("mean", "std", "norm"):
+            np.testing.assert_allclose(a[s].values, b[s].values, rtol=1e-4, err_msg=s)
+        for layer in micro.layers:
+            np.testing.assert_array_equal(micro.histogram(layer, kind, step=0).values,
+                                          whole.histogram(layer, kind, step=0).values)
+    whole_act = whole.tensor("layers.0.linear1", step=0).values
+    for k in range(4):
+        np.testing.assert_allclose(micro.tensor("layers.0.linear1", step=0, micro=k).values,
+                                   whole_act[3 * k: 3 * k + 3], rtol=1e-5, atol=1e-6)
+
+
+def test_events_carry_the_micro_batch(tmp_store):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store, layers="fc1") as rec:
+        with rec.step(0):
+            for k in range(3):
+                x = _batch(k)
+                if k == 2:
+                    x[0, 0] = float("nan")
+                model(x).sum().backward()
+    first = open_run(tmp_store).first_nonfinite()
+    assert (first.step, first.layer, first.micro, first.kind) == (0, "fc1", 2, "activations")
+
+
+def test_repeated_step_numbers_explain_gradient_accumulation(tmp_store):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store) as rec:
+        with rec.step(0):
+            model(_batch(0)).sum().backward()
+        with pytest.raises(InspectionError, match="gradient accumulation.*micro-batch"):
+            rec.step(0)
+
+
+def test_a_resumed_job_rerecords_steps_and_readers_take_the_latest(tmp_store):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store, layers="fc1") as rec:
+        for i in range(4):
+            with rec.step(i):
+                model(_batch(i)).sum().backward()
+    with Recorder(model, tmp_store, layers="fc1", mode="a") as rec:   # from a step-2 checkpoint
+        for i in (2, 3, 4):
+            with rec.step(i):
+                model(_batch(100 + i)).sum().backward()
+    run = open_run(tmp_store)
+    assert run.steps().tolist() == [0, 1, 2, 3, 4]
+    assert run.steps(tensors=True).tolist() == [0, 1, 2, 3, 4]
+    want = model.fc1(_batch(102)).detach().numpy()
+    np.testing.assert_array_equal(run.tensor("fc1", step=2).values, want)
+    assert run.tensor("fc1").sizes["step"] == 5
+    std = run.stats().sel(step=2, layer="fc1")["std"].compute().item()
+    np.testing.assert_allclose(std, want.astype(np.float64).std(), rtol=1e-6)
