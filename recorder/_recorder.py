@@ -224,6 +224,12 @@ class Recorder:
         finally:
             self._buffer.paused -= 1
 
+    def _micro_batch(self, enter: bool) -> None:
+        """A training framework's batch begins or ends (``integrations``): the
+        model's calls inside it are one micro-batch, whatever module is called."""
+        if self._hooks is not None:
+            self._hooks.on_pass(enter)
+
     @property
     def outside_steps(self) -> int:
         """Forward passes of the model outside any step in this run."""

@@ -1,0 +1,140 @@
+"""Callbacks for training frameworks: Hugging Face ``Trainer`` and Lightning.
+
+::
+
+    from recorder.integrations import TrainerCallback      # transformers.Trainer
+    Trainer(..., callbacks=[TrainerCallback("runs/exp.zarr", layers="*.mlp.*")])
+
+    from recorder.integrations import LightningCallback    # lightning.pytorch
+    L.Trainer(callbacks=[LightningCallback("runs/exp.zarr", layers="*.mlp.*")])
+
+Each takes the store and any ``Recorder`` keyword.  A step is one optimizer
+step, numbered by the trainer's global step; gradient-accumulation
+micro-batches are the step's micro-batches; the step ends just before the
+optimizer steps, so ``weight_grads`` are taken before the trainer zeroes them.
+Evaluation, prediction and sanity-check passes run outside any step: they are
+not recorded and never fail (``outside_step`` defaults to ``"ignore"`` here).
+
+Neither framework is imported until its callback is first used (each is an
+optional extra: ``tensortape[hf]``, ``tensortape[lightning]``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["LightningCallback", "TrainerCallback"]
+
+
+class _Session:
+    """The Recorder of one training run, driven by a framework's events."""
+
+    def __init__(self, store, kwargs: dict):
+        self.store, self.kwargs = store, {"outside_step": "ignore", **kwargs}
+        self.recorder = None
+        self.scope = None
+        self.open_step: int | None = None
+
+    def start(self, model) -> None:
+        from ._recorder import Recorder
+        if self.recorder is None:
+            self.recorder = Recorder(model, self.store, **self.kwargs).attach()
+
+    def begin_step(self, step: int) -> None:
+        if self.recorder is not None and self.open_step != step:
+            self.end_step()
+            self.scope, self.open_step = self.recorder.step(int(step)), int(step)
+
+    def end_step(self) -> None:
+        if self.scope is not None:
+            scope, self.scope, self.open_step = self.scope, None, None
+            scope.__exit__(None, None, None)
+
+    def micro_batch(self, enter: bool) -> None:
+        """A training batch begins or ends: one micro-batch, however the module
+        that the framework calls is nested in the recorded one."""
+        if self.recorder is not None:
+            self.recorder._micro_batch(enter)
+
+    def close(self, failed: bool = False) -> None:
+        if self.recorder is not None:
+            self.scope = self.open_step = None
+            self.recorder.close("interrupted" if failed else "complete")
+
+
+def _trainer_callback():
+    import transformers
+
+    class TrainerCallback(transformers.TrainerCallback):
+        """Records a ``transformers.Trainer`` run (see ``recorder.integrations``)."""
+
+        def __init__(self, store, **recorder_kwargs):
+            self.session = _Session(store, recorder_kwargs)
+
+        @property
+        def recorder(self):
+            return self.session.recorder
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.session.start(model)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.session.begin_step(state.global_step)
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.session.end_step()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.session.end_step()          # transformers without on_pre_optimizer_step
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.session.close()
+
+    return TrainerCallback
+
+
+def _lightning_callback():
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        import pytorch_lightning as pl
+
+    class LightningCallback(pl.Callback):
+        """Records a Lightning ``Trainer.fit`` (see ``recorder.integrations``)."""
+
+        def __init__(self, store, **recorder_kwargs):
+            self.session = _Session(store, recorder_kwargs)
+
+        @property
+        def recorder(self):
+            return self.session.recorder
+
+        def on_train_start(self, trainer, pl_module):
+            self.session.start(pl_module)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.session.begin_step(trainer.global_step)
+            self.session.micro_batch(True)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.session.micro_batch(False)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.session.end_step()
+
+        def on_train_end(self, trainer, pl_module):
+            self.session.close()
+
+        def on_exception(self, trainer, pl_module, exception):
+            self.session.close(failed=True)
+
+    return LightningCallback
+
+
+_MAKERS = {"TrainerCallback": _trainer_callback, "LightningCallback": _lightning_callback}
+
+
+def __getattr__(name: str):
+    if name in _MAKERS:
+        cls = _MAKERS[name]()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module 'recorder.integrations' has no attribute {name!r}")
