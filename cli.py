@@ -59,6 +59,33 @@ def demo(out, steps, diverge):
     click.echo(f"  tensortape stats {out} --layer 'encoder.*' --format csv")
 
 
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-o", "--output", "out", required=True, type=click.Path(), help="the run to write")
+@click.option("--layers", multiple=True, help="glob pattern of layers (repeatable; default all)")
+@click.option("--capture", multiple=True,
+              type=click.Choice(["activations", "gradients", "inputs", "weights", "weight_grads"]),
+              help="what to record (repeatable; default activations and gradients)")
+@click.option("--tensors-every", type=click.IntRange(min=0), default=None,
+              help="persist full tensors every N steps (0: statistics only; default 1)")
+@click.option("--stats-every", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--ring", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--on-nonfinite", type=click.Choice(["record", "dump", "raise"]), default="record",
+              show_default=True)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def record(out, layers, capture, tensors_every, stats_every, ring, on_nonfinite, command):
+    """Record an unchanged training script: tensortape record -o RUN -- python train.py ARGS.
+
+    The model is found at its first forward with grad enabled; a step is one optimizer
+    step. Exits with the script's exit status."""
+    from recorder._script import run_script
+    kw = dict(layers=list(layers) or "*", stats_every=stats_every, ring=ring,
+              on_nonfinite=on_nonfinite,
+              tensors_every=None if tensors_every == 0 else (tensors_every or 1))
+    if capture:
+        kw["capture"] = tuple(capture)
+    sys.exit(run_script(list(command), out, **kw))
+
+
 @cli.command()
 @click.argument("run")
 def info(run):

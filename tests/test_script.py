@@ -1,0 +1,45 @@
+"""`tensortape record`: an unchanged training script, recorded in its own process."""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+
+from analysis import open_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "plain_train.py")
+
+
+def tensortape(*args):
+    exe = shutil.which("tensortape")
+    cmd = [exe, *args] if exe else [sys.executable, os.path.join(ROOT, "cli.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+
+
+def test_record_an_unchanged_script(tmp_path):
+    store = str(tmp_path / "run.zarr")
+    p = tensortape("record", "-o", store, "--layers", "0", "--layers", "2", "--capture",
+                   "activations", "--capture", "weight_grads", "--", "python", SCRIPT, "5")
+    assert p.returncode == 3, p.stderr                  # the script's own exit status
+    assert p.stdout.strip() == "trained 5"              # and its own output
+    run = open_run(store)
+    assert run.steps().tolist() == [0, 1, 2, 3, 4]      # one step per optimizer step
+    assert run.layers == ["0", "2", "0:weight", "0:bias", "2:weight", "2:bias"]
+    stats = run.stats().compute()
+    assert stats["count"].sel(layer="0").values.tolist() == [64] * 5   # evaluation not recorded
+    assert float(run.stats("weight_grads")["norm"].min()) > 0
+    torch.manual_seed(0)                                # the script's first batch, replayed
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    x = torch.randn(4, 8)
+    np.testing.assert_array_equal(run.tensor("0", step=0).values, model[0](x).detach().numpy())
+
+
+def test_a_bad_pattern_leaves_the_script_training(tmp_path):
+    store = str(tmp_path / "run.zarr")
+    p = tensortape("record", "-o", store, "--layers", "nope*", "--", "python", SCRIPT, "2")
+    assert p.returncode == 3 and p.stdout.strip() == "trained 2"
+    assert "not recording" in p.stderr and "'nope*'" in p.stderr
