@@ -88,6 +88,32 @@ def record(out, layers, capture, tensors_every, stats_every, ring, on_nonfinite,
 
 @cli.command()
 @click.argument("run")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
+              help="seconds between refreshes")
+@click.option("--layer", "pattern", default=None, help="glob pattern of layers")
+@click.option("--kind", type=click.Choice(["activations", "gradients", "inputs", "weights",
+                                            "weight_grads"]), default="activations",
+              show_default=True)
+def watch(run, interval, pattern, kind):
+    """Follow RUN while it is recorded: latest statistics per layer, non-finite alerts,
+    steps per second. Ends when the run is closed."""
+    from analysis._watch import render, snapshots
+    live = sys.stdout.isatty()
+    view = None
+    for view in snapshots(run, interval, pattern, kind):
+        lines = render(view)
+        if live:
+            click.clear()
+            click.echo("\n".join(lines))
+        else:                          # piped: a status line a refresh, alerts as they come
+            click.echo("\n".join([lines[0]] + [x for x in lines if x.startswith("ALERT")]))
+    if view is not None and not live:
+        click.echo("\n".join(render(dict(view, alerts=[]))[1:]))
+    click.echo(f"run {view['status'] if view else 'unknown'}: {run}")
+
+
+@cli.command()
+@click.argument("run")
 def info(run):
     """Layers x kinds, steps, size on disk, status and events of RUN."""
     r = _open(run)

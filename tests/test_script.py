@@ -43,3 +43,39 @@ def test_a_bad_pattern_leaves_the_script_training(tmp_path):
     p = tensortape("record", "-o", store, "--layers", "nope*", "--", "python", SCRIPT, "2")
     assert p.returncode == 3 and p.stdout.strip() == "trained 2"
     assert "not recording" in p.stderr and "'nope*'" in p.stderr
+
+
+def test_watch_follows_a_live_run_until_it_closes(tmp_path):
+    """A run recorded in a child process while `tensortape watch` follows it."""
+    store = str(tmp_path / "live.zarr")
+    child = subprocess.Popen([sys.executable, "-c", LIVE, store], cwd=ROOT)
+    try:
+        p = tensortape("watch", store, "--interval", "0.2", "--layer", "fc*")
+    finally:
+        child.wait(60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert any(line.startswith("status recording") and "steps/s" in line for line in lines)
+    alerts = [line for line in lines if line.startswith("ALERT")]
+    assert [a.split(":")[1].split()[0] for a in alerts] == ["fc1", "fc2"]   # each once
+    assert all("step 12" in a and "4 NaN" in alerts[0] for a in alerts)
+    assert lines[-1] == f"run complete: {store}"
+    assert any(line.startswith("fc2 ") for line in lines)       # the final table
+
+
+LIVE = """
+import sys, time, torch
+from torch import nn
+from recorder import Recorder
+torch.manual_seed(0)
+model = nn.Sequential()
+model.add_module("fc1", nn.Linear(4, 4)); model.add_module("fc2", nn.Linear(4, 2))
+with Recorder(model, sys.argv[1], layers="fc*", flush_interval=0.1, tensors_every=None) as rec:
+    for i in range(20):
+        with rec.step(i):
+            x = torch.randn(3, 4)
+            if i == 12:
+                x[0, 0] = float("nan")
+            model(x).sum().backward()
+        time.sleep(0.1)
+"""
