@@ -47,12 +47,13 @@ class RecorderConfig:
     max_pending_bytes: int = 1 << 30
     compression: str | int | None = "auto"
     outside_step: str = "warn"
+    max_bytes: int | None = None
 
     @classmethod
     def build(cls, *, capture=("activations", "gradients"), tensors_every=1, stats_every=1,
               ring=0, on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
               flush_interval=5.0, max_pending_bytes=1 << 30,
-              compression="auto", outside_step="warn") -> "RecorderConfig":
+              compression="auto", outside_step="warn", max_bytes=None) -> "RecorderConfig":
         if isinstance(capture, str):
             capture = (capture,)
         capture = tuple(capture)
@@ -83,9 +84,10 @@ class RecorderConfig:
             raise ConfigError(f"compression={compression!r} is not valid; use 'auto', None, or a "
                               f"zstd level from {ZSTD_LEVELS[0]} to {ZSTD_LEVELS[-1]}")
         _choice("outside_step", outside_step, OUTSIDE_POLICIES)
+        _every("max_bytes", max_bytes, allow_none=True)
         return cls(capture, tensors_every, stats_every, ring, on_nonfinite, max_samples,
                    tensor_dtype, mode, float(flush_interval), max_pending_bytes, compression,
-                   outside_step)
+                   outside_step, max_bytes)
 
     def persists(self, step: int) -> bool:
         return self.tensors_every is not None and step % self.tensors_every == 0

@@ -65,7 +65,9 @@ class Recorder:
     """Record activations and gradients of chosen layers into a Zarr store.
 
     See the README and ``shared/SPEC.md`` for every argument.  Beyond the
-    SPEC: ``flush_interval`` (seconds between commits, default 5),
+    SPEC: ``max_bytes`` (stop storing full tensors past this many bytes; they are
+    counted in ``over_budget``, and statistics go on), ``flush_interval`` (seconds
+    between commits, default 5),
     ``max_pending_bytes`` (snapshot bytes queued for the writer before the
     training thread waits, default 1 GiB) and ``compression`` of full tensors
     (``"auto"``: zstd level 1 where it shrinks an array's first step by 10% or
@@ -75,7 +77,7 @@ class Recorder:
     def __init__(self, model: nn.Module, store, *, layers="*",
                  capture=("activations", "gradients"), tensors_every=1, stats_every=1, ring=0,
                  on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
-                 metadata=None, outside_step="warn", flush_interval=5.0,
+                 metadata=None, outside_step="warn", max_bytes=None, flush_interval=5.0,
                  max_pending_bytes=1 << 30, compression="auto"):
         if isinstance(model, torch.jit.ScriptModule):
             raise ConfigError(f"{type(model).__name__} is a TorchScript module, whose calls run no "
@@ -85,7 +87,7 @@ class Recorder:
             capture=capture, tensors_every=tensors_every, stats_every=stats_every, ring=ring,
             on_nonfinite=on_nonfinite, max_samples=max_samples, tensor_dtype=tensor_dtype,
             mode=mode, flush_interval=flush_interval, max_pending_bytes=max_pending_bytes,
-            compression=compression, outside_step=outside_step)
+            compression=compression, outside_step=outside_step, max_bytes=max_bytes)
         self.metadata = fmt.to_json(metadata or {})
         self.store_location = os.fspath(store)
         self.layers = select_layers(model, layers)
@@ -138,7 +140,7 @@ class Recorder:
             store.commit(state, fmt.root_attrs(state, root_base))
         self._last_step, self._dropped_before = state.last_step, state.dropped
         self._outside_before = state.outside_steps
-        self._buffer = StepBuffer(cfg, state.layers)
+        self._buffer = StepBuffer(cfg, state.layers, state.bytes_raw)
         self._writer = Writer(store, state, root_base, cfg.flush_interval, cfg.max_pending_bytes)
         self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
         self._model = None

@@ -86,6 +86,7 @@ class StepRecord:
     events: list[fmt.NonFiniteEvent] = field(default_factory=list)
     dropped: int = 0                                          # late gradients since the last record
     outside: int = 0                                          # forward passes outside a step, too
+    over_budget: int = 0                                      # full tensors past max_bytes
 
     @property
     def nbytes(self) -> int:
@@ -95,7 +96,7 @@ class StepRecord:
 class StepBuffer:
     """The captures of the open step, and the ring of recent steps."""
 
-    def __init__(self, config: RecorderConfig, known_layers: list[str]):
+    def __init__(self, config: RecorderConfig, known_layers: list[str], persisted: int = 0):
         self.config = config
         self.step: int | None = None
         self.token: object | None = None
@@ -114,6 +115,8 @@ class StepBuffer:
         self._outside = 0
         self.outside_total = 0
         self._warned_outside = False
+        self.persisted = persisted              # bytes of full tensors stored in this run
+        self._estimated = self._warned_budget = False
 
     def begin(self, step: int) -> None:
         self.step, self.token = step, object()
@@ -155,6 +158,8 @@ class StepBuffer:
         if token is not self.token or self.step is None:
             self._drop(name)
             return
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()          # a sharded DTensor (FSDP2): this rank's shard
         cfg, step = self.config, self.step
         keep = cfg.persists(step) or cfg.ring > 0 or cfg.on_nonfinite != "record"
         snap = Snapshot(tensor, cfg.max_samples, cfg.tensor_dtype) if keep else None
@@ -210,8 +215,43 @@ class StepBuffer:
         if cfg.ring:
             self._ring.append((step, None if (persist or dump) else caps))
         out.append(rec)
+        if persist and rec.tensors and not self._estimated:
+            self._estimate(rec)
+        if cfg.max_bytes is not None:
+            for r in out:
+                self._budget(r)
         return [r for r in out if r.stats or r.tensors or r.events or r.layers or r.dropped
-                or r.outside]
+                or r.outside or r.over_budget]
+
+    GUARD_BYTES_PER_100 = 1 << 30       # warn when full tensors would pass this every 100 steps
+
+    def _estimate(self, rec: StepRecord) -> None:
+        """At the first persisted step: warn once if full tensors would fill disks."""
+        self._estimated = True
+        per_100 = rec.nbytes * 100 / (self.config.tensors_every or 1)
+        if per_100 > self.GUARD_BYTES_PER_100 and self.config.max_bytes is None:
+            warnings.warn(
+                f"tensortape: full tensors take {rec.nbytes / 1e6:.0f} MB a step here, "
+                f"{per_100 / 1e9:.1f} GB every 100 steps; record fewer with tensors_every= "
+                f"(now {self.config.tensors_every}), layers= or max_samples=, or cap them with "
+                f"max_bytes= (statistics are kept whatever you choose)", stacklevel=4)
+
+    def _budget(self, rec: StepRecord) -> None:
+        """Past ``max_bytes`` of full tensors, rows are counted instead of stored."""
+        keep = []
+        for row in rec.tensors:
+            if self.persisted + row.snap.nbytes <= self.config.max_bytes:
+                self.persisted += row.snap.nbytes
+                keep.append(row)
+            else:
+                rec.over_budget += 1
+                if not self._warned_budget:
+                    self._warned_budget = True
+                    warnings.warn(f"tensortape: max_bytes={self.config.max_bytes} of full "
+                                  f"tensors reached at step {rec.step}; from now on only "
+                                  f"statistics are recorded (tensors not stored are counted)",
+                                  stacklevel=4)
+        rec.tensors = keep
 
     def pending_record(self) -> StepRecord | None:
         """What was counted since the last record, outside any step (at close)."""

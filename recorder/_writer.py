@@ -144,6 +144,7 @@ class Writer:
         st.layers.extend(rec.layers)
         st.dropped += rec.dropped
         st.outside_steps += rec.outside
+        st.over_budget += rec.over_budget
         st.events_total += len(rec.events)
         st.events.extend(rec.events[:max(fmt.MAX_EVENTS - len(st.events), 0)])
         if rec.step >= 0:

@@ -249,6 +249,7 @@ class RankState:
     events_total: int = 0
     dropped: int = 0
     outside_steps: int = 0                                    # forward passes outside a step
+    over_budget: int = 0                                      # full tensors past max_bytes
     last_step: int | None = None
     committed: dict[str, int] = field(default_factory=dict)
     stats_layers: dict[str, list[str]] = field(default_factory=dict)   # kind -> layer rows
@@ -274,6 +275,7 @@ class RankState:
                 events_total=_int(d.get("events_total", len(d.get("events", [])))),
                 dropped=_int(d.get("dropped", 0)),
                 outside_steps=_int(d.get("outside_steps", 0)),
+                over_budget=_int(d.get("over_budget", 0)),
                 last_step=None if d.get("last_step") is None else _int(d["last_step"]),
                 committed=committed,
                 stats_layers={str(k): _strings(v) for k, v in dict(d.get("stats_layers", {})).items()},
@@ -294,7 +296,8 @@ def root_attrs(state: RankState, base: dict[str, Any], status: str | None = None
     """The root attributes: ``base`` (format, versions, config, ...) with rank 0's
     layers, events and counters, and ``status`` when given."""
     out = dict(base, layers=list(state.layers), events=[e.to_json() for e in state.events],
-               dropped=state.dropped, outside_steps=state.outside_steps)
+               dropped=state.dropped, outside_steps=state.outside_steps,
+               over_budget=state.over_budget)
     if status:
         out["status"] = status
     return out

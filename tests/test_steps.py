@@ -130,3 +130,35 @@ def test_a_resumed_job_rerecords_steps_and_readers_take_the_latest(tmp_store):
     assert run.tensor("fc1").sizes["step"] == 5
     std = run.stats().sel(step=2, layer="fc1")["std"].compute().item()
     np.testing.assert_allclose(std, want.astype(np.float64).std(), rtol=1e-6)
+
+
+def test_a_costly_default_warns_once_and_max_bytes_caps_full_tensors(tmp_path):
+    wide = torch.nn.Linear(64, 4096)
+    x = torch.randn(400, 64)                       # 6.6 MB an output, 13 MB a step with grads
+    with pytest.warns(UserWarning, match=r"GB every 100 steps.*tensors_every=.*max_bytes="):
+        with Recorder(wide, str(tmp_path / "a.zarr")) as rec:
+            with rec.step(0):
+                wide(x).sum().backward()
+    row = 400 * 4096 * 4
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Recorder(wide, str(tmp_path / "b.zarr"), max_bytes=3 * row) as rec:
+            for i in range(4):
+                with rec.step(i):
+                    wide(x).sum().backward()
+    assert sum("max_bytes" in str(w.message) for w in seen) == 1
+    assert not any("GB every 100 steps" in str(w.message) for w in seen)
+    run = open_run(str(tmp_path / "b.zarr"))
+    assert run.steps().tolist() == [0, 1, 2, 3]                     # statistics go on
+    assert run.steps(tensors=True, layer="(root)").tolist() == [0, 1]
+    assert run.steps("gradients", tensors=True, layer="(root)").tolist() == [0]
+    assert run.attrs["over_budget"] == 5
+
+
+def test_metadata_takes_numpy_and_torch_scalars(tmp_store):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store, metadata={"lr": np.float32(0.25), "n": np.int64(3),
+                                              "t": torch.tensor(2.5)}) as rec:
+        with rec.step():
+            model(_batch(0)).sum().backward()
+    assert open_run(tmp_store).metadata == {"lr": 0.25, "n": 3, "t": 2.5}
