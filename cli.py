@@ -1,20 +1,60 @@
-"""The tensortape command line: thin wrappers over ``analysis`` and ``sample_runs``.
+"""The tensortape command line: thin click commands over ``analysis`` and ``recorder``.
 
-Library errors become one line on stderr and exit status 2, in one place
-(``main``).  torch and matplotlib are imported only by the commands that need them.
+Every library error becomes a ``click.ClickException`` (one line on stderr, exit
+status 2) in one place, the group's ``invoke``; ``--debug`` shows the traceback
+instead.  torch is imported only by ``demo`` and ``record``; matplotlib only by
+the commands that draw.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-import os
+import math
 import sys
 
 import click
 
-EXIT_USAGE = 2
+KINDS = ("activations", "gradients", "inputs", "weights", "weight_grads")
+STATS = ("count", "mean", "std", "min", "max", "abs_max", "norm", "zero_frac", "nan", "posinf",
+         "neginf")
+COUNTS = ("count", "nan", "posinf", "neginf")
+EXIT_ERROR = 2
+
+
+class TensortapeError(click.ClickException):
+    """A library error, or a store that cannot be read: one line, exit status 2."""
+    exit_code = EXIT_ERROR
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
+            raise
+        except Exception as e:
+            if ctx.params.get("debug"):
+                raise
+            from recorder.errors import RecorderError
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if not isinstance(e, (RecorderError, OSError)):
+                msg = f"{type(e).__name__}: {msg} (run with --debug for the traceback)"
+            raise TensortapeError(msg) from e
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("tensortape")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(_version(), "--version", prog_name="tensortape")
+@click.option("--debug", is_flag=True, help="show the traceback of an error")
+def cli(debug):
+    """Record and study what flows through a PyTorch model (tensortape)."""
 
 
 def _open(path):
@@ -23,8 +63,7 @@ def _open(path):
 
 
 def _progress(label: str):
-    """A wrapper that shows a progress bar over items on a terminal, and
-    iterates plainly otherwise."""
+    """A progress bar over items on a terminal; plain iteration otherwise."""
     def wrap(items):
         if sys.stderr.isatty():
             with click.progressbar(list(items), file=sys.stderr, label=label) as bar:
@@ -34,9 +73,33 @@ def _progress(label: str):
     return wrap
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def cli():
-    """Record and study what flows through a PyTorch model (tensortape)."""
+def _json(obj) -> None:
+    click.echo(json.dumps(obj, indent=1, allow_nan=False, default=str))
+
+
+def _number(name: str, v):
+    """A statistic for JSON: counts as integers, NaN as null, floats at full precision."""
+    v = float(v)
+    if math.isnan(v):
+        return None
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return int(v) if name in COUNTS else v
+
+
+def _table(columns, rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(*columns, box=None, pad_edge=False, header_style="bold")
+    for r in rows:
+        t.add_row(*map(str, r))
+    Console(soft_wrap=True).print(t)
+
+
+kind_option = click.option("--kind", type=click.Choice(KINDS), default="activations",
+                           show_default=True)
+format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]),
+                             default="table", show_default=True)
 
 
 @cli.command()
@@ -45,12 +108,12 @@ def cli():
 @click.option("--diverge", is_flag=True, help="use a learning rate that diverges to NaN")
 def demo(out, steps, diverge):
     """Record a sample training run (a transformer learning to sort digits) into OUT."""
+    import os
     from sample_runs.task import record
     if os.path.exists(out):
         raise click.BadParameter(f"{out!r} already exists; choose a new OUT", param_hint="OUT")
     record(out, steps=steps, diverge=diverge, log=lambda s: click.echo(s, err=True))
-    run = _open(out)
-    click.echo(repr(run))
+    click.echo(repr(_open(out)))
     click.echo("\nTry next:")
     click.echo(f"  tensortape info {out}")
     click.echo(f"  tensortape nan {out}")
@@ -62,8 +125,7 @@ def demo(out, steps, diverge):
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="the run to write")
 @click.option("--layers", multiple=True, help="glob pattern of layers (repeatable; default all)")
-@click.option("--capture", multiple=True,
-              type=click.Choice(["activations", "gradients", "inputs", "weights", "weight_grads"]),
+@click.option("--capture", multiple=True, type=click.Choice(KINDS),
               help="what to record (repeatable; default activations and gradients)")
 @click.option("--tensors-every", type=click.IntRange(min=0), default=None,
               help="persist full tensors every N steps (0: statistics only; default 1)")
@@ -91,9 +153,7 @@ def record(out, layers, capture, tensors_every, stats_every, ring, on_nonfinite,
 @click.option("--interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
               help="seconds between refreshes")
 @click.option("--layer", "pattern", default=None, help="glob pattern of layers")
-@click.option("--kind", type=click.Choice(["activations", "gradients", "inputs", "weights",
-                                            "weight_grads"]), default="activations",
-              show_default=True)
+@kind_option
 def watch(run, interval, pattern, kind):
     """Follow RUN while it is recorded: latest statistics per layer, non-finite alerts,
     steps per second. Ends when the run is closed."""
@@ -114,44 +174,44 @@ def watch(run, interval, pattern, kind):
 
 @cli.command()
 @click.argument("run")
-def info(run):
+@format_option
+def info(run, fmt):
     """Layers x kinds, steps, size on disk, status and events of RUN."""
+    from dask.utils import format_bytes
     r = _open(run)
     s = r.summary()
+    s["disk_bytes"] = r.disk_bytes()
+    if fmt == "json":
+        return _json(s)
     click.echo(f"run      {run}")
-    click.echo(f"status   {s['status']}    ranks {s['ranks']}    format {r.attrs.get('tensortape_format')}")
-    click.echo(f"model    {r.attrs.get('model_class')}    torch {r.attrs.get('torch_version')}")
-    disk = _disk_bytes(run)
-    raw = s["bytes_raw"]
-    ratio = f"    (full tensors recorded: {raw / 1e6:.1f} MB raw, {raw / disk:.2f}x the store)" if disk and raw else ""
-    click.echo(f"size     {disk / 1e6:.1f} MB on disk{ratio}")
+    click.echo(f"status   {s['status']}    ranks {s['ranks']}    format {s['format']}")
+    click.echo(f"model    {s['model_class']}    torch {s['torch_version']}")
+    raw, disk = s["bytes_raw"], s["disk_bytes"]
+    ratio = f"    (full tensors recorded: {format_bytes(raw)}, {raw / disk:.2f}x the store)" \
+        if disk and raw else ""
+    click.echo(f"size     {format_bytes(disk)} on disk{ratio}")
     for k, v in s["steps"].items():
-        t = r.steps(k, tensors=True) if k in r.kinds else []
-        click.echo(f"{k:<13} statistics at {v[2] if v else 0} steps ({v[0]}..{v[1]})"
-                   f", full tensors at {len(t)} steps" if v else f"{k}: none")
-    width = max([len(n) for n in s["layers"]] + [5])
-    click.echo("\n" + "layer".ljust(width) + "  " + "  ".join(f"{k[:12]:>12}" for k in s["kinds"]))
-    for layer, kinds in s["layers"].items():
-        click.echo(layer.ljust(width) + "  " + "  ".join(f"{kinds[k] or '-':>12}" for k in s["kinds"]))
+        click.echo(f"{k:<13} statistics at {v['count']} steps ({v['first']}..{v['last']}), "
+                   f"full tensors at {v['tensor_steps']} steps" if v["count"] else f"{k}: none")
+    click.echo()
+    _table(["layer", *s["kinds"]],
+           [[layer] + [("S" if m[k]["stats"] else "") + (
+               f"T {format_bytes(m[k]['tensor_bytes'])}" if m[k]["tensor_bytes"] is not None
+               else "") or "-" for k in s["kinds"]] for layer, m in s["layers"].items()])
     click.echo("(S = statistics, T = full tensors, with their size decoded)")
     ev = s["events"]
-    click.echo(f"\nnon-finite events: {len(ev)}" + (f"; first at step {ev[0].step} in "
-               f"{ev[0].layer} ({ev[0].kind})" if ev else ""))
-    if s["dropped"]:
-        click.echo(f"dropped late gradients: {s['dropped']}")
-
-
-def _disk_bytes(path: str) -> int:
-    if "://" in path:
-        return 0
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    click.echo(f"\nnon-finite events: {s['events_total']}" + (
+        f"; first at step {ev[0]['step']} in {ev[0]['layer']} ({ev[0]['kind']})" if ev else ""))
+    for key, what in (("dropped", "late gradients dropped"),
+                      ("outside_steps", "forward passes outside a step"),
+                      ("over_budget", "full tensors not stored (max_bytes)")):
+        if s[key]:
+            click.echo(f"{what}: {s[key]}")
 
 
 @cli.command()
 @click.argument("run")
-@click.option("--kind", default="activations", show_default=True)
+@kind_option
 @click.option("--layer", "pattern", default=None, help="glob pattern of layers")
 @click.option("--step", type=int, default=None)
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
@@ -165,12 +225,13 @@ def stats(run, kind, pattern, step, fmt):
                                      f"{ds.step.values[:5].tolist()}", param_hint="--step")
         ds = ds.sel(step=[step])
     df = ds.compute().to_dataframe().reset_index()
+    for c in COUNTS:
+        df[c] = df[c].astype("Int64")
     if fmt == "json":
-        click.echo(json.dumps(json.loads(df.to_json(orient="records")), indent=1))
+        _json([{k: (_number(k, v) if k in STATS else (int(v) if k == "step" else v))
+                for k, v in row.items()} for row in df.to_dict(orient="records")])
     elif fmt == "csv":
-        buf = io.StringIO()
-        df.to_csv(buf, index=False)
-        click.echo(buf.getvalue(), nl=False)
+        click.echo(df.to_csv(index=False), nl=False)
     else:
         click.echo(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
 
@@ -179,42 +240,57 @@ def stats(run, kind, pattern, step, fmt):
 @click.argument("run")
 @click.option("--around", type=click.IntRange(min=0), default=3, show_default=True,
               help="steps of history to show")
-def nan(run, around):
+@format_option
+def nan(run, around, fmt):
     """Post-mortem: the first non-finite (step, layer, kind); exit 1 if any, 0 if clean."""
     first = _open(run).first_nonfinite(history=around)
-    if first is None:
+    if fmt == "json":
+        _json(None if first is None else first.to_json())
+    elif first is None:
         click.echo("clean: no NaN or Inf recorded")
-        sys.exit(0)
-    click.echo(f"first non-finite: step {first.step}, layer {first.layer}, {first.kind} "
-               f"({first.phase}): {first.nan} NaN, {first.posinf} +Inf, {first.neginf} -Inf")
-    if first.history is not None:
-        click.echo(f"\n{first.layer} ({first.kind}) in the steps before:")
-        h = first.history[["mean", "std", "abs_max", "norm", "nan", "posinf", "neginf"]]
-        click.echo(h.to_dataframe().drop(columns="layer", errors="ignore").to_string(
-            float_format=lambda v: f"{v:.4g}"))
-    if first.same_step:
-        click.echo(f"\nalso non-finite at step {first.step}:")
-        for e in first.same_step[:20]:
-            click.echo(f"  {e.layer} ({e.kind}): {e.nan} NaN, {e.posinf} +Inf, {e.neginf} -Inf")
-        if len(first.same_step) > 20:
-            click.echo(f"  ... and {len(first.same_step) - 20} more")
-    sys.exit(1)
+    else:
+        click.echo(f"first non-finite: step {first.step}, layer {first.layer}, {first.kind} "
+                   f"({first.phase}, micro-batch {first.micro}): {first.nan} NaN, "
+                   f"{first.posinf} +Inf, {first.neginf} -Inf")
+        if first.history is not None:
+            click.echo(f"\n{first.layer} ({first.kind}) in the steps before:")
+            h = first.history[["mean", "std", "abs_max", "norm", "nan", "posinf", "neginf"]]
+            df = h.to_dataframe().drop(columns="layer", errors="ignore")
+            for c in ("nan", "posinf", "neginf"):
+                df[c] = df[c].astype("Int64")
+            click.echo(df.to_string(float_format=lambda v: f"{v:.4g}"))
+        if first.same_step:
+            click.echo(f"\nalso non-finite at step {first.step}:")
+            for e in first.same_step[:20]:
+                click.echo(f"  {e.layer} ({e.kind}): {e.nan} NaN, {e.posinf} +Inf, "
+                           f"{e.neginf} -Inf")
+            if len(first.same_step) > 20:
+                click.echo(f"  ... and {len(first.same_step) - 20} more")
+    sys.exit(0 if first is None else 1)
 
 
 @cli.command()
 @click.argument("run")
 @click.option("--layer", required=True, help="layer name (a pattern for --type evolution)")
-@click.option("--kind", default="activations", show_default=True)
-@click.option("--type", "kind_of_plot", type=click.Choice(["histogram", "evolution", "distribution"]),
+@kind_option
+@click.option("--type", "plot_type", type=click.Choice(["histogram", "evolution", "distribution"]),
               default="histogram", show_default=True)
-@click.option("--stat", default="std", show_default=True, help="statistic for --type evolution")
-@click.option("-o", "--output", required=True, type=click.Path(), help="PNG file to write")
-def plot(run, layer, kind, kind_of_plot, stat, output):
+@click.option("--stat", type=click.Choice(STATS), default="std", show_default=True,
+              help="statistic for --type evolution")
+@click.option("--step", type=int, default=None,
+              help="step for --type histogram (default: the last with finite values)")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, writable=True),
+              help="PNG file to write")
+def plot(run, layer, kind, plot_type, stat, step, output):
     """Plot a layer of RUN into a PNG file."""
     r = _open(run)
-    if kind_of_plot == "histogram":
-        fig = r.plot_histogram(layer, kind=kind)
-    elif kind_of_plot == "evolution":
+    if plot_type != "evolution" and any(ch in layer for ch in "*?["):
+        raise click.BadParameter(f"a {plot_type} shows one layer; {layer!r} is a pattern (use "
+                                 f"--type evolution for many, or name one layer)",
+                                 param_hint="--layer")
+    if plot_type == "histogram":
+        fig = r.plot_histogram(layer, kind=kind, steps=step)
+    elif plot_type == "evolution":
         fig = r.plot_evolution(layers=layer, kind=kind, stat=stat)
     else:
         fig = r.plot_distribution(layer, kind=kind)
@@ -225,38 +301,48 @@ def plot(run, layer, kind, kind_of_plot, stat, output):
 @cli.command()
 @click.argument("run_a")
 @click.argument("run_b")
-@click.option("--kind", default="activations", show_default=True)
+@kind_option
 @click.option("--layer", "pattern", default=None, help="glob pattern of layers")
 @click.option("--rtol", type=click.FloatRange(min=0), default=1e-3, show_default=True)
-@click.option("-o", "--output", type=click.Path(), default=None, help="PNG of the first diverging layer")
-def compare(run_a, run_b, kind, pattern, rtol, output):
-    """Compare two runs layer by layer and report where they first diverge."""
+@format_option
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="PNG: where the runs differ (layer x step) and the first diverging layer")
+def compare(run_a, run_b, kind, pattern, rtol, fmt, output):
+    """Compare two runs layer by layer; exit 1 when they diverge, 0 when they agree."""
     from analysis import compare_runs, first_divergence, plot_comparison
+    from analysis._compare import summarize
     a, b = _open(run_a), _open(run_b)
-    first = first_divergence(a, b, rtol=rtol)
-    click.echo("no divergence" if first is None else f"first divergence: step {first[0]}, layer {first[1]}")
-    ds = compare_runs(a, b, kind=kind, layers=pattern, progress=_progress("comparing full tensors"))
-    cols = [c for c in ("rel_l2", "cosine", "sqnr_db", "delta_mean", "delta_std") if c in ds]
-    summary = ds[cols].max("step") if "rel_l2" in ds else abs(ds[cols]).max("step")
-    click.echo(summary.to_dataframe().to_string(float_format=lambda v: f"{v:.4g}"))
+    first = first_divergence(a, b, rtol=rtol, kinds=[kind], layers=pattern)
+    ds = compare_runs(a, b, kind=kind, layers=pattern, progress=_progress("comparing tensors"))
+    table = summarize(ds)
+    if fmt == "json":
+        _json({"first_divergence": None if first is None else {"step": first[0],
+                                                                "layer": first[1], "kind": kind},
+               "layers": {str(layer): {k: _number(k, table[k].sel(layer=layer))
+                                       for k in table.data_vars}
+                          for layer in table.layer.values}})
+    else:
+        click.echo("no divergence" if first is None else
+                   f"first divergence: step {first[0]}, layer {first[1]} ({kind})")
+        click.echo(table.to_dataframe().to_string(float_format=lambda v: f"{v:.4g}"))
     if output:
         layer = first[1] if first else str(ds.layer.values[0])
-        plot_comparison(a, b, layer, kind=kind).savefig(output, dpi=120)
-        click.echo(output)
+        plot_comparison(a, b, layer, kind=kind, rtol=rtol).savefig(output, dpi=120)
+        if fmt != "json":
+            click.echo(output)
+    sys.exit(0 if first is None else 1)
 
 
 @cli.command()
 @click.argument("run")
-@click.argument("out", type=click.Path())
+@click.argument("out", type=click.Path(dir_okay=False))
 def export(run, out):
     """Export RUN to one HDF5 file OUT."""
-    path = _open(run).to_hdf5(out, progress=_progress("exporting"))
-    click.echo(path)
+    click.echo(_open(run).to_hdf5(out, progress=_progress("exporting")))
 
 
 def main(argv=None) -> None:
-    """Entry point: library errors become one line and exit status 2."""
-    from recorder.errors import RecorderError
+    """The console script: every error is one line on stderr (no usage block)."""
     try:
         rv = cli.main(args=argv, prog_name="tensortape", standalone_mode=False)
     except click.exceptions.Exit as e:
@@ -265,12 +351,8 @@ def main(argv=None) -> None:
         click.echo("Aborted.", err=True)
         sys.exit(1)
     except click.ClickException as e:
-        click.echo(f"Error: {e.format_message()}".splitlines()[0], err=True)
-        sys.exit(EXIT_USAGE)
-    except (RecorderError, FileNotFoundError, FileExistsError, KeyError, ValueError) as e:
-        msg = str(e).strip("'\"").splitlines()[0] if str(e) else type(e).__name__
-        click.echo(f"Error: {msg}", err=True)
-        sys.exit(EXIT_USAGE)
+        click.echo(f"Error: {e.format_message().splitlines()[0]}", err=True)
+        sys.exit(e.exit_code)
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

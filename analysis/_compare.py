@@ -77,19 +77,20 @@ def _stat_differs(x: float, y: float, rtol: float) -> bool:
     return not abs(x - y) <= rtol * max(abs(x), abs(y), 1e-30)
 
 
-def first_divergence(a, b, rtol: float = 1e-3, kinds=None) -> tuple[int, str] | None:
+def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None) -> tuple[int, str] | None:
     """The first (step, layer) where the runs differ, or None.
 
     Steps in order; within a step, forward kinds before gradients, each in
     execution order.  ``rel_l2 > rtol`` decides where both runs hold the full
     tensor; otherwise any statistic differing by more than ``rtol`` relatively.
+    ``kinds`` and ``layers`` (glob patterns) narrow the search.
     """
     a, b = open_run(a), open_run(b)
     order = {n: i for i, n in enumerate(a.layers)}
     kinds = [k for k in (kinds or fmt.FORWARD_KINDS + fmt.BACKWARD_KINDS) if k in a.kinds and k in b.kinds]
     per_kind = {}
     for kind in kinds:
-        names, steps = _common(a, b, kind, None)
+        names, steps = _common(a, b, kind, layers)
         if names and len(steps):
             sa = a.stats(kind, names).sel(step=steps).compute()
             sb = b.stats(kind, names).sel(step=steps).compute()
@@ -125,10 +126,54 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None) -> tuple[int, str] | 
     return None
 
 
-def plot_comparison(a, b, layer, kind="activations", stat="std", ax=None):
-    """A statistic of one layer in two runs, side by side over the steps -> Figure."""
+_LOWEST_IS_WORST = ("cosine", "sqnr_db")
+
+
+def summarize(ds: xr.Dataset) -> xr.Dataset:
+    """``compare_runs``'s result per layer, each metric at its worst step: the
+    largest ``rel_l2``, ``max_abs`` and ``|delta_<stat>|``, the smallest ``cosine``
+    and ``sqnr_db``."""
+    cols = [c for c in ("rel_l2", "cosine", "max_abs", "sqnr_db", "delta_mean", "delta_std",
+                        "delta_abs_max", "delta_nan") if c in ds]
+    return xr.Dataset({c: ds[c].min("step") if c in _LOWEST_IS_WORST else
+                       (abs(ds[c]) if c.startswith("delta_") else ds[c]).max("step")
+                       for c in cols})
+
+
+def difference_map(a, b, kind: str = "activations", stat: str = "std", layers=None,
+                   ds: xr.Dataset | None = None) -> xr.DataArray:
+    """How much two runs differ, layer x step: ``rel_l2`` when both runs hold every
+    full tensor compared, else (one metric for the whole map) the relative
+    difference of ``stat``, |b - a| / max(|a|, |b|)."""
+    a, b = open_run(a), open_run(b)
+    ds = compare_runs(a, b, kind, layers) if ds is None else ds
+    names, steps = list(ds.layer.values), ds.step.values
+    sa = a.stats(kind, names)[stat].sel(step=steps).compute()
+    sb = b.stats(kind, names)[stat].sel(step=steps).compute()
+    rel = abs(sb - sa) / np.maximum(np.maximum(abs(sa), abs(sb)), 1e-30)
+    full = "rel_l2" in ds and bool(ds["rel_l2"].notnull().all())
+    out = ds["rel_l2"] if full else rel
+    metric = "rel_l2" if full else f"relative difference of {stat}"
+    return out.transpose("layer", "step").rename(metric)
+
+
+def plot_comparison(a, b, layer, kind="activations", stat="std", rtol: float = 1e-3):
+    """Where two runs part -> Figure: a layer x step heat map of their difference
+    (``rel_l2`` where both hold full tensors, else the relative difference of
+    ``stat``) with the first divergence marked, beside ``stat`` of ``layer`` in both."""
+    import os
     from . import _plots
     a, b = open_run(a), open_run(b)
-    das = [r.stats(kind, [layer])[stat].isel(layer=0).compute().assign_attrs(layer=layer, kind=kind)
-           for r in (a, b)]
-    return _plots.comparison(*das, labels=(a.path, b.path), ax=ax)
+    lines = [r.stats(kind, [layer])[stat].isel(layer=0).compute().assign_attrs(layer=layer, kind=kind)
+             for r in (a, b)]
+    diff = difference_map(a, b, kind, stat)
+    first = first_divergence(a, b, rtol=rtol, kinds=[kind])
+    names = [os.path.basename(r.path.rstrip("/")) or r.path for r in (a, b)]
+    if names[0] == names[1]:
+        names = [_short_path(r.path) for r in (a, b)]
+    return _plots.comparison(diff, *lines, labels=names, first=first)
+
+
+def _short_path(path: str) -> str:
+    parts = path.rstrip("/").split("/")
+    return "/".join(parts[-2:])

@@ -111,7 +111,7 @@ class Inspector:
         ``bin_lo``/``bin_hi``, and the ``nan``/``posinf``/``neginf`` counts."""
         stats, hist = self._stats[self._key(layer, what)]
         lo, hi = fmt.bin_edges()
-        coords = {"bin_lo": ("bin", lo), "bin_hi": ("bin", hi)}
+        coords = {"bin": fmt.bin_centers(), "bin_lo": ("bin", lo), "bin_hi": ("bin", hi)}
         coords.update({k: int(stats[k]) for k in ("nan", "posinf", "neginf")})
         return xr.DataArray(hist, dims=("bin",), coords=coords, name=f"{layer} {what}",
                             attrs={"layer": layer, "kind": f"{what} (one batch)"})
@@ -122,5 +122,5 @@ class Inspector:
         h = self.get_histogram(layer, what).expand_dims(step=[0])
         for k in ("nan", "posinf", "neginf"):
             h.coords[k] = ("step", [int(h.coords[k])])
-        return _plots.histogram(h, ax=ax)
+        return _plots.histogram(h, steps=[0], ax=ax)
 

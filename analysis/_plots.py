@@ -1,14 +1,25 @@
 """Plot functions: xarray objects in, a matplotlib Figure out.
 
 They know nothing of runs or stores (``Run`` and ``plot_comparison`` hand them
-the data); none calls ``plt.show()``, and each takes ``ax=None``.
+the data); none calls ``plt.show()``.
+
+The shared histogram bins are log-spaced by magnitude on each side of zero, so
+a histogram's value axis shows only the *occupied* bins, one slot each, in
+value order (no band of empty bins between -1e-5 and +1e-5), labelled with the
+bins' own values.  A distribution over steps uses a value axis, as TensorBoard
+does, over the occupied range.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["comparison", "distribution", "evolution", "histogram"]
+__all__ = ["comparison", "distribution", "evolution", "histogram", "last_finite_step"]
+
+NONFINITE = ("nan", "posinf", "neginf")
+PERCENTILES = (0.0, 0.0668, 0.3085, 0.5, 0.6915, 0.9332, 1.0)   # TensorBoard's bands
+LOG_STATS = ("std", "abs_max", "norm", "count")                  # positive: log scale
+SYMLOG_STATS = ("mean", "min", "max")
 
 
 def _figure(figsize=(7, 4), ax=None):
@@ -19,132 +30,232 @@ def _figure(figsize=(7, 4), ax=None):
     return fig, fig.add_subplot()
 
 
-def _centers(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """A plotting position per bin on a symlog axis (tails at their finite edge)."""
-    c = np.where(np.isfinite(lo) & np.isfinite(hi), (lo + hi) / 2, np.where(np.isfinite(lo), lo, hi))
-    return c
-
-
 def _short(name: str, width: int = 28) -> str:
+    name = str(name)
     return name if len(name) <= width else "…" + name[-(width - 1):]
 
 
+def _value(v: float) -> str:
+    return "0" if v == 0 else f"{v:.1e}".replace("e-0", "e-").replace("e+0", "e")
+
+
+def _value_axis(ax, axis: str, centers: np.ndarray, n_ticks: int = 9) -> None:
+    """Ticks at a few occupied bins (zero's among them), labelled with their values."""
+    k = len(centers)
+    pos = set(np.linspace(0, k - 1, min(n_ticks, k)).round().astype(int).tolist())
+    zero = np.nonzero(centers == 0)[0]
+    if zero.size:                       # zero gets a tick; none crowd it
+        pos = {p for p in pos if abs(p - zero[0]) >= k / (2 * n_ticks)} | {int(zero[0])}
+    pos = sorted(pos)
+    labels = [_value(centers[p]) for p in pos]
+    (ax.set_yticks if axis == "y" else ax.set_xticks)(pos, labels)
+
+
+def last_finite_step(h) -> int | None:
+    """The last step of a histogram (``Run.histogram``) that holds finite values."""
+    finite = h.sum("bin").values > 0
+    steps = h.step.values[finite]
+    return int(steps[-1]) if len(steps) else None
+
+
 def histogram(h, steps=None, ax=None):
-    """Histogram (an ``xr.DataArray`` (step, bin) as ``Run.histogram`` gives) at one
-    or more steps (default: the last): log counts, NaN/Inf counts in the legend."""
+    """Counts of one layer at one or more steps (default: the last with finite
+    values), over the occupied bins; NaN/Inf counts in the legend."""
     layer, kind = h.attrs.get("layer", h.name), h.attrs.get("kind", "")
-    all_steps = h.step.values
     if steps is None:
-        steps = [int(all_steps[-1])] if len(all_steps) else []
+        last = last_finite_step(h)
+        steps = [] if last is None else [last]
     elif np.isscalar(steps):
         steps = [int(steps)]
     fig, ax = _figure(ax=ax)
-    lo, hi = h.bin_lo.values, h.bin_hi.values
-    x = _centers(lo, hi)
-    nz_any = np.zeros(len(x), bool)
-    for s in steps:
-        row = h.sel(step=s)
-        counts = row.values.astype(float)
-        nz_any |= counts > 0
-        bad = {k: int(row[k]) for k in ("nan", "posinf", "neginf") if k in row.coords}
-        label = f"step {s}" + ("" if not any(bad.values()) else
-                               "  (" + ", ".join(f"{k} {v}" for k, v in bad.items() if v) + ")")
-        ax.step(x, np.where(counts > 0, counts, np.nan), where="mid", label=label)
-    if nz_any.any():
-        idx = np.nonzero(nz_any)[0]
-        span = max(abs(x[idx[0]]), abs(x[idx[-1]]), 1e-30)
-        ax.set_xscale("symlog", linthresh=max(span * 1e-6, 1e-30))
-    ax.set_yscale("log")
-    ax.set_xlabel("value (symmetric log scale; bins share sign, exponent and 2 mantissa bits)")
+    counts = np.stack([h.sel(step=s).values for s in steps]).astype(float) if steps else \
+        np.zeros((0, h.sizes["bin"]))
+    used = np.nonzero(counts.sum(0))[0]
+    centers = h.bin.values[used]
+    x = np.arange(len(used))
+    for s, c in zip(steps, counts):
+        bad = {k: int(h.sel(step=s)[k]) for k in NONFINITE if k in h.coords}
+        label = f"step {s}" + ("" if not any(bad.values()) else "   " + ", ".join(
+            f"{k} {v}" for k, v in bad.items() if v))
+        ax.step(x, np.where(c[used] > 0, c[used], np.nan), where="mid", label=label)
+    if len(used):
+        _value_axis(ax, "x", centers)
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "no finite values at these steps", ha="center", transform=ax.transAxes)
+    ax.set_xlabel("value (occupied bins: sign, exponent, 2 mantissa bits)")
     ax.set_ylabel("count")
     ax.set_title(f"{_short(layer, 50)} · {kind}")
-    ax.legend(fontsize="small")
+    if steps:
+        ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     return fig
 
 
-def evolution(da, ax=None, max_legend=12):
-    """One statistic (an ``xr.DataArray`` (step, layer) named after it) over steps,
-    one line per layer (log scale where it fits)."""
-    stat, kind = da.name, da.attrs.get("kind", "")
+def _nonfinite_spans(ax, steps: np.ndarray, bad: np.ndarray, label: bool = True) -> None:
+    """A red band over every step that holds NaN or Inf, with its count."""
+    if not bad.any():
+        return
+    gap = np.min(np.diff(steps)) if len(steps) > 1 else 1
+    for i in np.nonzero(bad)[0]:
+        ax.axvspan(steps[i] - gap / 2, steps[i] + gap / 2, color="red", alpha=0.15, lw=0,
+                   label="NaN/Inf present" if label and i == np.nonzero(bad)[0][0] else None)
+    first = np.nonzero(bad)[0][0]
+    ax.annotate(f"first NaN/Inf: step {steps[first]}\n({int(bad[first])} values)",
+                (steps[first], 1), xycoords=("data", "axes fraction"), xytext=(4, -4),
+                textcoords="offset points", va="top", fontsize="x-small", color="darkred")
+
+
+def evolution(ds, stat: str = "std", ax=None, max_legend: int = 12):
+    """One statistic of ``Run.stats`` over all steps, a line per layer.  Steps
+    where a layer held NaN/Inf are left out of its line (its statistics cover
+    only its finite values there) and marked by a red band."""
+    kind = ds.attrs.get("kind", "")
+    da = ds[stat]
+    bad_layer = sum(ds[k] for k in NONFINITE) > 0
+    shown = da.where(~bad_layer)
     fig, ax = _figure((8, 4.5), ax)
     steps = da.step.values
     for i, layer in enumerate(da.layer.values):
-        ax.plot(steps, da.isel(layer=i).values, lw=1.2,
+        ax.plot(steps, shown.isel(layer=i).values, lw=1.2,
                 label=_short(str(layer)) if i < max_legend else None)
-    vals = da.values[np.isfinite(da.values)]
-    if vals.size and (vals > 0).all() and vals.max() / max(vals.min(), 1e-300) > 100:
+    vals = shown.values[np.isfinite(shown.values)]
+    if vals.size and stat in LOG_STATS and (vals > 0).all():
         ax.set_yscale("log")
+    elif vals.size and stat in SYMLOG_STATS and np.abs(vals).max() > 0:
+        nz = np.abs(vals[vals != 0])
+        ax.set_yscale("symlog", linthresh=float(np.quantile(nz, 0.05)) if nz.size else 1e-12)
+    _nonfinite_spans(ax, steps, sum(ds[k] for k in NONFINITE).sum("layer").values)
+    if len(steps):
+        ax.set_xlim(steps[0], steps[-1] if steps[-1] > steps[0] else steps[0] + 1)
     ax.set_xlabel("step")
     ax.set_ylabel(stat)
     ax.set_title(f"{stat} of {kind} over training")
     if da.sizes["layer"] > max_legend:
         ax.plot([], [], " ", label=f"+{da.sizes['layer'] - max_legend} more layers")
-    ax.legend(fontsize="x-small", loc="best", ncol=1 + da.sizes["layer"] // 8)
+    ax.legend(fontsize="x-small", loc="best", ncol=1 + min(da.sizes["layer"], max_legend) // 8)
     ax.grid(alpha=0.3)
     return fig
 
 
-def _percentiles(counts: np.ndarray, lo: np.ndarray, hi: np.ndarray, qs) -> np.ndarray:
-    """Percentile values of a binned distribution (bin-edge accuracy), one row per step."""
+def _symlog_axis(ax, linthresh: float, lo: float, hi: float) -> None:
+    """A symmetric-log value axis with a few decade ticks that never crowd zero."""
+    ax.set_yscale("symlog", linthresh=linthresh, linscale=1)
+    top = np.log10(max(abs(lo), abs(hi)))
+    first = np.floor(np.log10(linthresh)) + 2                   # clear of the linear region
+    decades = np.arange(first, np.ceil(top) + 1)
+    decades = decades[:: max(1, int(np.ceil(len(decades) / 4)))]
+    ticks = [0.0] + [s * 10.0 ** d for d in decades for s in (1, -1)
+                     if (s > 0 and 10.0 ** d <= hi * 1.5) or (s < 0 and -(10.0 ** d) >= lo * 1.5)]
+    ax.set_yticks(sorted(ticks), [_value(t) for t in sorted(ticks)])
+
+
+def _edges(x: np.ndarray) -> np.ndarray:
+    """Cell edges around sorted centres."""
+    x = np.asarray(x, float)
+    if len(x) == 1:
+        return np.array([x[0] - 0.5, x[0] + 0.5])
+    mid = (x[1:] + x[:-1]) / 2
+    return np.concatenate([[2 * x[0] - mid[0]], mid, [2 * x[-1] - mid[-1]]])
+
+
+def _percentile_values(counts: np.ndarray, centers: np.ndarray, qs) -> np.ndarray:
+    """Percentiles of binned distributions (bin-centre accuracy), a row per step."""
     out = np.full((counts.shape[0], len(qs)), np.nan)
-    x = _centers(lo, hi)
     for i, c in enumerate(counts):
         total = c.sum()
         if total:
             cdf = np.cumsum(c) / total
-            out[i] = x[np.minimum(np.searchsorted(cdf, qs), len(x) - 1)]
+            out[i] = centers[np.minimum(np.searchsorted(cdf, qs), len(c) - 1)]
     return out
 
 
 def distribution(h, ax=None):
-    """Step x value heat map of a histogram over time (``Run.histogram``), with
-    percentile bands."""
+    """A layer's histogram over the steps, drawn as TensorBoard's Distributions tab
+    draws it: bands between the min, ±2σ, ±1σ percentiles and the max, and the
+    median, over a faint heat map of the counts; value axis over the occupied range
+    (symmetric-log when the tails dwarf the bulk); a strip of NaN/Inf counts below."""
     from matplotlib.colors import LogNorm
     layer, kind = h.attrs.get("layer", h.name), h.attrs.get("kind", "")
     counts = h.values.astype(float)
-    lo, hi = h.bin_lo.values, h.bin_hi.values
-    fig, ax = _figure((8, 4.5), ax)
-    used = np.nonzero(counts.sum(0))[0]
     steps = h.step.values
-    if used.size:
-        sl = slice(used[0], used[-1] + 1)
-        y = np.arange(sl.start, sl.stop)
-        c = counts[:, sl].T
-        mesh = ax.pcolormesh(steps, y, np.where(c > 0, c, np.nan), shading="nearest",
-                             norm=LogNorm(vmin=1, vmax=max(c.max(), 2)), cmap="viridis")
-        fig.colorbar(mesh, ax=ax, label="count")
-        qs = np.array([0.0, 0.0668, 0.3085, 0.5, 0.6915, 0.9332, 1.0])
-        pct = _percentiles(counts, lo, hi, qs)
-        centers = _centers(lo, hi)
-        pos = np.interp(pct, centers[sl], y) if sl.stop - sl.start > 1 else np.full_like(pct, y[0])
-        for j, q in enumerate(qs):
-            ax.plot(steps, pos[:, j], color="white", lw=0.8 if q != 0.5 else 1.6,
-                    alpha=0.5 if q in (0.0, 1.0) else 0.9)
-        ticks = np.linspace(y[0], y[-1], min(9, len(y))).astype(int)
-        ax.set_yticks(ticks, [f"{centers[t]:.2g}" for t in ticks])
-    bad = h.nan.values + h.posinf.values + h.neginf.values
-    if bad.any():
-        ax.scatter(steps[bad > 0], np.full((bad > 0).sum(), ax.get_ylim()[1]), marker="v",
-                   color="red", label="NaN/Inf present", zorder=3, clip_on=False)
-        ax.legend(fontsize="small", loc="lower left")
-    ax.set_xlabel("step")
-    ax.set_ylabel("value (log-spaced bins)")
-    ax.set_title(f"{_short(layer, 50)} · {kind}: distribution over steps (lines: min, ±1σ, ±2σ "
-                 f"percentiles, median, max)", fontsize="small")
+    used = np.nonzero(counts.sum(0))[0]
+    if ax is None:
+        from matplotlib.figure import Figure
+        fig = Figure(figsize=(8, 5), layout="constrained")
+        ax, strip = fig.subplots(2, 1, sharex=True, height_ratios=(5, 1))
+    else:
+        fig, strip = ax.figure, None
+    if len(used):
+        span = slice(used[0], used[-1] + 1)
+        pct = _percentile_values(counts[:, span], h.bin.values[span], PERCENTILES)
+        lo, hi = np.nanmin(pct[:, 0]), np.nanmax(pct[:, -1])
+        edges = np.clip(np.append(h.bin_lo.values[span], h.bin_hi.values[span][-1]), lo, hi)
+        c = counts[:, span].T
+        mesh = ax.pcolormesh(_edges(steps), edges, np.where(c > 0, c, np.nan), cmap="Greys",
+                             norm=LogNorm(vmin=0.3, vmax=max(c.max(), 2) * 3), alpha=0.45)
+        fig.colorbar(mesh, ax=ax, label="count per bin", pad=0.01)
+        for a, b, alpha in ((0, 6, 0.12), (1, 5, 0.22), (2, 4, 0.32)):
+            ax.fill_between(steps, pct[:, a], pct[:, b], color="tab:blue", alpha=alpha, lw=0)
+        ax.plot(steps, pct[:, 3], color="tab:red", lw=1.4, label="median")
+        bulk = np.nanmedian(pct[:, 4] - pct[:, 2])
+        if bulk > 0 and max(abs(lo), abs(hi)) / bulk > 1e3:
+            _symlog_axis(ax, float(bulk), lo, hi)
+        pad = 0.02 * (hi - lo) if hi > lo else max(abs(hi), 1e-30)
+        ax.set_ylim(lo - pad, hi + pad)
+        ax.legend(fontsize="x-small", loc="upper right")
+    ax.set_ylabel("value")
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{_short(layer, 50)} · {kind}: distribution over steps\n"
+                 f"bands: min–max, ±2σ, ±1σ percentiles; line: median", fontsize="small")
+    bad = sum(h[k].values for k in NONFINITE if k in h.coords)
+    if strip is not None:
+        strip.bar(steps, bad, color="red", width=0.8 * (np.min(np.diff(steps)) if len(steps) > 1 else 1))
+        strip.set_ylabel("NaN/Inf", fontsize="small")
+        if not np.any(bad):
+            strip.text(0.5, 0.5, "no NaN or Inf", ha="center", va="center",
+                       transform=strip.transAxes, fontsize="small")
+            strip.set_yticks([])
+        strip.set_xlabel("step")
+    else:
+        _nonfinite_spans(ax, steps, np.asarray(bad))
+        ax.set_xlabel("step")
     return fig
 
 
-def comparison(da_a, da_b, labels=("run A", "run B"), ax=None):
-    """One statistic of one layer in two runs (1-d ``xr.DataArray``s over step),
-    side by side."""
-    layer, kind, stat = da_a.attrs.get("layer", ""), da_a.attrs.get("kind", ""), da_a.name
-    fig, ax = _figure(ax=ax)
-    for da, style, name in ((da_a, "-", labels[0]), (da_b, "--", labels[1])):
-        ax.plot(da.step.values, da.values, style, lw=1.4, label=_short(name, 40))
-    ax.set_xlabel("step")
-    ax.set_ylabel(stat)
-    ax.set_title(f"{_short(layer, 50)} · {kind} · {stat}: run A vs run B")
-    ax.legend(fontsize="small")
-    ax.grid(alpha=0.3)
+def comparison(diff, line_a, line_b, labels=("run A", "run B"), first=None):
+    """Where two runs differ: a layer x step heat map of ``diff`` (named after its
+    metric) with the first divergence marked, beside the two runs' lines of one
+    statistic of one layer (1-d over step)."""
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(12, 4.8), layout="constrained")
+    heat, lines = fig.subplots(1, 2, width_ratios=(3, 2))
+    vals = diff.values.astype(float)
+    pos = vals[np.isfinite(vals) & (vals > 0)]
+    norm = LogNorm(vmin=max(pos.min(), 1e-12), vmax=max(pos.max(), pos.min() * 10)) if pos.size \
+        else None
+    layers = [str(x) for x in diff.layer.values]
+    mesh = heat.pcolormesh(diff.step.values, np.arange(len(layers)),
+                           np.where(vals > 0, vals, np.nan), shading="nearest", cmap="magma_r",
+                           norm=norm)
+    fig.colorbar(mesh, ax=heat, label=diff.name, pad=0.01)
+    heat.set_yticks(np.arange(len(layers)), [_short(n, 30) for n in layers], fontsize="x-small")
+    heat.invert_yaxis()
+    if first is not None:
+        heat.plot([first[0]], [layers.index(first[1])], marker="o", ms=12, mfc="none",
+                  mec="tab:cyan", mew=2, ls="", label=f"first divergence: step {first[0]}")
+        heat.legend(fontsize="x-small", loc="lower right")
+    heat.set_xlabel("step")
+    heat.set_title(f"{diff.name} between the runs (layers in execution order)", fontsize="small")
+    layer, kind, stat = line_a.attrs.get("layer", ""), line_a.attrs.get("kind", ""), line_a.name
+    for da, style, name in ((line_a, "-", labels[0]), (line_b, "--", labels[1])):
+        lines.plot(da.step.values, da.values, style, lw=1.4, label=_short(name, 30))
+    if first is not None and first[1] == layer:
+        lines.axvline(first[0], color="tab:cyan", lw=1, ls=":")
+    lines.set_xlabel("step")
+    lines.set_ylabel(stat)
+    lines.set_title(f"{_short(layer, 40)} · {kind} · {stat}", fontsize="small")
+    lines.legend(fontsize="small")
+    lines.grid(alpha=0.3)
     return fig

@@ -23,17 +23,32 @@ class FirstNonFinite(NonFiniteEvent):
     history: xr.Dataset | None = field(default=None, compare=False, repr=False)
     same_step: tuple[NonFiniteEvent, ...] = field(default=(), compare=False, repr=False)
 
+    def to_json(self) -> dict:
+        """The event, the other events of its step, and the statistics before it
+        (counts as integers, NaN as null)."""
+        out = NonFiniteEvent(**{k: getattr(self, k) for k in NonFiniteEvent.__dataclass_fields__}).to_json()
+        out["same_step"] = [e.to_json() for e in self.same_step]
+        if self.history is not None:
+            h = self.history
+            out["history"] = [{"step": int(s), **{k: _plain(k, h[k].sel(step=s).item())
+                                                  for k in fmt.STATS}} for s in h.step.values]
+        return out
+
 
 def _decode_bf16(block: np.ndarray) -> np.ndarray:
     return (block.astype(np.uint32) << 16).view(np.float32)
 
 
+def _plain(name: str, v: float):
+    if np.isnan(v):
+        return None
+    if np.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return int(v) if name in ("count", "nan", "posinf", "neginf") else float(v)
+
+
 def _missing(layer: str, names: list[str], what: str) -> str:
     return f"layer {layer!r} has no {what} in this run; closest: {fmt.closest(layer, names)}"
-
-
-def _megabytes(n: int) -> str:
-    return f"{n / 1e6:.1f}MB" if n >= 1e5 else f"{n / 1e3:.0f}kB"
 
 
 def open_run(path) -> "Run":
@@ -195,7 +210,9 @@ class Run:
 
     def histogram(self, layer: str, kind: str = "activations", step=None,
                   rank: int | None = None) -> xr.DataArray:
-        """Counts in the shared bins: dims (step, bin), coords ``bin_lo``/``bin_hi``."""
+        """Counts in the shared bins: dims (step, bin); ``bin`` holds each bin's centre
+        (what ``.plot()`` uses), ``bin_lo``/``bin_hi`` its edges; ``nan``, ``posinf``
+        and ``neginf`` per step."""
         rank = self._rank(rank)
         self._kind(kind, rank)
         path = fmt.stats_group(rank, kind)
@@ -207,7 +224,8 @@ class Run:
         lo, hi = fmt.bin_edges()
         counts = self._take(self._lazy(path + "/hist"), rows)[:, i]
         out = xr.DataArray(counts, dims=("step", "bin"),
-                           coords={"step": steps, "bin_lo": ("bin", lo), "bin_hi": ("bin", hi)},
+                           coords={"step": steps, "bin": fmt.bin_centers(),
+                                   "bin_lo": ("bin", lo), "bin_hi": ("bin", hi)},
                            name=f"{layer} {kind}", attrs={"layer": layer, "kind": kind})
         for s in ("nan", "posinf", "neginf"):
             out.coords[s] = ("step", self._take(self._lazy(path + "/" + s), rows)[:, i])
@@ -229,7 +247,8 @@ class Run:
 
     def tensor(self, layer: str, kind: str = "activations", step=None, micro: int | None = None,
                rank: int | None = None) -> xr.DataArray:
-        """Full tensors: lazy (step, ...), floats NaN-padded, true extents in ``extent``.
+        """Full tensors: lazy (step, dim_0, ...), floats NaN-padded; the true extent of
+        each step along ``dim_i`` is the integer coordinate ``extent_dim_i`` (step).
 
         With ``step=s``, that one step at its true shape.  Steps with several
         micro-batches hold a tensor for each: ``micro=k`` picks one (default 0).
@@ -253,10 +272,10 @@ class Run:
         if logical == fmt.BF16:
             data = data.map_blocks(_decode_bf16, dtype=np.float32)
         dims = ("step", *(f"dim_{i}" for i in range(data.ndim - 1)))
-        shapes = np.empty(len(rows), dtype=object)
-        shapes[:] = [tuple(int(v) for v in e[: data.ndim - 1]) for e in extent]
-        out = xr.DataArray(data, dims=dims, coords={"step": steps, "extent": ("step", shapes)},
-                           name=f"{layer} {kind}",
+        extent = extent[:, : data.ndim - 1].astype(np.int64)
+        coords = {"step": steps, **{f"extent_{d}": ("step", extent[:, j])
+                                    for j, d in enumerate(dims[1:])}}
+        out = xr.DataArray(data, dims=dims, coords=coords, name=f"{layer} {kind}",
                            attrs={"layer": layer, "kind": kind, "micro": m})
         if step is None:
             return out
@@ -266,8 +285,7 @@ class Run:
                               f"{f' (micro-batch {m})' if m else ''}; steps with tensors: "
                               f"{steps[:8].tolist()}")
         row = out.isel(step=int(hits[0]))
-        true = shapes[hits[0]]
-        return row.isel({d: slice(0, e) for d, e in zip(dims[1:], true)}).compute()
+        return row.isel({d: slice(0, int(e)) for d, e in zip(dims[1:], extent[hits[0]])}).compute()
 
     # --- non-finite values -----------------------------------------------------------
     def events_of(self, rank: int | None = None) -> list[NonFiniteEvent]:
@@ -294,20 +312,20 @@ class Run:
 
     # --- plots and export ------------------------------------------------------------
     def plot_histogram(self, layer, kind="activations", steps=None, rank=None, ax=None):
-        """Histogram of ``layer`` at some steps (default: the last) -> Figure."""
+        """Histogram of ``layer`` at some steps (default: the last with finite values) -> Figure."""
         from . import _plots
         return _plots.histogram(self.histogram(layer, kind, rank=rank).compute(), steps, ax)
 
     def plot_evolution(self, layers=None, kind="activations", stat="std", rank=None, ax=None):
-        """One statistic over the steps, a line per layer -> Figure."""
+        """One statistic over all the steps, a line per layer, NaN/Inf steps marked -> Figure."""
         from . import _plots
         ds = self.stats(kind, layers, rank=rank)
         if stat not in ds:
             raise ConfigError(f"stat {stat!r} is not recorded; use one of {', '.join(ds.data_vars)}")
-        return _plots.evolution(ds[stat].compute().assign_attrs(kind=kind), ax)
+        return _plots.evolution(ds.compute(), stat, ax)
 
     def plot_distribution(self, layer, kind="activations", rank=None, ax=None):
-        """Step x value heat map of ``layer``'s histogram -> Figure."""
+        """Step x value heat map of ``layer``'s histogram with percentile bands -> Figure."""
         from . import _plots
         return _plots.distribution(self.histogram(layer, kind, rank=rank).compute(), ax)
 
@@ -320,46 +338,66 @@ class Run:
         data = self.source.array(path + "/data")
         return self._committed(rank)[path] * int(np.prod(data.shape[1:])) * data.dtype.itemsize
 
+    def disk_bytes(self) -> int:
+        """The store's size where it lies (a local path or any fsspec URL)."""
+        import fsspec
+        fs, root = fsspec.core.url_to_fs(self.path)
+        return int(fs.du(root, total=True)) if fs.isdir(root) else int(fs.size(root))
+
     # --- display -------------------------------------------------------------------
     def summary(self, rank: int | None = None) -> dict:
+        """What the run holds, as plain JSON-able values (``tensortape info``)."""
         rank = self._rank(rank)
+        st = self._states[rank]
         kinds = self.kinds_of(rank)
-        table = {}
         stats_layers = {k: set(self._stats_layers(k, rank)) for k in kinds}
         tensor_paths = {k: self._tensor_paths(k, rank) for k in kinds}
-        for layer in self.layers_of(rank):
-            table[layer] = {}
-            for k in kinds:
-                mark = "S" if layer in stats_layers[k] else ""
-                if layer in tensor_paths[k]:
-                    mark += f"T {_megabytes(self._tensor_bytes(tensor_paths[k][layer], rank))}"
-                table[layer][k] = mark
-        steps = {k: self.steps(k, rank=rank) for k in kinds}
-        return {"status": self.status, "ranks": self.ranks, "kinds": kinds, "layers": table,
-                "steps": {k: (int(v[0]), int(v[-1]), len(v)) if len(v) else None for k, v in steps.items()},
-                "events": self.events_of(rank), "dropped": self.dropped,
-                "bytes_raw": self._states[rank].bytes_raw}
+        layers = {layer: {k: {"stats": layer in stats_layers[k],
+                              "tensor_bytes": self._tensor_bytes(tensor_paths[k][layer], rank)
+                              if layer in tensor_paths[k] else None} for k in kinds}
+                  for layer in self.layers_of(rank)}
+        steps = {}
+        for k in kinds:
+            s = self.steps(k, rank=rank)
+            steps[k] = {"count": len(s), "first": int(s[0]) if len(s) else None,
+                        "last": int(s[-1]) if len(s) else None,
+                        "tensor_steps": len(self.steps(k, tensors=True, rank=rank))
+                        if tensor_paths[k] else 0}
+        return {"path": self.path, "status": self.status, "format": self.attrs.get("tensortape_format"),
+                "model_class": self.attrs.get("model_class"),
+                "torch_version": self.attrs.get("torch_version"), "ranks": self.ranks,
+                "rank": rank, "kinds": kinds, "steps": steps, "layers": layers,
+                "events": [e.to_json() for e in self.events_of(rank)],
+                "events_total": st.events_total, "dropped": st.dropped,
+                "outside_steps": st.outside_steps, "over_budget": st.over_budget,
+                "bytes_raw": st.bytes_raw}
 
     def __repr__(self) -> str:
         s = self.summary()
         lines = [f"<tensortape Run {self.path!r} status={s['status']} ranks={s['ranks']}>"]
         for k, v in s["steps"].items():
-            lines.append(f"  {k}: " + (f"steps {v[0]}..{v[1]} ({v[2]} with statistics)" if v else "no statistics"))
+            lines.append(f"  {k}: " + (f"steps {v['first']}..{v['last']} ({v['count']} with "
+                                       f"statistics)" if v["count"] else "no statistics"))
         lines.append(f"  {len(s['layers'])} layers: " + ", ".join(list(s["layers"])[:6])
                      + (" ..." if len(s["layers"]) > 6 else ""))
         ev = s["events"]
-        lines.append(f"  {len(ev)} non-finite events" + (f", first at step {ev[0].step} in "
-                     f"{ev[0].layer!r} ({ev[0].kind})" if ev else ""))
+        lines.append(f"  {s['events_total']} non-finite events" + (
+            f", first at step {ev[0]['step']} in {ev[0]['layer']!r} ({ev[0]['kind']})" if ev else ""))
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
+        from dask.utils import format_bytes
         s = self.summary()
         head = "".join(f"<th>{html.escape(k)}</th>" for k in s["kinds"])
+        cell = lambda m: ("S" if m["stats"] else "") + (  # noqa: E731
+            f" T {format_bytes(m['tensor_bytes'])}" if m["tensor_bytes"] is not None else "")
         rows = "".join(f"<tr><td>{html.escape(layer)}</td>" + "".join(
-            f"<td>{v[k]}</td>" for k in s["kinds"]) + "</tr>" for layer, v in list(s["layers"].items())[:200])
+            f"<td>{cell(v[k])}</td>" for k in s["kinds"]) + "</tr>"
+            for layer, v in list(s["layers"].items())[:200])
         ev = s["events"]
         return (f"<div><b>tensortape run</b> <code>{html.escape(self.path)}</code> — status "
-                f"<b>{html.escape(s['status'])}</b>, {len(ev)} non-finite events"
-                + (f" (first: step {ev[0].step}, {html.escape(ev[0].layer)}, {ev[0].kind})" if ev else "")
+                f"<b>{html.escape(s['status'])}</b>, {s['events_total']} non-finite events"
+                + (f" (first: step {ev[0]['step']}, {html.escape(ev[0]['layer'])}, "
+                   f"{ev[0]['kind']})" if ev else "")
                 + f"<table><tr><th>layer</th>{head}</tr>{rows}</table>"
                 "<small>S = statistics, T = full tensors (their size decoded)</small></div>")

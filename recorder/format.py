@@ -369,6 +369,13 @@ def bin_edges() -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
+@lru_cache(maxsize=None)
+def bin_centers() -> np.ndarray:
+    """A value per bin: its middle, or its finite edge for the open-ended tails."""
+    lo, hi = bin_edges()
+    return np.where(np.isfinite(lo) & np.isfinite(hi), (lo + hi) / 2, np.where(np.isfinite(lo), lo, hi))
+
+
 def _magnitude_bin(exponent: np.ndarray, sub: np.ndarray) -> np.ndarray:
     """Index within one sign's half (0 = underflow) of normal numbers."""
     idx = (exponent - E_MIN) * SUB + sub + 1

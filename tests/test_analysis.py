@@ -115,3 +115,89 @@ def test_inspector_covers_forward_and_backward_and_leaves_no_hooks():
         insp.watch("nope*")
     with pytest.raises(LayerNotFoundError):
         insp.get_statistics("layers.9.linear1")
+
+
+def test_tensors_and_statistics_round_trip_through_zarr_and_netcdf(tmp_path):
+    import xarray as xr
+    store = str(tmp_path / "a.zarr")
+    model = transformer()
+    with Recorder(model, store, layers="layers.0.linear1") as rec:
+        for b, t in ((4, 6), (2, 3)):
+            with rec.step():
+                model(torch.randn(b, t, 32)).sum().backward()
+    run = open_run(store)
+    tensor = run.tensor("layers.0.linear1").compute()
+    assert tensor["extent_dim_0"].values.tolist() == [4, 2]
+    assert tensor["extent_dim_1"].values.tolist() == [6, 3]
+    for obj in (tensor, run.stats().compute(), run.histogram("layers.0.linear1").compute()):
+        ds = obj.to_dataset(name="x") if isinstance(obj, xr.DataArray) else obj
+        ds.to_zarr(str(tmp_path / "out.zarr"), mode="w")
+        ds.to_netcdf(str(tmp_path / "out.nc"))
+        for back in (xr.open_zarr(str(tmp_path / "out.zarr")).compute(),
+                     xr.open_dataset(str(tmp_path / "out.nc")).compute()):
+            xr.testing.assert_identical(back.drop_attrs() if hasattr(back, "drop_attrs") else back,
+                                        ds.drop_attrs() if hasattr(ds, "drop_attrs") else ds)
+
+
+def test_histograms_plot_against_bin_centres(tmp_path):
+    run = open_run(_record(str(tmp_path / "a.zarr"), tensors_every=None))
+    h = run.histogram("layers.0.linear1", step=2).compute()
+    assert np.all(h.bin_lo.values <= h.bin.values) and np.all(h.bin.values <= h.bin_hi.values)
+    line = h.plot()[0]
+    np.testing.assert_array_equal(line.get_xdata(), h.bin.values)
+
+
+def test_distribution_shows_the_occupied_bins_and_nonfinite_counts(tmp_path):
+    run = open_run(_record(str(tmp_path / "a.zarr"), nan_at=3, tensors_every=None))
+    h = run.histogram("layers.0.linear2").compute()
+    fig = run.plot_distribution("layers.0.linear2")
+    heat = fig.axes[0]
+    strip = next(ax for ax in fig.axes if ax.get_ylabel() == "NaN/Inf")
+    occupied = h.bin.values[np.nonzero(h.values.sum(0))[0]]
+    lo, hi = heat.get_ylim()                 # the occupied range, and only that (2% margin)
+    assert lo <= occupied.min() and hi >= occupied.max()
+    span = occupied.max() - occupied.min()
+    assert occupied.min() - lo <= 0.03 * span and hi - occupied.max() <= 0.03 * span
+    bars = [p.get_height() for p in strip.patches]
+    bad = (h.nan + h.posinf + h.neginf).values
+    assert bars == bad.tolist() and bad[3] > 0 and bad[:3].sum() == 0
+
+
+def test_evolution_marks_nonfinite_steps_and_breaks_the_lines_there(tmp_path):
+    run = open_run(_record(str(tmp_path / "a.zarr"), nan_at=3, steps=6, tensors_every=None))
+    fig = run.plot_evolution(kind="activations", stat="abs_max")
+    ax = fig.axes[0]
+    ds = run.stats("activations").compute()
+    bad_steps = ds.step.values[(ds.nan + ds.posinf + ds.neginf).sum("layer").values > 0]
+    spans = [p for p in ax.patches if p.get_facecolor()[0] == 1.0]        # the red bands
+    centres = sorted({round(p.get_x() + p.get_width() / 2, 6) for p in spans})
+    assert centres == bad_steps.tolist() and len(bad_steps) >= 1
+    assert ax.get_xlim() == (0, 5)                                        # the whole run
+    bad_layer = ds.layer.values.tolist().index("layers.0.linear2")
+    line = ax.get_lines()[bad_layer]
+    assert np.isnan(line.get_ydata()[3])           # no finite-only value drawn at a NaN step
+    assert ax.get_yscale() == "log"
+
+
+def test_histogram_defaults_to_the_last_step_with_finite_values(tmp_path):
+    model = nn.Linear(4, 4)
+    store = str(tmp_path / "h.zarr")
+    with Recorder(model, store, layers="", capture="activations") as rec:
+        for i in range(4):
+            with rec.step(i):
+                model(torch.full((2, 4), float("nan")) if i == 3 else torch.randn(2, 4))
+    fig = open_run(store).plot_histogram("(root)")
+    assert fig.axes[0].get_legend().get_texts()[0].get_text().startswith("step 2")
+
+
+def test_comparison_marks_the_first_divergence_on_a_layer_by_step_map(tmp_path):
+    a = _record(str(tmp_path / "a.zarr"), tensors_every=None)
+    b = _record(str(tmp_path / "b.zarr"), perturb_at=3, tensors_every=None)
+    fig = plot_comparison(a, b, "layers.1.linear1")
+    heat = fig.axes[0]
+    lines = next(ax for ax in fig.axes if ax.get_xlabel() == "step" and ax.get_legend()
+                 and ax is not heat)
+    marker = next(line for line in heat.get_lines() if line.get_marker() == "o")
+    layers = [t.get_text() for t in heat.get_yticklabels()]
+    assert marker.get_xdata()[0] == 3 and layers[int(marker.get_ydata()[0])] == "layers.1.linear1"
+    assert [t.get_text() for t in lines.get_legend().get_texts()] == ["a.zarr", "b.zarr"]

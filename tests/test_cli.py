@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
 
 
 def invoke(*args):
-    return CliRunner().invoke(cli.cli, list(args))
+    return CliRunner().invoke(cli.cli, list(args), prog_name="tensortape")
 
 
 def script(*args):
@@ -38,25 +38,46 @@ def script(*args):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
 
 
-def test_info_stats_and_json(runs):
+def test_info_text_and_json(runs):
+    from dask.utils import format_bytes
     r = invoke("info", runs["stable"])
-    assert r.exit_code == 0 and "status   complete" in r.output and "encoder.layers.0.linear1" in r.output
+    assert r.exit_code == 0 and "status   complete" in r.output
     run = open_run(runs["stable"])
     layer = "encoder.layers.0.linear1"
-    decoded = run.tensor(layer).nbytes          # every stored step, as decoded
     row = next(line for line in r.output.splitlines() if line.startswith(layer + " "))
-    assert f"T {decoded / 1e6:.1f}MB" in row or f"T {decoded / 1e3:.0f}kB" in row
+    assert f"ST {format_bytes(run.tensor(layer).nbytes)}" in row      # decoded size, every step
+    j = json.loads(invoke("info", runs["stable"], "--format", "json").output)
+    assert j["status"] == "complete" and j["layers"][layer]["activations"]["stats"] is True
+    assert j["layers"][layer]["activations"]["tensor_bytes"] == run.tensor(layer).nbytes
+    assert j["steps"]["gradients"] == {
+        "count": 30, "first": 0, "last": 29,
+        "tensor_steps": len(run.steps("gradients", tensors=True))}
+    assert isinstance(j["disk_bytes"], int) and j["disk_bytes"] > 0
+
+
+def test_stats_json_keeps_integer_counts_and_full_precision(runs):
     r = invoke("stats", runs["stable"], "--layer", "encoder.*", "--format", "json", "--step", "5")
     rows = json.loads(r.output)
     assert rows and all(row["step"] == 5 and row["layer"].startswith("encoder.") for row in rows)
+    assert all(type(row["count"]) is int and type(row["nan"]) is int for row in rows)
+    ds = open_run(runs["stable"]).stats(layers="encoder.*").sel(step=5).compute()
+    for row in rows:
+        assert row["std"] == float(ds["std"].sel(layer=row["layer"]))      # not rounded
     r = invoke("stats", runs["stable"], "--kind", "gradients", "--format", "csv")
     assert r.exit_code == 0 and r.output.splitlines()[0].startswith("step,layer,count,mean")
 
 
-def test_nan_exit_codes(runs):
+def test_nan_exit_codes_and_json(runs):
     bad = invoke("nan", runs["diverge"])
     assert bad.exit_code == 1 and "first non-finite: step" in bad.output
+    assert "e+" not in bad.output.splitlines()[0]                     # counts as integers
+    j = json.loads(invoke("nan", runs["diverge"], "--format", "json").output)
+    first = open_run(runs["diverge"]).first_nonfinite()
+    assert (j["step"], j["layer"], j["kind"], j["nan"]) == (first.step, first.layer, first.kind,
+                                                             first.nan)
+    assert all(type(h["nan"]) is int for h in j["history"])
     assert invoke("nan", runs["stable"]).exit_code == 0
+    assert json.loads(invoke("nan", runs["stable"], "--format", "json").output) is None
     p = script("nan", runs["diverge"])
     assert p.returncode == 1 and "first non-finite" in p.stdout
 
@@ -70,29 +91,58 @@ def test_plots_are_nonempty_pngs(runs, tmp_path, kind):
     assert out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 10_000
 
 
-def test_compare_and_export(runs, tmp_path):
+def test_compare_exit_codes_json_and_aggregation(runs, tmp_path):
     r = invoke("compare", runs["stable"], runs["other"], "-o", str(tmp_path / "c.png"))
-    assert r.exit_code == 0 and "first divergence: step 0" in r.output
-    assert invoke("compare", runs["stable"], runs["stable"]).output.startswith("no divergence")
+    assert r.exit_code == 1 and "first divergence: step 0" in r.output
+    same = invoke("compare", runs["stable"], runs["stable"])
+    assert same.exit_code == 0 and same.output.startswith("no divergence")
+    j = json.loads(invoke("compare", runs["stable"], runs["other"], "--format", "json",
+                          "--kind", "gradients", "--layer", "encoder.layers.1.*").output)
+    assert j["first_divergence"]["kind"] == "gradients"
+    assert j["first_divergence"]["layer"].startswith("encoder.layers.1.")
+    assert set(j["layers"]) == {n for n in open_run(runs["stable"]).stats("gradients").layer.values
+                               if n.startswith("encoder.layers.1.")}
+    from analysis import compare_runs
+    ds = compare_runs(runs["stable"], runs["other"], kind="gradients", layers="encoder.layers.1.*")
+    for layer, m in j["layers"].items():        # worst step of each: max rel_l2, min cosine
+        assert m["rel_l2"] == float(ds["rel_l2"].sel(layer=layer).max())
+        assert m["cosine"] == float(ds["cosine"].sel(layer=layer).min())
     p = script("export", runs["stable"], str(tmp_path / "s.h5"))
     assert p.returncode == 0 and script("info", str(tmp_path / "s.h5")).returncode == 0
 
 
+def test_version():
+    r = invoke("--version")
+    assert r.exit_code == 0 and r.output.startswith("tensortape, version ")
+
+
 @pytest.mark.parametrize("args,needle", [
-    (("info", "/nonexistent/run.zarr"), "no run at"),
-    (("info", "NOTASTORE"), "not a"),
-    (("plot", "STABLE", "--layer", "nope", "-o", "x.png"), "'nope'"),
+    (("info", "/nonexistent/run.zarr"), "no run at '/nonexistent/run.zarr'"),
+    (("info", "NOTASTORE"), "is not a Zarr store"),
+    (("plot", "STABLE", "--layer", "nope", "-o", "OUT/x.png"), "'nope'"),
+    (("plot", "STABLE", "--layer", "encoder.*", "-o", "OUT/x.png"), "shows one layer"),
+    (("plot", "STABLE", "--layer", "encoder.layers.0.linear1", "-o", "OUT/nodir/x.png"),
+     "nodir/x.png'"),
     (("stats", "STABLE", "--format", "xml"), "--format"),
     (("stats", "STABLE", "--kind", "inputs"), "not recorded"),
+    (("stats", "STABLE", "--kind", "activation"), "'activation' is not one of"),
+    (("plot", "STABLE", "--layer", "x", "--stat", "sdt", "-o", "OUT/x.png"), "'sdt' is not one of"),
 ])
 def test_user_errors_are_one_line_exit_2(runs, tmp_path, args, needle):
     os.makedirs(tmp_path / "plain", exist_ok=True)
-    args = [runs["stable"] if a == "STABLE" else str(tmp_path / "plain") if a == "NOTASTORE" else a
-            for a in args]
+    args = [runs["stable"] if a == "STABLE" else str(tmp_path / "plain") if a == "NOTASTORE"
+            else a.replace("OUT", str(tmp_path)) for a in args]
+    r = invoke(*args)
+    assert r.exit_code == 2, r.output
     p = script(*args)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr, p.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    p = script("--debug", "info", str(tmp_path / "missing.zarr"))
+    assert p.returncode != 0 and "Traceback" in p.stderr
 
 
 def test_demo_and_sample_scripts(tmp_path):
