@@ -11,7 +11,14 @@ device, eagerly otherwise (the same numbers), and how to count codes.
 - ``DeviceEngine``: any accelerator; codes are counted with ``index_add_``
   (``bincount`` there reads its maximum back to the host, a sync per tensor).
 
+- ``TritonEngine`` (``_triton``): CUDA, when Triton is there (it ships with
+  CUDA builds of torch): one fused pass per tensor.
+
 ``TENSORTAPE_COMPILE=0`` picks the eager kernels everywhere.
+``TENSORTAPE_ENGINE`` picks the engine: ``auto`` (the default, as above),
+``torch`` (never Triton) or ``triton`` (Triton for every device: on CPU tensors
+it needs ``TRITON_INTERPRET=1``, which is how the tests check it against the
+CPU engine).
 """
 
 from __future__ import annotations
@@ -172,21 +179,38 @@ class DeviceEngine(Engine):
     """Any accelerator (CUDA, MPS, XPU): the torch kernels, counted by ``index_add_``."""
 
 
-_engines: dict[tuple[str, bool], Engine] = {}
+_engines: dict[tuple, Engine] = {}
 _engines_lock = threading.Lock()
+ENGINES = ("auto", "torch", "triton")
+
+
+def _engine_class(device_type: str, choice: str) -> type[Engine]:
+    if choice not in ENGINES:
+        raise ValueError(f"TENSORTAPE_ENGINE={choice!r} is not valid; use one of {', '.join(ENGINES)}")
+    if choice == "triton" or (choice == "auto" and device_type == "cuda"):
+        try:
+            from ._triton import TritonEngine
+            return TritonEngine
+        except Exception as e:          # no Triton here: the torch kernels, the same numbers
+            if choice == "triton":
+                warnings.warn(f"tensortape: TENSORTAPE_ENGINE=triton, but Triton is not usable "
+                              f"({type(e).__name__}: {e}); using the torch kernels",
+                              RuntimeWarning, stacklevel=3)
+    return CpuEngine if device_type == "cpu" else DeviceEngine
 
 
 def engine_for(x: torch.Tensor, compile: bool | None = None) -> Engine:
     """The statistics engine of ``x``'s device type (compiled kernels unless
     ``compile=False`` or ``TENSORTAPE_COMPILE=0``)."""
-    key = (x.device.type, _compile_enabled() if compile is None else compile and _compile_enabled())
+    choice = os.environ.get("TENSORTAPE_ENGINE", "auto")
+    key = (x.device.type, _compile_enabled() if compile is None else compile and _compile_enabled(),
+           choice)
     engine = _engines.get(key)
     if engine is None:
         with _engines_lock:
             engine = _engines.get(key)
             if engine is None:
-                cls = CpuEngine if x.device.type == "cpu" else DeviceEngine
-                engine = _engines[key] = cls(*key)
+                engine = _engines[key] = _engine_class(x.device.type, choice)(*key[:2])
     return engine
 
 

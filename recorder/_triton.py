@@ -1,0 +1,126 @@
+"""The CUDA statistics engine: one fused Triton pass per tensor.
+
+One kernel reads each element once and produces everything a summary vector
+needs (``_summary``'s layout, the same numbers as the CPU engine):
+
+- the NaN-safe sums around the tensor's first element, in float64 lanes as
+  on the CPU (a float32 ``x - shift`` loses digits when the mean is far from
+  zero; the pass stays memory-bound, so float64 costs nothing measurable on an
+  H100, an estimate still to be measured),
+  minimum and maximum of the finite values;
+- the histogram codes of ``format.encode``, counted with atomics into a slice
+  private to each program (so atomics never contend across the GPU, and a
+  run of equal codes, the zeros of a ReLU, only contends within one program);
+  the slices are summed at the end.
+
+A fixed grid of programs strides over the tensor, so the private slices take
+``programs x codes`` counters whatever the tensor's size.  Nothing is read
+back to the host: the vector stays on the device until the step's one copy.
+
+float64 tensors take the torch kernels (``DeviceEngine``); so do a step's tiny
+tensors (batched, ``reduce_many``).  Triton runs on CPU tensors too under
+``TRITON_INTERPRET=1``, which is how CI tests this engine against the CPU one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import format as fmt
+from ._engines import DeviceEngine
+from ._summary import exp_bits_of, memory_order
+
+__all__ = ["TritonEngine"]
+
+_RAW = fmt.raw_codes(8)                 # float32 codes (16-bit floats are coded as float32)
+_WIDTH = fmt.code_width(8)
+_SHIFT = fmt.code_shift(8)
+
+
+@triton.jit
+def _as_float32(raw, BF16: tl.constexpr):
+    """Loaded elements as float32; bfloat16 arrives as its int16 bits and is
+    widened by a shift (exact, subnormals included, on any backend)."""
+    if BF16:
+        return ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    return raw.to(tl.float32)
+
+
+@triton.jit
+def _summary_kernel(x_ptr, n, parts_ptr, hist_ptr, BLOCK: tl.constexpr, RAW: tl.constexpr,
+                    WIDTH: tl.constexpr, SHIFT: tl.constexpr, BF16: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    inf = float("inf")
+    first = _as_float32(tl.load(x_ptr), BF16)
+    shift = tl.where((first == first) & (tl.abs(first) != inf), first, 0.0)
+    shift64 = shift.to(tl.float64)
+    acc_s = tl.zeros([BLOCK], dtype=tl.float64)       # float64 lanes: x - shift is exact there
+    acc_q = tl.zeros([BLOCK], dtype=tl.float64)
+    acc_lo = tl.full([BLOCK], inf, dtype=tl.float32)
+    acc_hi = tl.full([BLOCK], -inf, dtype=tl.float32)
+    lanes = tl.arange(0, BLOCK)
+    for start in range(pid * BLOCK, n, programs * BLOCK):
+        offs = start + lanes
+        inside = offs < n
+        v = _as_float32(tl.load(x_ptr + offs, mask=inside, other=0), BF16)
+        finite = inside & (v == v) & (tl.abs(v) != inf)
+        d = tl.where(finite, v.to(tl.float64) - shift64, 0.0)
+        acc_s += d
+        acc_q += d * d
+        acc_lo = tl.minimum(acc_lo, tl.where(finite, v, inf))
+        acc_hi = tl.maximum(acc_hi, tl.where(finite, v, -inf))
+        bits = v.to(tl.int32, bitcast=True)
+        code = (bits >> SHIFT) & (RAW - 1)
+        code = tl.where(v == 0.0, RAW + (bits < 0).to(tl.int32), code)
+        code = tl.where(v == inf, RAW + 2, code)
+        code = tl.where(v == -inf, RAW + 3, code)
+        tl.atomic_add(hist_ptr + pid * WIDTH + code, 1, mask=inside)
+    tl.store(parts_ptr + pid * 4 + 0, tl.sum(acc_s, axis=0))
+    tl.store(parts_ptr + pid * 4 + 1, tl.sum(acc_q, axis=0))
+    tl.store(parts_ptr + pid * 4 + 2, tl.min(acc_lo, axis=0).to(tl.float64))
+    tl.store(parts_ptr + pid * 4 + 3, tl.max(acc_hi, axis=0).to(tl.float64))
+
+
+class TritonEngine(DeviceEngine):
+    """Accelerator statistics in one fused pass (falls back to the torch kernels
+    for float64 and for a step's tiny tensors)."""
+
+    BLOCK = 1024
+
+    def __init__(self, device_type: str, compile: bool):
+        super().__init__(device_type, compile)
+        self._programs: dict = {}
+
+    def _grid(self, x: torch.Tensor) -> int:
+        cap = self._programs.get(x.device)
+        if cap is None:
+            if x.device.type == "cuda":
+                sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+                cap = 4 * sms
+            else:                       # the interpreter: few programs, it runs them one by one
+                cap = 8
+            self._programs[x.device] = cap
+        return max(1, min(cap, triton.cdiv(x.numel(), self.BLOCK)))
+
+    @torch.compiler.disable
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        x = memory_order(x.detach())
+        if exp_bits_of(x) != 8:          # float64, integers, empty: the torch kernels
+            return super().reduce(x)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        n, grid = x.numel(), self._grid(x)
+        parts = torch.empty((grid, 4), dtype=torch.float64, device=x.device)
+        hist = torch.zeros((grid, _WIDTH), dtype=torch.int32, device=x.device)
+        bf16 = x.dtype == torch.bfloat16
+        _summary_kernel[(grid,)](x.view(torch.int16) if bf16 else x, n, parts, hist,
+                                 BLOCK=self.BLOCK, RAW=_RAW, WIDTH=_WIDTH, SHIFT=_SHIFT, BF16=bf16)
+        first = x.reshape(-1)[0].to(torch.float64)
+        shift = torch.where(torch.isfinite(first), first, 0.0)
+        head = torch.stack([torch.full((), n, dtype=torch.float64, device=x.device), shift,
+                            parts[:, 0].sum(), parts[:, 1].sum(), parts[:, 2].min(),
+                            parts[:, 3].max()])
+        return torch.cat([head, hist.sum(0, dtype=torch.int64).to(torch.float64)])

@@ -1,0 +1,75 @@
+"""The CUDA statistics engine (Triton), run on the CPU by Triton's interpreter.
+
+CI has no GPU: ``TRITON_INTERPRET=1`` runs the same kernel on CPU tensors, and
+``TENSORTAPE_ENGINE=triton`` makes the recorder use it.  Its statistics must
+equal the CPU engine's: counts and histograms identical, sums equal but for
+rounding.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from analysis import open_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RECORD = textwrap.dedent("""
+    import sys, torch
+    from torch import nn
+    from recorder import Recorder
+
+    g = torch.Generator().manual_seed(0)
+    n = 12289                                   # odd, and past the batched tiny tensors
+    def cases():
+        normal = torch.randn(n, generator=g)
+        special = torch.randn(n, generator=g)
+        special[::7] = float("nan"); special[1::11] = float("inf"); special[2::13] = -float("inf")
+        special[3::17] = 0.0; special[4::19] = -0.0
+        tiny = torch.randn(n, generator=g) * 1e-40  # subnormal in float32
+        out = {"normal": normal, "relu": normal.relu(), "zeros": torch.zeros(n),
+               "special": special, "subnormal": tiny, "wide": torch.randn(n, generator=g) * 1e30,
+               "matrix": torch.randn(97, 131, generator=g).t()}
+        return [t.to(d) for d in (torch.float32, torch.float16, torch.bfloat16)
+                for t in out.values()] + [torch.zeros(0), torch.arange(9000)]
+
+    class Emit(nn.Module):
+        def forward(self):
+            return tuple(cases())
+
+    model = Emit()
+    with Recorder(model, sys.argv[1], layers="", capture="activations", tensors_every=None) as rec:
+        with rec.step():
+            model()
+    from recorder._engines import engine_for
+    print(type(engine_for(torch.zeros(1))).__name__)
+""")
+
+
+def _record(store, engine):
+    env = dict(os.environ, TENSORTAPE_ENGINE=engine, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-c", RECORD, store], env=env, capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.strip()
+
+
+def test_triton_engine_equals_the_cpu_engine(tmp_path):
+    pytest.importorskip("triton")
+    assert _record(str(tmp_path / "triton.zarr"), "triton") == "TritonEngine"
+    assert _record(str(tmp_path / "torch.zarr"), "torch") == "CpuEngine"
+    a = open_run(str(tmp_path / "triton.zarr"))
+    b = open_run(str(tmp_path / "torch.zarr"))
+    sa, sb = a.stats().compute(), b.stats().compute()
+    assert sa.sizes["layer"] == 3 * 7 + 2
+    for s in ("count", "nan", "posinf", "neginf", "zero_frac", "min", "max", "abs_max"):
+        np.testing.assert_array_equal(sa[s].values, sb[s].values, err_msg=s)
+    for s in ("mean", "std", "norm"):
+        np.testing.assert_allclose(sa[s].values, sb[s].values, rtol=1e-9, atol=1e-45, err_msg=s)
+    for layer in sa.layer.values:
+        np.testing.assert_array_equal(a.histogram(str(layer), step=0).values,
+                                      b.histogram(str(layer), step=0).values, err_msg=str(layer))
+    assert sa["nan"].values.sum() > 0 and sa["posinf"].values.sum() > 0      # the cases hold them
