@@ -11,6 +11,7 @@ writes into the rank group's attributes *after* the data.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 from typing import Any
@@ -71,11 +72,29 @@ def store_exists(location: str) -> bool:
         return False
 
 
-class Column:
-    """One array of a table and the buffer of its current chunk."""
+def write_threads() -> int:
+    """Threads that encode and write chunks.  The codecs release the GIL, so on a
+    machine with cores to spare (a GPU machine) chunks are written in parallel; on
+    a small one (4 cores or fewer) the writer thread writes them itself, as
+    training already keeps those cores busy.  ``TENSORTAPE_WRITE_THREADS`` sets it."""
+    env = os.environ.get("TENSORTAPE_WRITE_THREADS")
+    if env:
+        return max(1, int(env))
+    cores = os.cpu_count() or 1
+    return 1 if cores <= 4 else min(8, cores // 2)
 
-    def __init__(self, array: zarr.Array, rows: int):
+
+class Column:
+    """One array of a table and the buffer of its current chunk.
+
+    With a thread pool, each whole chunk is encoded and written by the pool (a
+    new buffer takes its place); ``drain`` waits for this column's writes, as
+    every resize and every commit must."""
+
+    def __init__(self, array: zarr.Array, rows: int, pool=None):
         self.array = array
+        self.pool = pool
+        self.pending: list = []
         self.chunk_rows = array.chunks[0]
         self.fill = array.fill_value
         self.start = rows - rows % self.chunk_rows
@@ -88,6 +107,7 @@ class Column:
         inner = tuple(max(a, b) for a, b in zip(self.array.shape[1:], shape))
         if inner == self.array.shape[1:]:
             return
+        self.drain()
         self.array.resize((self.array.shape[0], *inner))
         buf = np.full((self.chunk_rows, *inner), self.fill, dtype=self.buf.dtype)
         buf[(slice(None), *map(slice, self.buf.shape[1:]))] = self.buf
@@ -96,7 +116,7 @@ class Column:
     def put(self, row: int, value: np.ndarray) -> None:
         value = np.asarray(value)
         if self.chunk_rows == 1 and value.shape == self.buf.shape[1:]:
-            self.array[row: row + 1] = value[None]     # a whole chunk: no copy into the buffer
+            self._submit(row, value[None])             # a whole chunk: no copy into the buffer
             self.start += 1
             return
         if value.shape != self.buf.shape[1:]:
@@ -107,24 +127,41 @@ class Column:
             self.buf[row - self.start] = value
         self.dirty = True
         if row + 1 - self.start == self.chunk_rows:
-            self.write()
+            self._submit(self.start, self.buf)
+            self.dirty = False
             self.start += self.chunk_rows
-            self.buf.fill(self.fill)
+            if self.pool is None:
+                self.buf.fill(self.fill)
+            else:                                      # the pool still reads the old one
+                self.buf = np.full_like(self.buf, self.fill)
 
     def write(self) -> None:
         """Write the current chunk whole (never part of a chunk)."""
         if self.dirty:
-            self.array[self.start: self.start + self.chunk_rows] = self.buf
+            self._submit(self.start, self.buf if self.pool is None else self.buf.copy())
             self.dirty = False
+
+    def _submit(self, start: int, block: np.ndarray) -> None:
+        region = slice(start, start + len(block))
+        if self.pool is None:
+            self.array[region] = block
+        else:
+            self.pending.append(self.pool.submit(self.array.__setitem__, region, block))
+
+    def drain(self) -> None:
+        """Wait for this column's chunk writes; raise the first that failed."""
+        pending, self.pending = self.pending, []
+        for f in pending:
+            f.result()
 
 
 class Table:
     """Columns that share the ``step`` dimension, appended one row at a time."""
 
-    def __init__(self, group: zarr.Group, columns: dict[str, zarr.Array], rows: int):
+    def __init__(self, group: zarr.Group, columns: dict[str, zarr.Array], rows: int, pool=None):
         self.group = group
         self.rows = rows
-        self.columns = {name: Column(a, rows) for name, a in columns.items()}
+        self.columns = {name: Column(a, rows, pool) for name, a in columns.items()}
         self.block = math.lcm(*(c.chunk_rows for c in self.columns.values()))
 
     @property
@@ -135,17 +172,22 @@ class Table:
         if self.rows == self.capacity:
             cap = max(self.block, -(-2 * self.capacity // self.block) * self.block)
             for c in self.columns.values():
+                c.drain()
                 c.array.resize((cap, *c.array.shape[1:]))
         for name, value in values.items():
             self.columns[name].put(self.rows, value)
         self.rows += 1
 
     def flush(self) -> None:
+        """Write every buffered chunk and wait until all of them are written."""
         for c in self.columns.values():
             c.write()
+        for c in self.columns.values():
+            c.drain()
 
     def trim(self) -> None:
         for c in self.columns.values():
+            c.drain()
             if c.array.shape[0] != self.rows:
                 c.array.resize((self.rows, *c.array.shape[1:]))
 
@@ -190,6 +232,9 @@ class RunStore:
         self.compression = compression     # of full tensors: "auto", a zstd level, or None
         self.rank_group = root.require_group(fmt.rank_group(rank))
         self.tables: dict[str, Table] = {}
+        threads = write_threads()
+        self.pool = None if threads < 2 else concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="tensortape-chunks")
 
     def state(self) -> fmt.RankState:
         """The rank's committed state (empty for a new rank)."""
@@ -211,7 +256,7 @@ class RunStore:
             else:
                 g = self.root.require_group(path)
                 cols = create(g)
-            table = self.tables[path] = Table(g, cols, committed)
+            table = self.tables[path] = Table(g, cols, committed, self.pool)
         return table
 
     @staticmethod
@@ -285,8 +330,13 @@ class RunStore:
         return zstd_level(sample) if self.compression == "auto" else self.compression
 
     # --- commit ---------------------------------------------------------------
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
     def flush(self) -> dict[str, int]:
-        """Write every buffered chunk; return the row counts now safe to commit."""
+        """Write every buffered chunk and wait for every write; return the row
+        counts now safe to commit (the data is on the store before them)."""
         for t in self.tables.values():
             t.flush()
         return {path: t.rows for path, t in self.tables.items()}

@@ -130,6 +130,8 @@ class Writer:
             except BaseException as e:  # reported to the training thread
                 self.error = e
             if isinstance(msg, _Flush):
+                if msg.final:
+                    self.store.close()
                 msg.done.set()
                 if msg.final:
                     return

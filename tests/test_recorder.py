@@ -32,7 +32,10 @@ def _batches(i):
     (transformer, ["layers.0.linear1", "layers.1.linear2", "layers.0.self_attn"], _batches),
     (InplaceMLP, ["fc1", "fc2"], lambda i: torch.randn(4, 8, generator=torch.Generator().manual_seed(i))),
 ])
-def test_values_are_bit_exact_against_plain_hooks(tmp_store, make, names, batches):
+@pytest.mark.parametrize("threads", ["1", "4"])
+def test_values_are_bit_exact_against_plain_hooks(tmp_store, make, names, batches, threads,
+                                                  monkeypatch):
+    monkeypatch.setenv("TENSORTAPE_WRITE_THREADS", threads)
     ref_model = make()
     expect = reference_capture(ref_model, names, lambda m, box: train(m, 3, batches, step_box=box))
     model = make()
@@ -346,9 +349,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_sigkill_leaves_a_readable_store(tmp_store):
+@pytest.mark.parametrize("threads", ["1", "4"])     # chunks written by the writer, or a pool
+def test_sigkill_leaves_a_readable_store(tmp_store, threads):
     proc = subprocess.Popen([sys.executable, "-c", CHILD, tmp_store], stdout=subprocess.PIPE,
-                            text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+                            text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
+                            env=dict(os.environ, TENSORTAPE_WRITE_THREADS=threads))
     done = {}
     try:
         for line in proc.stdout:
