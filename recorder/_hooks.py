@@ -45,6 +45,7 @@ class Sink(Protocol):
 class HookSet:
     def __init__(self, model: nn.Module, names: list[str], kinds: tuple[str, ...], sink: Sink):
         table = module_table(model)
+        self._root_label = label("", table)
         self._root = unwrap(model)
         self._modules = [(n, table[n]) for n in names]
         self._kinds = set(kinds)
@@ -95,12 +96,15 @@ class HookSet:
         for name, module in self._modules:
             for pname, p in module.named_parameters(recurse=False):
                 if p.grad is not None:
-                    yield f"{label(name)}:{pname}", p.grad
+                    yield f"{self._label(name)}:{pname}", p.grad
 
     def backward_ran(self) -> bool:
         """Whether a gradient reached the model's first parameter since ``new_step``:
         the model ran, whether or not its hooks did."""
         return self._probe is not None and self._grad_state() != self._probe
+
+    def _label(self, module: str) -> str:
+        return module or self._root_label
 
     def _grad_state(self):
         p = next(self._root.parameters(), None)
@@ -126,10 +130,10 @@ class HookSet:
         if first:                                   # a new call of the module
             k = self._calls.get((phase, module), 0)
             self._calls[(phase, module)] = k + 1
-            self._names[phase + module] = label(module) + (f"#{k}" if k else "")
+            self._names[phase + module] = self._label(module) + (f"#{k}" if k else "")
         if what == "weights":
             if self._calls.get((phase, module)) == 1:   # a module's weights: once a step
-                self._sink.add("weights", f"{label(module)}:{path}", x, token)
+                self._sink.add("weights", f"{self._label(module)}:{path}", x, token)
             return -1
         name = join(self._names[phase + module], path)
         if what != "gradients":

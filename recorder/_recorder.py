@@ -118,9 +118,14 @@ class Recorder:
             return self
         cfg = self.config
         root, error = None, None
+        fresh = dict(tensortape_format=fmt.FORMAT_VERSION, status=fmt.STATUS_RECORDING,
+                     torch_version=torch.__version__, model_class=self._model_class,
+                     config=cfg.to_json(), metadata=self.metadata,
+                     created=datetime.now(timezone.utc).isoformat())
         if self.rank == 0:                        # applies the mode to the run as a whole
-            try:
-                root = open_root(self.store_location, cfg.mode)
+            try:                                  # a new root is written whole, at once
+                root = open_root(self.store_location, cfg.mode,
+                                 attributes=fmt.to_json(fmt.root_attrs(fmt.RankState(), fresh)))
             except Exception as e:
                 error = e
         _all_ranks_then(self._world, error)
@@ -132,11 +137,8 @@ class Recorder:
         root_base = None
         if self.rank == 0:
             old = dict(root.attrs) if cfg.mode == "a" else {}
-            root_base = dict(
-                old, tensortape_format=fmt.FORMAT_VERSION, status=fmt.STATUS_RECORDING,
-                torch_version=torch.__version__, model_class=self._model_class,
-                config=cfg.to_json(), metadata=self.metadata or old.get("metadata", {}))
-            root_base.setdefault("created", datetime.now(timezone.utc).isoformat())
+            root_base = {**old, **fresh, "created": old.get("created", fresh["created"]),
+                         "metadata": self.metadata or old.get("metadata", {})}
             store.commit(state, fmt.root_attrs(state, root_base))
         self._last_step, self._dropped_before = state.last_step, state.dropped
         self._outside_before = state.outside_steps

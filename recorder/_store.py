@@ -50,16 +50,17 @@ def check_mode(location, mode: str) -> None:
         raise StoreFormatError(f"{location!r} is not a tensortape store; pick another path")
 
 
-def open_root(location, mode: str, rank: int = 0) -> zarr.Group:
+def open_root(location, mode: str, rank: int = 0, attributes: dict | None = None) -> zarr.Group:
     """Open the root group of a store for writing.  Rank 0 applies the run's
-    ``mode`` (``"w"`` clears the store); other ranks open what it prepared."""
+    ``mode`` (``"w"`` clears the store, and the new root's ``zarr.json`` is written
+    once, with ``attributes``); other ranks open what it prepared."""
     location = os.fspath(location)
     if rank != 0:
         return zarr.open_group(location, mode="r+")
     check_mode(location, mode)
     if mode == "a":
         return zarr.open_group(location, mode="a")
-    return zarr.open_group(location, mode="w", zarr_format=3)
+    return zarr.open_group(location, mode="w", zarr_format=3, attributes=attributes or {})
 
 
 def store_exists(location: str) -> bool:

@@ -23,6 +23,9 @@ from .errors import RecorderError
 
 __all__ = ["Writer"]
 
+DTYPE_OR_RANK = "full tensor changed dtype or rank"
+LATE_GRADIENT = "gradient arrived after its step"
+
 
 @dataclass
 class _Put:
@@ -145,6 +148,8 @@ class Writer:
         st = self.state
         st.layers.extend(rec.layers)
         st.dropped += rec.dropped
+        if rec.dropped:
+            st.drop_reasons[LATE_GRADIENT] = st.drop_reasons.get(LATE_GRADIENT, 0) + rec.dropped
         st.outside_steps += rec.outside
         st.over_budget += rec.over_budget
         st.events_total += len(rec.events)
@@ -165,8 +170,12 @@ class Writer:
                                          st.committed.get(path, 0))
             if n >= 0:
                 st.bytes_raw += n
-            elif path not in self._skipped:
+                continue
+            st.dropped += 1                  # counted, with its reason, and warned once a table
+            st.drop_reasons[DTYPE_OR_RANK] = st.drop_reasons.get(DTYPE_OR_RANK, 0) + 1
+            if path not in self._skipped:
                 self._skipped.add(path)
                 warnings.warn(f"tensortape: {row.kind} of {row.layer!r} changed rank or dtype at "
-                              f"step {rec.step} (now {host.dtype}{list(host.shape)}); such steps "
-                              f"are not stored", stacklevel=1)
+                              f"step {rec.step} (now {host.dtype}{list(host.shape)}); its full "
+                              f"tensors of such steps are not stored, and are counted in the "
+                              f"run's 'dropped' (its statistics are kept)", stacklevel=1)

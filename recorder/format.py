@@ -128,9 +128,16 @@ def parse_path(path: str) -> TablePath:
 _SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.%~")
 
 
-def label(module_name: str) -> str:
-    """The recorded name of a module: its ``named_modules()`` name, or ``(root)``."""
-    return module_name if module_name else ROOT_LABEL
+def label(module_name: str, names=()) -> str:
+    """The recorded name of a module: its ``named_modules()`` name, or for the root
+    ``(root)`` (with a ``'`` added for each module of ``names`` that is literally
+    called so: the root's label never clashes with a module's name)."""
+    if module_name:
+        return module_name
+    root = ROOT_LABEL
+    while root in names:
+        root += "'"
+    return root
 
 
 def join(base: str, path: str) -> str:
@@ -248,6 +255,7 @@ class RankState:
     events: list[NonFiniteEvent] = field(default_factory=list)
     events_total: int = 0
     dropped: int = 0
+    drop_reasons: dict[str, int] = field(default_factory=dict)   # what ``dropped`` counts
     outside_steps: int = 0                                    # forward passes outside a step
     over_budget: int = 0                                      # full tensors past max_bytes
     last_step: int | None = None
@@ -274,6 +282,7 @@ class RankState:
                 events=[NonFiniteEvent.from_json(e) for e in list(d.get("events", []))],
                 events_total=_int(d.get("events_total", len(d.get("events", [])))),
                 dropped=_int(d.get("dropped", 0)),
+                drop_reasons={str(k): _int(v) for k, v in dict(d.get("drop_reasons", {})).items()},
                 outside_steps=_int(d.get("outside_steps", 0)),
                 over_budget=_int(d.get("over_budget", 0)),
                 last_step=None if d.get("last_step") is None else _int(d["last_step"]),
@@ -296,7 +305,8 @@ def root_attrs(state: RankState, base: dict[str, Any], status: str | None = None
     """The root attributes: ``base`` (format, versions, config, ...) with rank 0's
     layers, events and counters, and ``status`` when given."""
     out = dict(base, layers=list(state.layers), events=[e.to_json() for e in state.events],
-               dropped=state.dropped, outside_steps=state.outside_steps,
+               dropped=state.dropped, drop_reasons=dict(state.drop_reasons),
+               outside_steps=state.outside_steps,
                over_budget=state.over_budget)
     if status:
         out["status"] = status

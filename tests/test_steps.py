@@ -162,3 +162,37 @@ def test_metadata_takes_numpy_and_torch_scalars(tmp_store):
         with rec.step():
             model(_batch(0)).sum().backward()
     assert open_run(tmp_store).metadata == {"lr": 0.25, "n": 3, "t": 2.5}
+
+
+def test_a_child_named_like_the_root_never_shares_its_table(tmp_store):
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.add_module("(root)", torch.nn.Linear(4, 4))
+
+        def forward(self, x):
+            return getattr(self, "(root)")(x) * 2
+    model = Odd()
+    x = torch.randn(2, 4)
+    with Recorder(model, tmp_store, capture="activations") as rec:
+        with rec.step():
+            model(x)
+    run = open_run(tmp_store)
+    assert run.layers == ["(root)", "(root)'"]
+    child = getattr(model, "(root)")(x).detach().numpy()
+    np.testing.assert_array_equal(run.tensor("(root)", step=0).values, child)
+    np.testing.assert_array_equal(run.tensor("(root)'", step=0).values, child * 2)
+
+
+def test_a_change_of_dtype_is_counted_never_silent(tmp_store):
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="changed rank or dtype"):
+        with Recorder(model, tmp_store, layers="", capture="activations") as rec:
+            for i in range(4):
+                with rec.step(i), torch.autocast("cpu", dtype=torch.bfloat16, enabled=i >= 2):
+                    model(torch.randn(2, 4))
+    run = open_run(tmp_store)
+    assert run.steps().tolist() == [0, 1, 2, 3]                  # statistics of every step
+    assert run.steps(tensors=True).tolist() == [0, 1]
+    assert run.dropped == 2
+    assert run.attrs["drop_reasons"] == {"full tensor changed dtype or rank": 2}
