@@ -21,7 +21,7 @@ def to_hdf5(run, path, progress=None) -> str:
     import h5py
     tables = []
     for r in run.ranks:
-        tables += [(p, n) for p, n in run.state(r).committed.items() if n]
+        tables += [(p, run.checked_rows(p, r)) for p, n in run.state(r).committed.items() if n]
     with h5py.File(path, "w") as f:
         f.attrs[JSON_ATTR] = json.dumps(run.attrs)
         for r in run.ranks:

@@ -9,7 +9,7 @@ import numpy as np
 import xarray as xr
 
 from recorder import format as fmt
-from recorder.errors import ConfigError, LayerNotFoundError, StoreFormatError
+from recorder.errors import ConfigError, LayerNotFoundError, RecorderError, StoreFormatError
 from recorder.format import NonFiniteEvent
 
 from ._source import open_source
@@ -60,10 +60,25 @@ class Run:
     """A recorded run.  ``source`` is the store as read (attributes and arrays),
     ``state(rank)`` a rank's committed state; the methods below are the API."""
 
+    MAX_ROW_BYTES = 1 << 36          # one step of one tensor: 64 GiB at the most
+
     def __init__(self, path):
         self.path = str(path)
-        self.source = open_source(path)
+        try:
+            self._open()
+        except RecorderError:
+            raise
+        except Exception as e:           # anything else a damaged or hostile store raises
+            raise StoreFormatError(f"{self.path!r} cannot be read as a tensortape store "
+                                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                                   ) from e
+        self._valid: set[str] = set()
+
+    def _open(self) -> None:
+        self.source = open_source(self.path)
         attrs = self.source.attrs()
+        if not isinstance(attrs, dict):
+            raise StoreFormatError(f"{self.path!r}: its root attributes are not a JSON object")
         version = attrs.get("tensortape_format")
         if version is None:
             raise StoreFormatError(f"{self.path!r} is not a tensortape store (no "
@@ -72,6 +87,9 @@ class Run:
             raise StoreFormatError(f"{self.path!r} has format version {version!r}, newer than "
                                    f"this tensortape reads ({fmt.FORMAT_VERSION}); upgrade tensortape")
         self.attrs = attrs
+        if not isinstance(attrs.get("status", ""), str) or not isinstance(attrs.get("layers", []), list):
+            raise StoreFormatError(f"{self.path!r}: its 'status' or 'layers' attribute has the "
+                                   f"wrong type")
         self.ranks = sorted(int(g[4:]) for g in self.source.groups() if g.startswith("rank") and g[4:].isdigit())
         self._states = {r: fmt.RankState.from_json(self.source.attrs(fmt.rank_group(r)),
                                                    f"{self.path!r} rank {r}") for r in self.ranks}
@@ -92,6 +110,40 @@ class Run:
 
     def _committed(self, rank: int) -> dict[str, int]:
         return self._states[rank].committed
+
+    def checked_rows(self, path: str, rank: int) -> int:
+        """A table's committed rows, once its arrays are checked against them: each
+        array is there, holds the committed rows, and a row has a sane size."""
+        n = self._committed(rank).get(path, 0)
+        if path in self._valid or not n:
+            return n
+        table = fmt.parse_path(path)
+        try:
+            for name in table.columns:
+                if name in fmt.OPTIONAL_COLUMNS and not self.source.has(f"{path}/{name}"):
+                    continue
+                arr = self.source.array(f"{path}/{name}")
+                shape = tuple(int(s) for s in arr.shape)
+                if not shape or shape[0] < n:
+                    raise StoreFormatError(f"{self.path!r}: {path}/{name} holds "
+                                           f"{shape[0] if shape else 0} rows, fewer than the "
+                                           f"{n} committed")
+                row = int(np.prod(shape[1:], dtype=object)) * np.dtype(arr.dtype).itemsize
+                if row > self.MAX_ROW_BYTES:
+                    raise StoreFormatError(f"{self.path!r}: {path}/{name} claims {row} bytes a "
+                                           f"row; refusing to read it")
+            if table.section == "stats":
+                width = int(self.source.array(f"{path}/mean").shape[1])
+                if width < len(self._states[rank].stats_layers.get(table.kind, [])):
+                    raise StoreFormatError(f"{self.path!r}: {path} has {width} layer columns, "
+                                           f"fewer than its layer names")
+        except RecorderError:
+            raise
+        except Exception as e:
+            raise StoreFormatError(f"{self.path!r}: table {path} cannot be read "
+                                   f"({type(e).__name__}: {e})") from e
+        self._valid.add(path)
+        return n
 
     @property
     def status(self) -> str:
@@ -163,7 +215,7 @@ class Run:
         if not tensors:
             return self._stats_rows(kind, rank)[2]
         paths = [self._tensor_path(layer, kind, rank)] if layer else self._tensor_paths(kind, rank).values()
-        found = [np.asarray(self.source.array(p + "/step")[: self._committed(rank)[p]]) for p in paths]
+        found = [np.asarray(self.source.array(p + "/step")[: self.checked_rows(p, rank)]) for p in paths]
         return np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
 
     # --- statistics and histograms ------------------------------------------------
@@ -171,7 +223,7 @@ class Run:
         """The stats table's path, its rows to read (the last recording of each
         step, in step order) and their steps."""
         path = fmt.stats_group(rank, kind)
-        n = self._committed(rank).get(path, 0)
+        n = self.checked_rows(path, rank)
         steps = np.asarray(self.source.array(path + "/step")[:n]) if n else np.zeros(0, np.int64)
         rows = fmt.latest_rows(steps)
         return path, rows, steps[rows]
@@ -256,7 +308,7 @@ class Run:
         """
         rank = self._rank(rank)
         path = self._tensor_path(layer, kind, rank)
-        n = self._committed(rank)[path]
+        n = self.checked_rows(path, rank)
         steps = np.asarray(self.source.array(path + "/step")[:n])
         micros = np.asarray(self.source.array(path + "/micro")[:n]) \
             if self.source.has(path + "/micro") else np.zeros(n, np.int64)

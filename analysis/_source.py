@@ -19,6 +19,26 @@ __all__ = ["open_source", "ZarrSource", "H5Source"]
 JSON_ATTR = "tensortape_json"
 
 
+class Guarded:
+    """An array of a store whose reads raise ``StoreFormatError`` naming the array,
+    whatever a damaged chunk makes the decoder raise.  Everything else is the
+    array's own (shape, dtype, chunks, attrs, ...)."""
+
+    def __init__(self, array, where: str):
+        self._array, self._where = array, where
+
+    def __getattr__(self, name):
+        return getattr(self._array, name)
+
+    def __getitem__(self, key):
+        try:
+            return self._array[key]
+        except Exception as e:
+            raise StoreFormatError(f"{self._where}: a chunk cannot be read ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''}); the store is "
+                                   f"damaged") from e
+
+
 class ZarrSource:
     lock = False
 
@@ -34,7 +54,7 @@ class ZarrSource:
         return dict((self.root[path] if path else self.root).attrs)
 
     def array(self, path: str):
-        return self.root[path]
+        return Guarded(self.root[path], path)
 
     def has(self, path: str) -> bool:
         try:
@@ -61,7 +81,7 @@ class H5Source:
         return json.loads(raw) if raw is not None else {}
 
     def array(self, path: str):
-        return self.file[path]
+        return Guarded(self.file[path], path)
 
     def has(self, path: str) -> bool:
         return path in self.file

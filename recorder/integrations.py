@@ -60,18 +60,23 @@ class _Session:
             self.recorder.close("interrupted" if failed else "complete")
 
 
+class _Holder:
+    """What both callbacks share: the store, the Recorder keywords, the session."""
+
+    def __init__(self, store, **recorder_kwargs):
+        self.session = _Session(store, recorder_kwargs)
+
+    @property
+    def recorder(self):
+        """The run's ``Recorder`` (None before training starts)."""
+        return self.session.recorder
+
+
 def _trainer_callback():
     import transformers
 
-    class TrainerCallback(transformers.TrainerCallback):
+    class TrainerCallback(_Holder, transformers.TrainerCallback):
         """Records a ``transformers.Trainer`` run (see ``recorder.integrations``)."""
-
-        def __init__(self, store, **recorder_kwargs):
-            self.session = _Session(store, recorder_kwargs)
-
-        @property
-        def recorder(self):
-            return self.session.recorder
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self.session.start(model)
@@ -97,15 +102,8 @@ def _lightning_callback():
     except ImportError:
         import pytorch_lightning as pl
 
-    class LightningCallback(pl.Callback):
+    class LightningCallback(_Holder, pl.Callback):
         """Records a Lightning ``Trainer.fit`` (see ``recorder.integrations``)."""
-
-        def __init__(self, store, **recorder_kwargs):
-            self.session = _Session(store, recorder_kwargs)
-
-        @property
-        def recorder(self):
-            return self.session.recorder
 
         def on_train_start(self, trainer, pl_module):
             self.session.start(pl_module)

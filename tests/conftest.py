@@ -141,3 +141,15 @@ def s3_server(tmp_path, monkeypatch):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def record_shapes(store, shapes=((4, 6), (2, 3))):
+    """A run of ``layers.0.linear1`` of a transformer fed batches of changing
+    (batch, sequence) shapes, one step each."""
+    from recorder import Recorder
+    model = transformer()
+    with Recorder(model, store, layers="layers.0.linear1") as rec:
+        for b, t in shapes:
+            with rec.step():
+                model(torch.randn(b, t, 32)).sum().backward()
+    return store

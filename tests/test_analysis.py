@@ -6,7 +6,7 @@ from torch import nn
 
 from analysis import Inspector, compare_runs, first_divergence, open_run, plot_comparison
 from recorder import LayerNotFoundError, Recorder, RecorderError
-from conftest import has_hooks, transformer
+from conftest import has_hooks, record_shapes, transformer
 
 
 def _record(store, seed=0, perturb_at=None, nan_at=None, steps=5, **kw):
@@ -119,13 +119,7 @@ def test_inspector_covers_forward_and_backward_and_leaves_no_hooks():
 
 def test_tensors_and_statistics_round_trip_through_zarr_and_netcdf(tmp_path):
     import xarray as xr
-    store = str(tmp_path / "a.zarr")
-    model = transformer()
-    with Recorder(model, store, layers="layers.0.linear1") as rec:
-        for b, t in ((4, 6), (2, 3)):
-            with rec.step():
-                model(torch.randn(b, t, 32)).sum().backward()
-    run = open_run(store)
+    run = open_run(record_shapes(str(tmp_path / "a.zarr")))
     tensor = run.tensor("layers.0.linear1").compute()
     assert tensor["extent_dim_0"].values.tolist() == [4, 2]
     assert tensor["extent_dim_1"].values.tolist() == [6, 3]

@@ -7,7 +7,7 @@ from torch import nn
 from analysis import Inspector, open_run
 from recorder import NonFiniteError, Recorder
 from recorder import format as fmt
-from conftest import transformer
+from conftest import record_shapes, transformer
 
 
 def inspect(x):
@@ -148,12 +148,7 @@ def test_integer_tensors_get_a_count_only(tmp_store):
 
 
 def test_padding_is_never_counted_as_nan(tmp_store):
-    model = transformer()
-    with Recorder(model, tmp_store, layers="layers.0.linear1") as rec:
-        for b, t in ((4, 6), (2, 3)):
-            with rec.step():
-                model(torch.randn(b, t, 32)).sum().backward()
-    run = open_run(tmp_store)
+    run = open_run(record_shapes(tmp_store))
     ds = run.stats().compute()
     assert ds["nan"].values.sum() == 0 and ds["count"].values[:, 0].tolist() == [4 * 6 * 64, 2 * 3 * 64]
     assert run.first_nonfinite() is None
