@@ -97,8 +97,9 @@ class Run:
     # --- what is in the run -----------------------------------------------------
     def _rank(self, rank: int | None) -> int:
         if rank is None:
-            if not self.ranks:
-                raise StoreFormatError(f"{self.path!r} holds no recorded rank")
+            if not self.ranks:           # killed while attaching: an empty run, not an error
+                self._states.setdefault(0, fmt.RankState())
+                return 0
             return self.ranks[0]
         if rank not in self.ranks:
             raise ConfigError(f"rank {rank} is not in this run; its ranks are {self.ranks}")

@@ -1,0 +1,75 @@
+"""A kill sweep: SIGKILL at many moments, attach and close included; every committed step
+reads back exactly, and the status is never unknown."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from analysis import open_run
+from recorder import StoreNotFoundError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = textwrap.dedent("""
+    import sys, torch
+    from recorder import Recorder
+    lin = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        lin.weight.copy_(torch.arange(48 * 64.).reshape(48, 64) / 1000); lin.bias.fill_(0.5)
+    print("ready", flush=True)
+    with Recorder(lin, sys.argv[1], layers="", capture=("activations", "weights"),
+                  flush_interval=0.02) as rec:
+        for i in range(40):
+            with rec.step(i):
+                lin(torch.full((8, 64), float(i)))
+    print("closed", flush=True)
+""")
+
+
+def _expected(i):
+    w = np.arange(48 * 64.0, dtype=np.float32).reshape(48, 64) / 1000
+    return np.full((8, 64), float(i), np.float32) @ w.T + np.float32(0.5)
+
+
+def _child(store):
+    env = dict(os.environ, TENSORTAPE_COMPILE="0")
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, store], stdout=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=env)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_kill_sweep(tmp_path):
+    proc = _child(str(tmp_path / "whole.zarr"))          # how long attach..close takes here
+    t = time.monotonic()
+    assert proc.stdout.readline().strip() == "closed"
+    span = time.monotonic() - t
+    proc.wait()
+    rng = random.Random(1234)
+    outcomes = {"no store yet": 0, "recording": 0, "complete": 0}
+    for k in range(12):
+        store = str(tmp_path / f"k{k}.zarr")
+        proc = _child(store)
+        time.sleep(rng.uniform(0.0, 1.2 * span))   # before attach, inside it, ..., after close
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        try:
+            run = open_run(store)
+        except StoreNotFoundError:
+            outcomes["no store yet"] += 1
+            continue
+        assert run.status in ("recording", "complete"), run.status
+        outcomes[run.status] += 1
+        steps = run.steps(tensors=True).tolist() if run.kinds else []
+        assert steps == list(range(len(steps)))
+        for i in steps:
+            np.testing.assert_allclose(run.tensor("(root)", step=i).values, _expected(i),
+                                       rtol=1e-6)
+    print(outcomes)
+    assert sum(outcomes.values()) == 12 and outcomes["recording"] >= 3
