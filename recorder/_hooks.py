@@ -51,7 +51,8 @@ class HookSet:
         self._kinds = set(kinds)
         self._sink = sink
         self._handles: list = []
-        self._calls: dict[tuple[str, str], int] = {}
+        self._calls: dict[tuple[str, str], int] = {}          # calls in this forward pass
+        self._weighed: set[str] = set()                       # weights captured this step
         self._names: dict[str, str] = {}                     # module -> base name of its call
         self._serials: dict[int, tuple[object, str]] = {}     # gradients expected: this step
         self._older: dict[int, tuple[object, str]] = {}       # and the step before
@@ -87,6 +88,7 @@ class HookSet:
 
     def new_step(self) -> None:
         self._calls.clear()
+        self._weighed.clear()
         self._depth = 0
         self._older, self._serials = self._serials, {}
         self._probe = self._grad_state()
@@ -131,9 +133,11 @@ class HookSet:
             k = self._calls.get((phase, module), 0)
             self._calls[(phase, module)] = k + 1
             self._names[phase + module] = self._label(module) + (f"#{k}" if k else "")
-        if what == "weights":
-            if self._calls.get((phase, module)) == 1:   # a module's weights: once a step
-                self._sink.add("weights", f"{self._label(module)}:{path}", x, token)
+        if what == "weights":            # a module's weights: once a step, not per micro-batch
+            name = f"{self._label(module)}:{path}"
+            if name not in self._weighed:
+                self._weighed.add(name)
+                self._sink.add("weights", name, x, token)
             return -1
         name = join(self._names[phase + module], path)
         if what != "gradients":

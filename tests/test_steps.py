@@ -196,3 +196,16 @@ def test_a_change_of_dtype_is_counted_never_silent(tmp_store):
     assert run.steps(tensors=True).tolist() == [0, 1]
     assert run.dropped == 2
     assert run.attrs["drop_reasons"] == {"full tensor changed dtype or rank": 2}
+
+
+def test_weights_are_captured_once_a_step_whatever_the_micro_batches(tmp_store):
+    model = InplaceMLP()
+    with Recorder(model, tmp_store, layers="fc1", capture=("weights", "activations")) as rec:
+        with rec.step(0):
+            for k in range(3):
+                model(_batch(k)).sum().backward()
+    run = open_run(tmp_store)
+    assert run.stats("weights").sel(layer="fc1:weight")["count"].values.tolist() == [16 * 8]
+    assert run.stats().sel(layer="fc1")["count"].values.tolist() == [3 * 4 * 16]
+    np.testing.assert_array_equal(run.tensor("fc1:weight", "weights", step=0).values,
+                                  model.fc1.weight.detach().numpy())
