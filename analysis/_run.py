@@ -51,6 +51,19 @@ def _missing(layer: str, names: list[str], what: str) -> str:
     return f"layer {layer!r} has no {what} in this run; closest: {fmt.closest(layer, names)}"
 
 
+def _data_chunks(extent: np.ndarray, chunks: tuple[int, ...], shape, n: int):
+    """The chunk indices a data array's first ``n`` rows fill: in each block of
+    rows, the chunks that its rows' extents reach (never beyond the array)."""
+    import itertools
+    for i in range(-(-n // chunks[0])):
+        block = extent[i * chunks[0]: (i + 1) * chunks[0]]
+        reach = block.max(axis=0) if len(block) else np.zeros(len(chunks) - 1, np.int64)
+        counts = [min(-(-int(e) // c), -(-int(s) // c))
+                  for e, c, s in zip(reach, chunks[1:], shape[1:])]
+        for inner in itertools.product(*map(range, counts)):
+            yield (i, *inner)
+
+
 def open_run(path) -> "Run":
     """Open a run (Zarr store, fsspec URL, or HDF5 export) lazily; a ``Run`` is returned as is."""
     return path if isinstance(path, Run) else Run(path)
@@ -129,6 +142,9 @@ class Run:
                     raise StoreFormatError(f"{self.path!r}: {path}/{name} holds "
                                            f"{shape[0] if shape else 0} rows, fewer than the "
                                            f"{n} committed")
+                if np.dtype(arr.dtype).kind not in "biuf":
+                    raise StoreFormatError(f"{self.path!r}: {path}/{name} holds {arr.dtype}, "
+                                           f"not numbers; refusing to decode it")
                 row = int(np.prod(shape[1:], dtype=object)) * np.dtype(arr.dtype).itemsize
                 if row > self.MAX_ROW_BYTES:
                     raise StoreFormatError(f"{self.path!r}: {path}/{name} claims {row} bytes a "
@@ -138,6 +154,7 @@ class Run:
                 if width < len(self._states[rank].stats_layers.get(table.kind, [])):
                     raise StoreFormatError(f"{self.path!r}: {path} has {width} layer columns, "
                                            f"fewer than its layer names")
+            self._check_chunks(path, table, n)
         except RecorderError:
             raise
         except Exception as e:
@@ -145,6 +162,35 @@ class Run:
                                    f"({type(e).__name__}: {e})") from e
         self._valid.add(path)
         return n
+
+    def _check_chunks(self, path: str, table: fmt.TablePath, n: int) -> None:
+        """Each chunk file is a regular file of a sane size; in a table that stores
+        every chunk (``fmt.EVERY_CHUNK``), each chunk the committed rows need is there
+        (a half-copied store is refused, not read as NaN)."""
+        every = bool(self.source.attrs(path).get(fmt.EVERY_CHUNK))
+        for name in sorted(table.columns, key=lambda c: c == "data"):   # extent says what data needs
+            if name in fmt.OPTIONAL_COLUMNS and not self.source.has(f"{path}/{name}"):
+                continue
+            arr = self.source.array(f"{path}/{name}")
+            chunks = tuple(int(c) for c in arr.chunks)
+            raw = int(np.prod(chunks, dtype=object)) * np.dtype(arr.dtype).itemsize
+            keys = self.source.chunk_keys(f"{path}/{name}", raw + raw // 64 + (1 << 16))
+            if name == "data" and len(chunks) > 1:
+                extent = np.asarray(self.source.array(f"{path}/extent")[:n])[:, : len(chunks) - 1]
+                if extent.size and ((extent < 0) | (extent > np.array(arr.shape[1:]))).any():
+                    raise StoreFormatError(f"{self.path!r}: {path}/extent claims a tensor "
+                                           f"larger than {path}/data holds")
+                need = _data_chunks(extent, chunks, arr.shape, n)
+            else:
+                need = ((i, *(0,) * (len(chunks) - 1)) for i in range(-(-n // chunks[0])))
+            if keys is None or not every:
+                continue
+            for index in need:             # stops at the first missing: at most len(keys) + 1
+                key = "c/" + "/".join(map(str, index))
+                if key not in keys:
+                    raise StoreFormatError(
+                        f"{self.path!r}: chunk {path}/{name}/{key} of the committed rows is "
+                        f"missing; the store is incomplete (a partial copy?)")
 
     @property
     def status(self) -> str:

@@ -67,6 +67,40 @@ class ZarrSource:
         node = self.root[path] if path else self.root
         return [k for k, _ in node.groups()]
 
+    def chunk_keys(self, path: str, max_bytes: int) -> set[str]:
+        """The keys (``c/0/1``) of the chunks stored for the array at ``path``.  On
+        a local store each must be a regular file of at most ``max_bytes``: a
+        symlink to a device, a directory or a huge file is refused unread."""
+        import zarr
+        store = self.root.store
+        prefix = "/".join(p for p in (self.root.path, path, "c") if p)
+        if not isinstance(store, zarr.storage.LocalStore):
+            from zarr.core.sync import collect_aiterator
+            return {k[len(prefix) - 1:] for k in collect_aiterator(store.list_prefix(prefix + "/"))}
+        keys: set[str] = set()
+        pending = [(os.path.join(store.root, prefix), "c")]
+        while pending:
+            where, key = pending.pop()
+            try:
+                entries = list(os.scandir(where))
+            except FileNotFoundError:
+                continue
+            except NotADirectoryError:
+                raise StoreFormatError(f"{path}/{key} is not a directory of chunks; the store "
+                                       f"is damaged") from None
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    pending.append((e.path, f"{key}/{e.name}"))
+                elif not e.is_file(follow_symlinks=False):
+                    raise StoreFormatError(f"{path}/{key}/{e.name} is not a regular file (a "
+                                           f"link or a device); refusing to read it")
+                elif e.stat(follow_symlinks=False).st_size > max_bytes:
+                    raise StoreFormatError(f"{path}/{key}/{e.name} is larger than a chunk of "
+                                           f"its array can be; the store is damaged")
+                else:
+                    keys.add(f"{key}/{e.name}")
+        return keys
+
 
 class H5Source:
     lock = threading.Lock()   # HDF5 holds one global lock: read from one thread at a time
@@ -85,6 +119,9 @@ class H5Source:
 
     def has(self, path: str) -> bool:
         return path in self.file
+
+    def chunk_keys(self, path: str, max_bytes: int) -> None:
+        return None          # an export is one file that HDF5 checks itself
 
     def groups(self, path: str = "") -> list[str]:
         import h5py

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from recorder import format as fmt
-from recorder.errors import RecorderError
+from recorder.errors import StoreNotFoundError
 
 from ._run import open_run
 
@@ -31,7 +31,7 @@ def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations
     while True:
         try:
             run = open_run(path)
-        except RecorderError as e:
+        except StoreNotFoundError as e:        # not created yet; a damaged store is an error
             yield {"waiting": str(e)}
             sleep(interval)
             continue

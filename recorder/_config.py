@@ -11,6 +11,7 @@ from .format import KINDS
 
 NONFINITE_POLICIES = ("record", "dump", "raise")
 OUTSIDE_POLICIES = ("warn", "ignore", "raise")
+ERROR_POLICIES = ("warn", "raise")
 MODES = ("w-", "w", "a")
 ZSTD_LEVELS = range(-(1 << 17), 23)    # zstd's fast modes (negative) up to its maximum, 22
 
@@ -48,12 +49,14 @@ class RecorderConfig:
     compression: str | int | None = "auto"
     outside_step: str = "warn"
     max_bytes: int | None = None
+    on_error: str = "warn"
 
     @classmethod
     def build(cls, *, capture=("activations", "gradients"), tensors_every=1, stats_every=1,
               ring=0, on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
               flush_interval=5.0, max_pending_bytes=1 << 30,
-              compression="auto", outside_step="warn", max_bytes=None) -> "RecorderConfig":
+              compression="auto", outside_step="warn", max_bytes=None,
+              on_error="warn") -> "RecorderConfig":
         if isinstance(capture, str):
             capture = (capture,)
         capture = tuple(capture)
@@ -85,9 +88,10 @@ class RecorderConfig:
                               f"zstd level from {ZSTD_LEVELS[0]} to {ZSTD_LEVELS[-1]}")
         _choice("outside_step", outside_step, OUTSIDE_POLICIES)
         _every("max_bytes", max_bytes, allow_none=True)
+        _choice("on_error", on_error, ERROR_POLICIES)
         return cls(capture, tensors_every, stats_every, ring, on_nonfinite, max_samples,
                    tensor_dtype, mode, float(flush_interval), max_pending_bytes, compression,
-                   outside_step, max_bytes)
+                   outside_step, max_bytes, on_error)
 
     def persists(self, step: int) -> bool:
         return self.tensors_every is not None and step % self.tensors_every == 0

@@ -71,14 +71,19 @@ class Recorder:
     ``max_pending_bytes`` (snapshot bytes queued for the writer before the
     training thread waits, default 1 GiB) and ``compression`` of full tensors
     (``"auto"``: zstd level 1 where it shrinks an array's first step by 10% or
-    more, else zstd's fast mode; or a zstd level for every array; or ``None``).
+    more, else zstd's fast mode; or a zstd level for every array; or ``None``),
+    and ``on_error``: when the store cannot be written (disk full, permissions,
+    network), ``"warn"`` (the default) warns once and trains on, keeping the
+    statistics in memory until the store can be written again and counting the
+    full tensors it could not write in ``dropped``; ``"raise"`` raises
+    ``RecorderError`` at the next step, flush or close.
     """
 
     def __init__(self, model: nn.Module, store, *, layers="*",
                  capture=("activations", "gradients"), tensors_every=1, stats_every=1, ring=0,
                  on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
                  metadata=None, outside_step="warn", max_bytes=None, flush_interval=5.0,
-                 max_pending_bytes=1 << 30, compression="auto"):
+                 max_pending_bytes=1 << 30, compression="auto", on_error="warn"):
         if isinstance(model, torch.jit.ScriptModule):
             raise ConfigError(f"{type(model).__name__} is a TorchScript module, whose calls run no "
                               f"Python hooks; record the eager module instead, or compile it "
@@ -87,7 +92,8 @@ class Recorder:
             capture=capture, tensors_every=tensors_every, stats_every=stats_every, ring=ring,
             on_nonfinite=on_nonfinite, max_samples=max_samples, tensor_dtype=tensor_dtype,
             mode=mode, flush_interval=flush_interval, max_pending_bytes=max_pending_bytes,
-            compression=compression, outside_step=outside_step, max_bytes=max_bytes)
+            compression=compression, outside_step=outside_step, max_bytes=max_bytes,
+            on_error=on_error)
         self.metadata = fmt.to_json(metadata or {})
         self.store_location = os.fspath(store)
         self.layers = select_layers(model, layers)
@@ -143,7 +149,8 @@ class Recorder:
         self._last_step, self._dropped_before = state.last_step, state.dropped
         self._outside_before = state.outside_steps
         self._buffer = StepBuffer(cfg, state.layers, state.bytes_raw)
-        self._writer = Writer(store, state, root_base, cfg.flush_interval, cfg.max_pending_bytes)
+        self._writer = Writer(store, state, root_base, cfg.flush_interval, cfg.max_pending_bytes,
+                              cfg.on_error)
         self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
         self._model = None
         self._hooks.attach()

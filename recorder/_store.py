@@ -199,7 +199,7 @@ def _array(group: zarr.Group, name: str, shape, chunks, dtype, fill, dims, attrs
     return group.create_array(
         name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill, dimension_names=dims,
         compressors=None if level is None else ZstdCodec(level=level), attributes=attrs or {},
-        overwrite=True)
+        overwrite=True, config={"write_empty_chunks": True})
 
 
 def zstd_level(sample: np.ndarray) -> int:
@@ -253,7 +253,8 @@ class RunStore:
                     if n in fmt.parse_path(path).columns and n not in g:
                         rows = g["step"].shape[0]
                         _array(g, n, (rows,), (SMALL_CHUNK_ROWS,), "int64", fill, ["step"])
-                cols = {n: g[n] for n in fmt.parse_path(path).columns}
+                cols = {n: g[n].with_config({"write_empty_chunks": True})
+                        for n in fmt.parse_path(path).columns}
             else:
                 g = self.root.require_group(path)
                 cols = create(g)
@@ -272,12 +273,12 @@ class RunStore:
         cols["hist"] = _array(g, "hist", (0, n_layers, fmt.NBINS),
                               (HIST_CHUNK_ROWS, HIST_LAYER_CHUNK, fmt.NBINS), "int64", 0,
                               ["step", "layer", "bin"])
-        g.update_attributes({"kind": kind})
+        g.update_attributes({"kind": kind, fmt.EVERY_CHUNK: True})
         return cols
 
     def _new_tensor(self, g: zarr.Group, kind: str, layer: str, sample: np.ndarray,
                     logical: str | None) -> dict[str, zarr.Array]:
-        g.update_attributes({"name": layer, "kind": kind})
+        g.update_attributes({"name": layer, "kind": kind, fmt.EVERY_CHUNK: True})
         k = int(min(64, max(1, CHUNK_BYTES // max(sample.nbytes, 1))))
         inner = tuple(max(d, 1) for d in sample.shape)
         attrs = {fmt.BF16_ATTR: logical} if logical else {}
@@ -352,6 +353,17 @@ class RunStore:
     def trim(self) -> None:
         for t in self.tables.values():
             t.trim()
+
+    def reset(self) -> None:
+        """Forget every open table (after a failed write): each is opened again at
+        its committed rows, overwriting whatever was written past them."""
+        for t in self.tables.values():
+            for c in t.columns.values():
+                try:
+                    c.drain()
+                except Exception:       # the write that failed, or one after it
+                    pass
+        self.tables = {}
 
 
 def to_numpy(t) -> tuple[np.ndarray, str | None]:

@@ -5,10 +5,19 @@ to flush or close.  The writer thread writes each record's rows into the
 store's tables, folds what changed (new layers, events, drops) into the
 rank's ``RankState``, and commits, data first and counters after, at least
 every ``flush_interval`` seconds.
+
+When the store cannot be written (disk full, permissions, network), the
+writer keeps the statistics of the steps not yet committed in memory (up to
+``BACKLOG_BYTES``), counts the full tensors it loses in ``dropped``, and every
+``flush_interval`` (and at each flush) starts again from the last commit, which
+the commit protocol makes a safe place to start from.  ``on_error`` only says
+how the fault is told: ``"raise"`` hands it to the training thread, ``"warn"``
+warns once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -25,6 +34,30 @@ __all__ = ["Writer"]
 
 DTYPE_OR_RANK = "full tensor changed dtype or rank"
 LATE_GRADIENT = "gradient arrived after its step"
+UNWRITABLE = "store could not be written"
+BACKLOG_BYTES = 256 << 20      # statistics kept in memory while the store cannot be written
+
+
+@dataclass
+class _Unsaved:
+    """A record whose rows are not committed yet, as kept for a new start (warn
+    mode): everything but its full tensors, of which only the count is kept."""
+    record: StepRecord
+    tensors: int
+
+    @classmethod
+    def of(cls, record: StepRecord) -> "_Unsaved":
+        return cls(dataclasses.replace(record, tensors=[]), len(record.tensors))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.hist.nbytes + 8 * len(r.stats) * len(r.layers)
+                   for r in self.record.stats.values())
+
+    def without_stats(self) -> "_Unsaved":
+        """The record with its statistics dropped (counted), past the backlog bound."""
+        rows = sum(len(r.layers) for r in self.record.stats.values())
+        return _Unsaved(dataclasses.replace(self.record, stats={}), self.tensors + rows)
 
 
 @dataclass
@@ -62,23 +95,29 @@ class Writer:
     """Owns the store and the rank's state on its own thread."""
 
     def __init__(self, store: RunStore, state: fmt.RankState, root_base: dict[str, Any] | None,
-                 flush_interval: float, max_pending_bytes: int):
+                 flush_interval: float, max_pending_bytes: int, on_error: str = "warn"):
         self.store = store
         self.state = state                 # written by the writer thread only
         self.root_base = root_base         # rank 0: the root attributes besides the state's
         self.flush_interval = flush_interval
+        self.on_error = on_error
         self.budget = _ByteBudget(max_pending_bytes)
         self.q: queue.Queue = queue.Queue(maxsize=64)
         self.error: BaseException | None = None
         self._skipped: set[str] = set()
+        # the state as last committed, the records since (less their full tensors), the fault
+        self._saved = self._copy(state)
+        self._unsaved: list[_Unsaved] = []
+        self._fault: BaseException | None = None
+        self._retry_at = 0.0
         self.thread = threading.Thread(target=self._loop, name="tensortape-writer", daemon=True)
         self.thread.start()
 
     # --- training-thread side -------------------------------------------------
     def put(self, record: StepRecord) -> None:
-        self.check()
         self.budget.acquire(record.nbytes, self.thread.is_alive)
         self.q.put(_Put(record))
+        self.check()
 
     def flush(self) -> None:
         """Block until everything queued is written and committed."""
@@ -114,42 +153,113 @@ class Writer:
                 msg = self.q.get(timeout=max(0.05, self.flush_interval / 4))
             except queue.Empty:
                 msg = None
+            if self._fault is not None and (isinstance(msg, _Flush)
+                                            or time.monotonic() >= self._retry_at):
+                try:
+                    self._restart(msg.status if isinstance(msg, _Flush) else None)
+                    pending, last = False, time.monotonic()
+                except BaseException as e:
+                    self._failed(e)
             try:
                 if isinstance(msg, _Put):
                     try:
-                        self._write(msg.record)
+                        self._put(msg.record)
                     finally:
                         self.budget.release(msg.record.nbytes)
                     pending = True
-                elif isinstance(msg, _Flush):
+                elif isinstance(msg, _Flush) and self._fault is None:
                     if msg.final:
                         self.store.flush()
                         self.store.trim()
                     self._commit(msg.status)
                     pending, last = False, time.monotonic()
-                if pending and time.monotonic() - last >= self.flush_interval:
+                if pending and self._fault is None and time.monotonic() - last >= self.flush_interval:
                     self._commit(None)
                     pending, last = False, time.monotonic()
-            except BaseException as e:  # reported to the training thread
-                self.error = e
+            except BaseException as e:
+                self._failed(e)
             if isinstance(msg, _Flush):
                 if msg.final:
+                    self._last_words()
                     self.store.close()
                 msg.done.set()
                 if msg.final:
                     return
 
+    def _put(self, record: StepRecord) -> None:
+        unsaved = _Unsaved.of(record)
+        if self._fault is None and self._kept() + unsaved.nbytes > BACKLOG_BYTES:
+            try:
+                self._commit(None)       # bounds what a new start would write again
+            except BaseException as e:
+                self._failed(e)
+        if self._fault is not None and self._kept() + unsaved.nbytes > BACKLOG_BYTES:
+            unsaved = unsaved.without_stats()
+        self._unsaved.append(unsaved)
+        if self._fault is None:
+            self._write(record)
+
+    def _kept(self) -> int:
+        return sum(u.nbytes for u in self._unsaved)
+
     def _commit(self, status: str | None) -> None:
         self.state.committed.update(self.store.flush())
         root = None if self.root_base is None else fmt.root_attrs(self.state, self.root_base, status)
         self.store.commit(self.state, root)
+        self._saved, self._unsaved = self._copy(self.state), []
+
+    # --- when the store cannot be written ---------------------------------------
+    @staticmethod
+    def _copy(state: fmt.RankState) -> fmt.RankState:
+        return fmt.RankState.from_json(state.to_json())
+
+    def _failed(self, e: BaseException) -> None:
+        """A fault: start again from the last commit in ``flush_interval``.  At its
+        first failure, ``raise`` hands the error to the training thread and
+        ``warn`` warns."""
+        first = self._fault is None
+        self._fault = e
+        self._retry_at = time.monotonic() + self.flush_interval
+        if not first:
+            return
+        if self.on_error == "raise":
+            self.error = e
+            return
+        warnings.warn(f"tensortape: the store cannot be written ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); training goes on, "
+                      f"statistics are kept in memory (up to {BACKLOG_BYTES >> 20} MiB) and "
+                      f"written when it can be written again, and full tensors meanwhile "
+                      f"are dropped and counted in the run's 'dropped'",
+                      RuntimeWarning, stacklevel=1)
+
+    def _restart(self, status: str | None) -> None:
+        """Start again from the last commit: the committed state, then the kept
+        records (their full tensors counted as dropped), then a commit."""
+        self.store.reset()
+        self.state = self._copy(self._saved)
+        for u in self._unsaved:
+            self._write(u.record)
+            self._drop(UNWRITABLE, u.tensors)
+        self._fault = None
+        self._commit(status)
+
+    def _last_words(self) -> None:
+        if self._fault is not None:
+            rows = sum(len(r.layers) for u in self._unsaved for r in u.record.stats.values())
+            warnings.warn(f"tensortape: the store could not be written when the run was closed "
+                          f"({self._fault}); the statistics of {len(self._unsaved)} steps "
+                          f"({rows} rows) since the last commit are lost", RuntimeWarning,
+                          stacklevel=1)
+
+    def _drop(self, reason: str, n: int) -> None:
+        if n:
+            self.state.dropped += n
+            self.state.drop_reasons[reason] = self.state.drop_reasons.get(reason, 0) + n
 
     def _write(self, rec: StepRecord) -> None:
         st = self.state
         st.layers.extend(rec.layers)
-        st.dropped += rec.dropped
-        if rec.dropped:
-            st.drop_reasons[LATE_GRADIENT] = st.drop_reasons.get(LATE_GRADIENT, 0) + rec.dropped
+        self._drop(LATE_GRADIENT, rec.dropped)
         st.outside_steps += rec.outside
         st.over_budget += rec.over_budget
         st.events_total += len(rec.events)
@@ -171,8 +281,7 @@ class Writer:
             if n >= 0:
                 st.bytes_raw += n
                 continue
-            st.dropped += 1                  # counted, with its reason, and warned once a table
-            st.drop_reasons[DTYPE_OR_RANK] = st.drop_reasons.get(DTYPE_OR_RANK, 0) + 1
+            self._drop(DTYPE_OR_RANK, 1)     # counted, with its reason, and warned once a table
             if path not in self._skipped:
                 self._skipped.add(path)
                 warnings.warn(f"tensortape: {row.kind} of {row.layer!r} changed rank or dtype at "

@@ -65,6 +65,8 @@ STATS_COLUMNS = ("step", "hist", *STATS)      # rows keyed by step
 BIN_COLUMNS = ("bin_lo", "bin_hi")            # fixed: one value per bin
 TENSOR_COLUMNS = ("data", "step", "micro", "extent")
 OPTIONAL_COLUMNS = {"micro": 0}               # absent in format 1: every row is micro-batch 0
+EVERY_CHUNK = "every_chunk"  # a table attribute: each chunk of its rows is stored, even one all
+                             # fill, so a chunk missing from the committed rows is damage
 
 
 def is_url(location: str) -> bool:

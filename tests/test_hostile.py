@@ -1,6 +1,8 @@
 """Damaged and hostile stores: refused with one line, by open_run and by every command."""
 import json
 import os
+import pickle
+import resource
 import shutil
 import subprocess
 import sys
@@ -37,16 +39,58 @@ def _rank_attrs(store, fn):
     _edit_json(os.path.join(store, "rank0", "zarr.json"), lambda m: fn(m["attributes"]))
 
 
-def _data_chunk(store):
-    d = os.path.join(store, "rank0", "tensors", "activations", "0", "data", "c")
+def _chunk_of(store, array):
+    d = os.path.join(store, "rank0", *array.split("/"), "c")
     for base, _, files in os.walk(d):
         for f in files:
             return os.path.join(base, f)
 
 
+def _data_chunk(store):
+    return _chunk_of(store, "tensors/activations/0/data")
+
+
+def _symlink_to_dev_zero(store):
+    chunk = _data_chunk(store)
+    os.remove(chunk)
+    os.symlink("/dev/zero", chunk)
+
+
+def _extent(store, value):
+    import zarr
+    zarr.open_array(os.path.join(store, "rank0", "tensors", "activations", "0", "extent"),
+                    mode="r+")[0] = value
+
+
+def _zarr_v2_asking_for_pickle(store):
+    """A Zarr v2 store with tensortape's attributes whose ``step`` array is Python
+    objects behind the pickle codec; unpickling it would create ``store + '.pwned'``."""
+    root = json.load(open(os.path.join(store, "zarr.json")))["attributes"]
+    rank = json.load(open(os.path.join(store, "rank0", "zarr.json")))["attributes"]
+    rank["committed"] = {"rank0/stats/activations": 3}
+    shutil.rmtree(store)
+    step = os.path.join(store, "rank0", "stats", "activations", "step")
+    os.makedirs(step)
+    for d, attrs in ((store, root), (os.path.join(store, "rank0"), rank),
+                     (os.path.join(store, "rank0", "stats"), {}), (os.path.dirname(step), {})):
+        json.dump({"zarr_format": 2}, open(os.path.join(d, ".zgroup"), "w"))
+        json.dump(attrs, open(os.path.join(d, ".zattrs"), "w"))
+    json.dump({"zarr_format": 2, "shape": [3], "chunks": [3], "dtype": "|O", "compressor": None,
+               "fill_value": None, "filters": [{"id": "pickle"}], "order": "C"},
+              open(os.path.join(step, ".zarray"), "w"))
+
+    class Payload:
+        def __reduce__(self):
+            return open, (store + ".pwned", "w")
+    open(os.path.join(step, "0"), "wb").write(pickle.dumps([Payload()] * 3))
+
+
 HOSTILE = {
+    # stores that are not what they claim
     "root zarr.json is not JSON": lambda s: open(os.path.join(s, "zarr.json"), "w").write("{oops"),
     "root zarr.json is a list": lambda s: open(os.path.join(s, "zarr.json"), "w").write("[1, 2]"),
+    "a zarr v2 store asking for pickle": _zarr_v2_asking_for_pickle,
+    # wrong-typed attributes
     "committed is a string": lambda s: _rank_attrs(s, lambda a: a.update(committed="many")),
     "layers is an int": lambda s: _rank_attrs(s, lambda a: a.update(layers=7)),
     "committed path escapes": lambda s: _rank_attrs(
@@ -55,11 +99,45 @@ HOSTILE = {
         s, lambda a: a["committed"].update({"rank0/stats/activations": 10 ** 6})),
     "stats_layers longer than the arrays": lambda s: _rank_attrs(
         s, lambda a: a["stats_layers"].update(activations=[f"l{i}" for i in range(500)])),
+    # unbounded reads
     "a 10^12 x 10^12 tensor": lambda s: _edit_json(
         os.path.join(s, "rank0", "tensors", "activations", "0", "data", "zarr.json"),
         lambda m: m.update(shape=[m["shape"][0], 10 ** 12, 10 ** 12])),
+    "an extent of 10^12 x 10^12": lambda s: _extent(s, [10 ** 12, 10 ** 12]),
+    "a chunk linked to /dev/zero": _symlink_to_dev_zero,
+    "a 10 GB sparse chunk": lambda s: os.truncate(_data_chunk(s), 10 << 30),
+    # damaged stores
     "a corrupt chunk": lambda s: open(_data_chunk(s), "wb").write(b"\x28\xb5\x2f\xfdgarbage"),
+    "a truncated chunk": lambda s: os.truncate(_data_chunk(s), os.path.getsize(_data_chunk(s)) // 2),
+    "a missing tensor chunk": lambda s: os.remove(_data_chunk(s)),
+    "a missing step chunk": lambda s: os.remove(_chunk_of(s, "stats/activations/step")),
+    "a missing histogram directory": lambda s: shutil.rmtree(
+        os.path.join(s, "rank0", "stats", "activations", "hist", "c")),
 }
+
+# Every command, in one child process a case (under a 3 GiB address-space limit);
+# each command's exit status and stderr come back as JSON.
+DRIVER = """
+import contextlib, io, json, sys
+sys.path.insert(0, sys.argv[1])
+import cli
+out = []
+for args in json.loads(sys.argv[2]):
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            cli.main(args)
+        except SystemExit as e:
+            code = e.code
+        except BaseException as e:
+            code = repr(e)
+    out.append([args, code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def _limit_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
@@ -74,15 +152,22 @@ def test_hostile_stores_are_refused_in_one_line(good, tmp_path, case):
             for layer in run.tensor_layers(kind):
                 run.tensor(layer, kind).compute()
     out = str(tmp_path / "x.h5")
-    for args in (["info", store], ["stats", store], ["nan", store], ["export", store, out],
-                 ["plot", store, "--layer", "0", "-o", str(tmp_path / "p.png")]):
-        p = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), *args], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)
-        if p.returncode == 2:
-            lines = p.stderr.strip().splitlines()
-            assert len(lines) == 1 and "Traceback" not in p.stderr, (args, p.stderr[-800:])
+    commands = [["info", store], ["stats", store], ["nan", store], ["export", store, out],
+                ["plot", store, "--layer", "0", "-o", str(tmp_path / "p.png")],
+                ["compare", store, good], ["watch", store, "--interval", "0.05"]]
+    p = subprocess.run([sys.executable, "-c", DRIVER, ROOT, json.dumps(commands)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, preexec_fn=_limit_memory)
+    assert p.returncode == 0, p.stderr[-2000:]
+    refused = 0
+    for args, code, err in json.loads(p.stdout):
+        assert "Traceback" not in err and "MemoryError" not in err, (args, err[-800:])
+        if code == 2:
+            refused += 1
+            assert len(err.strip().splitlines()) == 1, (args, err)
         else:                                     # a command that never reads the bad part
-            assert p.returncode in (0, 1) and "Traceback" not in p.stderr, (args, p.stderr[-800:])
+            assert code in (0, 1), (args, code, err)
+    assert refused >= 1                           # at least the commands that read it all
+    assert not os.path.exists(store + ".pwned")
 
 
 def test_an_hdf5_header_on_garbage_is_refused(tmp_path):
