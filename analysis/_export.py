@@ -1,11 +1,12 @@
 """Export a run to one HDF5 file (h5py, a group per table, chunked, gzip-1).
 
-Streams one chunk of rows at a time, so memory stays bounded by a chunk.
+Streams one chunk at a time, so memory stays bounded by a chunk of the store.
 ``open_run("run.h5")`` reads it back with the same API.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -43,7 +44,16 @@ def to_hdf5(run, path, progress=None) -> str:
                 dst.attrs[JSON_ATTR] = json.dumps(dict(src.attrs))
                 for k, v in dict(src.attrs).items():
                     dst.attrs[k] = v
-                step = max(1, src.chunks[0])
-                for lo in range(0, rows, step):
-                    dst[lo: lo + step] = np.asarray(src[lo: min(lo + step, rows)])
+                for block in _blocks(shape, src.chunks):
+                    dst[block] = np.asarray(src[block])
     return str(path)
+
+
+def _blocks(shape: tuple[int, ...], chunks: tuple[int, ...]):
+    """The regions of an array of ``shape``, one chunk each."""
+    if not shape:
+        yield ()
+        return
+    ranges = [range(0, n, max(1, c)) for n, c in zip(shape, chunks)]
+    for corner in itertools.product(*ranges):
+        yield tuple(slice(lo, min(lo + max(1, c), n)) for lo, c, n in zip(corner, chunks, shape))
