@@ -108,6 +108,7 @@ class Writer:
         # the state as last committed, the records since (less their full tensors), the fault
         self._saved = self._copy(state)
         self._unsaved: list[_Unsaved] = []
+        self._kept = 0                     # their statistics' bytes
         self._fault: BaseException | None = None
         self._retry_at = 0.0
         self.thread = threading.Thread(target=self._loop, name="tensortape-writer", daemon=True)
@@ -142,7 +143,8 @@ class Writer:
         if self.error is not None:
             err, self.error = self.error, None
             raise RecorderError(f"writing the store failed: {err}; the steps committed before "
-                                f"this are intact") from err
+                                f"this are intact (on_error='warn' trains on through such "
+                                f"faults and writes again when it can)") from err
 
     # --- writer-thread side -----------------------------------------------------
     def _loop(self) -> None:
@@ -188,25 +190,23 @@ class Writer:
 
     def _put(self, record: StepRecord) -> None:
         unsaved = _Unsaved.of(record)
-        if self._fault is None and self._kept() + unsaved.nbytes > BACKLOG_BYTES:
+        if self._fault is None and self._kept + unsaved.nbytes > BACKLOG_BYTES:
             try:
                 self._commit(None)       # bounds what a new start would write again
             except BaseException as e:
                 self._failed(e)
-        if self._fault is not None and self._kept() + unsaved.nbytes > BACKLOG_BYTES:
+        if self._fault is not None and self._kept + unsaved.nbytes > BACKLOG_BYTES:
             unsaved = unsaved.without_stats()
         self._unsaved.append(unsaved)
+        self._kept += unsaved.nbytes
         if self._fault is None:
             self._write(record)
-
-    def _kept(self) -> int:
-        return sum(u.nbytes for u in self._unsaved)
 
     def _commit(self, status: str | None) -> None:
         self.state.committed.update(self.store.flush())
         root = None if self.root_base is None else fmt.root_attrs(self.state, self.root_base, status)
         self.store.commit(self.state, root)
-        self._saved, self._unsaved = self._copy(self.state), []
+        self._saved, self._unsaved, self._kept = self._copy(self.state), [], 0
 
     # --- when the store cannot be written ---------------------------------------
     @staticmethod
