@@ -240,8 +240,8 @@ class Writer:
         for u in self._unsaved:
             self._write(u.record)
             self._drop(UNWRITABLE, u.tensors)
-        self._fault = None
         self._commit(status)
+        self._fault = None
 
     def _last_words(self) -> None:
         if self._fault is not None:
