@@ -164,17 +164,16 @@ class Run:
         return n
 
     def _check_chunks(self, path: str, table: fmt.TablePath, n: int) -> None:
-        """Each chunk file is a regular file of a sane size; in a table that stores
-        every chunk (``fmt.EVERY_CHUNK``), each chunk the committed rows need is there
-        (a half-copied store is refused, not read as NaN)."""
+        """Extents fit their data; in a table that stores every chunk
+        (``fmt.EVERY_CHUNK``), each chunk the committed rows need is there (a
+        half-copied store is refused, not read as NaN).  Each chunk read is checked
+        by the source itself (a regular file of a sane size)."""
         every = bool(self.source.attrs(path).get(fmt.EVERY_CHUNK))
         for name in sorted(table.columns, key=lambda c: c == "data"):   # extent says what data needs
             if name in fmt.OPTIONAL_COLUMNS and not self.source.has(f"{path}/{name}"):
                 continue
             arr = self.source.array(f"{path}/{name}")
             chunks = tuple(int(c) for c in arr.chunks)
-            raw = int(np.prod(chunks, dtype=object)) * np.dtype(arr.dtype).itemsize
-            keys = self.source.chunk_keys(f"{path}/{name}", raw + raw // 64 + (1 << 16))
             if name == "data" and len(chunks) > 1:
                 extent = np.asarray(self.source.array(f"{path}/extent")[:n])[:, : len(chunks) - 1]
                 if extent.size and ((extent < 0) | (extent > np.array(arr.shape[1:]))).any():
@@ -183,14 +182,14 @@ class Run:
                 need = _data_chunks(extent, chunks, arr.shape, n)
             else:
                 need = ((i, *(0,) * (len(chunks) - 1)) for i in range(-(-n // chunks[0])))
-            if keys is None or not every:
+            if not every:
                 continue
-            for index in need:             # stops at the first missing: at most len(keys) + 1
-                key = "c/" + "/".join(map(str, index))
-                if key not in keys:
-                    raise StoreFormatError(
-                        f"{self.path!r}: chunk {path}/{name}/{key} of the committed rows is "
-                        f"missing; the store is incomplete (a partial copy?)")
+            missing = self.source.missing_chunk(f"{path}/{name}",
+                                                ("c/" + "/".join(map(str, i)) for i in need))
+            if missing is not None:
+                raise StoreFormatError(f"{self.path!r}: chunk {path}/{name}/{missing} of the "
+                                       f"committed rows is missing; the store is incomplete "
+                                       f"(a partial copy?)")
 
     @property
     def status(self) -> str:

@@ -8,8 +8,12 @@ executed: attributes are JSON, arrays are numbers.
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 import threading
+
+import numpy as np
 
 from recorder import format as fmt
 from recorder.errors import StoreFormatError, StoreNotFoundError
@@ -33,6 +37,8 @@ class Guarded:
     def __getitem__(self, key):
         try:
             return self._array[key]
+        except StoreFormatError:
+            raise                        # a chunk refused before it was read
         except Exception as e:
             raise StoreFormatError(f"{self._where}: a chunk cannot be read ({type(e).__name__}: "
                                    f"{str(e).splitlines()[0] if str(e) else ''}); the store is "
@@ -45,7 +51,8 @@ class ZarrSource:
     def __init__(self, location: str):
         import zarr
         try:
-            self.root = zarr.open_group(location, mode="r")
+            store = location if fmt.is_url(location) else _checked_store(location)
+            self.root = zarr.open_group(store, mode="r")
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError) as e:
             raise StoreFormatError(f"{location!r} is not a Zarr store; pass the path of a run "
                                    f"recorded by tensortape") from e
@@ -67,39 +74,59 @@ class ZarrSource:
         node = self.root[path] if path else self.root
         return [k for k, _ in node.groups()]
 
-    def chunk_keys(self, path: str, max_bytes: int) -> set[str]:
-        """The keys (``c/0/1``) of the chunks stored for the array at ``path``.  On
-        a local store each must be a regular file of at most ``max_bytes``: a
-        symlink to a device, a directory or a huge file is refused unread."""
+    def missing_chunk(self, path: str, keys) -> str | None:
+        """The first of ``keys`` (``c/0/1``, ...) that the array at ``path`` does not
+        store, or None."""
+        base = "/".join(p for p in (self.root.path, path) if p)
         import zarr
         store = self.root.store
-        prefix = "/".join(p for p in (self.root.path, path, "c") if p)
-        if not isinstance(store, zarr.storage.LocalStore):
-            from zarr.core.sync import collect_aiterator
-            return {k[len(prefix) - 1:] for k in collect_aiterator(store.list_prefix(prefix + "/"))}
-        keys: set[str] = set()
-        pending = [(os.path.join(store.root, prefix), "c")]
-        while pending:
-            where, key = pending.pop()
-            try:
-                entries = list(os.scandir(where))
-            except FileNotFoundError:
-                continue
-            except NotADirectoryError:
-                raise StoreFormatError(f"{path}/{key} is not a directory of chunks; the store "
-                                       f"is damaged") from None
-            for e in entries:
-                if e.is_dir(follow_symlinks=False):
-                    pending.append((e.path, f"{key}/{e.name}"))
-                elif not e.is_file(follow_symlinks=False):
-                    raise StoreFormatError(f"{path}/{key}/{e.name} is not a regular file (a "
-                                           f"link or a device); refusing to read it")
-                elif e.stat(follow_symlinks=False).st_size > max_bytes:
-                    raise StoreFormatError(f"{path}/{key}/{e.name} is larger than a chunk of "
-                                           f"its array can be; the store is damaged")
-                else:
-                    keys.add(f"{key}/{e.name}")
-        return keys
+        if isinstance(store, zarr.storage.LocalStore):   # one lstat a key: no directory listing
+            return next((k for k in keys if not os.path.lexists(store.root / base / k)), None)
+        from zarr.core.sync import collect_aiterator
+        stored = {k[len(base) + 1:] for k in collect_aiterator(store.list_prefix(base + "/c/"))}
+        return next((k for k in keys if k not in stored), None)
+
+
+def _checked_store(location: str):
+    """A read-only local store that checks each chunk before reading it (the class
+    is made here, where zarr is imported: reading attributes alone never imports it)."""
+    import zarr
+
+    class CheckedStore(zarr.storage.LocalStore):
+        """A local store whose chunk reads are checked first: the chunk must be a
+        regular file (not a link to a device) no larger than its array's chunk can
+        encode to, so no read is unbounded."""
+
+        async def get(self, key, prototype=None, byte_range=None):
+            head, sep, index = key.rpartition("/c/")
+            if sep and index.replace("/", "").isdigit():       # a chunk of the array at head
+                try:
+                    st = os.lstat(self.root / key)
+                except (FileNotFoundError, NotADirectoryError):
+                    return None
+                if not stat.S_ISREG(st.st_mode):
+                    raise StoreFormatError(f"{key} is not a regular file (a link or a device); "
+                                           f"refusing to read it")
+                if st.st_size > self._limit(head):
+                    raise StoreFormatError(f"{key} is larger than a chunk of its array can be; "
+                                           f"the store is damaged")
+            return await super().get(key, prototype, byte_range)
+
+        def _limit(self, array: str) -> int:
+            limit = self.limits.get(array)
+            if limit is None:
+                try:
+                    meta = json.loads((self.root / array / "zarr.json").read_bytes())
+                    shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
+                    raw = math.prod(int(c) for c in shape) * np.dtype(meta["data_type"]).itemsize
+                except Exception as e:
+                    raise StoreFormatError(f"{array}: its metadata cannot be read ({e})") from e
+                limit = self.limits[array] = raw + raw // 64 + (1 << 16)   # zstd's worst case
+            return limit
+
+    store = CheckedStore(location, read_only=True)
+    store.limits = {}
+    return store
 
 
 class H5Source:
@@ -120,7 +147,7 @@ class H5Source:
     def has(self, path: str) -> bool:
         return path in self.file
 
-    def chunk_keys(self, path: str, max_bytes: int) -> None:
+    def missing_chunk(self, path: str, keys) -> None:
         return None          # an export is one file that HDF5 checks itself
 
     def groups(self, path: str = "") -> list[str]:
