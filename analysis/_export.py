@@ -1,6 +1,7 @@
 """Export a run to one HDF5 file (h5py, a group per table, chunked, gzip-1).
 
-Streams one chunk at a time, so memory stays bounded by a chunk of the store.
+Streams a block of rows at a time, or one chunk at a time where a block of rows
+would be large, so memory stays bounded by ``BLOCK_BYTES`` or a chunk of the store.
 ``open_run("run.h5")`` reads it back with the same API.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import numpy as np
 
@@ -16,6 +18,8 @@ from recorder import format as fmt
 from ._source import JSON_ATTR
 
 __all__ = ["to_hdf5"]
+
+BLOCK_BYTES = 64 << 20           # the most one copy holds in memory, unless one chunk is more
 
 
 def to_hdf5(run, path, progress=None) -> str:
@@ -44,16 +48,19 @@ def to_hdf5(run, path, progress=None) -> str:
                 dst.attrs[JSON_ATTR] = json.dumps(dict(src.attrs))
                 for k, v in dict(src.attrs).items():
                     dst.attrs[k] = v
-                for block in _blocks(shape, src.chunks):
+                for block in _blocks(shape, src.chunks, np.dtype(src.dtype).itemsize):
                     dst[block] = np.asarray(src[block])
     return str(path)
 
 
-def _blocks(shape: tuple[int, ...], chunks: tuple[int, ...]):
-    """The regions of an array of ``shape``, one chunk each."""
+def _blocks(shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int):
+    """The regions of an array of ``shape`` to copy one at a time: a chunk of rows
+    whole when it is at most ``BLOCK_BYTES``, else chunk by chunk."""
     if not shape:
         yield ()
         return
-    ranges = [range(0, n, max(1, c)) for n, c in zip(shape, chunks)]
-    for corner in itertools.product(*ranges):
-        yield tuple(slice(lo, min(lo + max(1, c), n)) for lo, c, n in zip(corner, chunks, shape))
+    chunks = tuple(max(1, c) for c in chunks)
+    whole = chunks[0] * math.prod(shape[1:]) * itemsize <= BLOCK_BYTES
+    steps = (chunks[0], *(shape[1:] if whole else chunks[1:]))
+    for corner in itertools.product(*(range(0, n, max(1, c)) for n, c in zip(shape, steps))):
+        yield tuple(slice(lo, min(lo + c, n)) for lo, c, n in zip(corner, steps, shape))

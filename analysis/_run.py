@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,7 +55,6 @@ def _missing(layer: str, names: list[str], what: str) -> str:
 def _data_chunks(extent: np.ndarray, chunks: tuple[int, ...], shape, n: int):
     """The chunk indices a data array's first ``n`` rows fill: in each block of
     rows, the chunks that its rows' extents reach (never beyond the array)."""
-    import itertools
     for i in range(-(-n // chunks[0])):
         block = extent[i * chunks[0]: (i + 1) * chunks[0]]
         reach = block.max(axis=0) if len(block) else np.zeros(len(chunks) - 1, np.int64)
@@ -133,10 +133,11 @@ class Run:
             return n
         table = fmt.parse_path(path)
         try:
+            arrays = {}
             for name in table.columns:
                 if name in fmt.OPTIONAL_COLUMNS and not self.source.has(f"{path}/{name}"):
                     continue
-                arr = self.source.array(f"{path}/{name}")
+                arr = arrays[name] = self.source.array(f"{path}/{name}")
                 shape = tuple(int(s) for s in arr.shape)
                 if not shape or shape[0] < n:
                     raise StoreFormatError(f"{self.path!r}: {path}/{name} holds "
@@ -150,11 +151,11 @@ class Run:
                     raise StoreFormatError(f"{self.path!r}: {path}/{name} claims {row} bytes a "
                                            f"row; refusing to read it")
             if table.section == "stats":
-                width = int(self.source.array(f"{path}/mean").shape[1])
+                width = int(arrays["mean"].shape[1])
                 if width < len(self._states[rank].stats_layers.get(table.kind, [])):
                     raise StoreFormatError(f"{self.path!r}: {path} has {width} layer columns, "
                                            f"fewer than its layer names")
-            self._check_chunks(path, table, n)
+            self._check_chunks(path, arrays, n)
         except RecorderError:
             raise
         except Exception as e:
@@ -163,27 +164,26 @@ class Run:
         self._valid.add(path)
         return n
 
-    def _check_chunks(self, path: str, table: fmt.TablePath, n: int) -> None:
-        """Extents fit their data; in a table that stores every chunk
-        (``fmt.EVERY_CHUNK``), each chunk the committed rows need is there (a
+    def _check_chunks(self, path: str, arrays: dict, n: int) -> None:
+        """A table's extents fit its data; and in a table that stores every chunk
+        (``fmt.EVERY_CHUNK``), each chunk its first ``n`` rows need is there (a
         half-copied store is refused, not read as NaN).  Each chunk read is checked
         by the source itself (a regular file of a sane size)."""
-        every = bool(self.source.attrs(path).get(fmt.EVERY_CHUNK))
-        for name in sorted(table.columns, key=lambda c: c == "data"):   # extent says what data needs
-            if name in fmt.OPTIONAL_COLUMNS and not self.source.has(f"{path}/{name}"):
-                continue
-            arr = self.source.array(f"{path}/{name}")
+        data = arrays.get("data")
+        extent = None
+        if data is not None and data.ndim > 1:
+            extent = np.asarray(arrays["extent"][:n])[:, : data.ndim - 1]
+            if extent.size and ((extent < 0) | (extent > np.array(data.shape[1:]))).any():
+                raise StoreFormatError(f"{self.path!r}: {path}/extent claims a tensor larger "
+                                       f"than {path}/data holds")
+        if not self.source.attrs(path).get(fmt.EVERY_CHUNK):
+            return
+        for name, arr in arrays.items():
             chunks = tuple(int(c) for c in arr.chunks)
-            if name == "data" and len(chunks) > 1:
-                extent = np.asarray(self.source.array(f"{path}/extent")[:n])[:, : len(chunks) - 1]
-                if extent.size and ((extent < 0) | (extent > np.array(arr.shape[1:]))).any():
-                    raise StoreFormatError(f"{self.path!r}: {path}/extent claims a tensor "
-                                           f"larger than {path}/data holds")
+            if name == "data" and extent is not None:
                 need = _data_chunks(extent, chunks, arr.shape, n)
-            else:
+            else:                        # the first chunk across of each block of rows
                 need = ((i, *(0,) * (len(chunks) - 1)) for i in range(-(-n // chunks[0])))
-            if not every:
-                continue
             missing = self.source.missing_chunk(f"{path}/{name}",
                                                 ("c/" + "/".join(map(str, i)) for i in need))
             if missing is not None:

@@ -56,6 +56,9 @@ class ZarrSource:
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError) as e:
             raise StoreFormatError(f"{location!r} is not a Zarr store; pass the path of a run "
                                    f"recorded by tensortape") from e
+        if self.root.metadata.zarr_format != 3:     # never written by tensortape: unread
+            raise StoreFormatError(f"{location!r} is a Zarr v{self.root.metadata.zarr_format} "
+                                   f"store; tensortape runs are Zarr v3")
 
     def attrs(self, path: str = "") -> dict:
         return dict((self.root[path] if path else self.root).attrs)

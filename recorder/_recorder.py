@@ -247,7 +247,9 @@ class Recorder:
         return self._outside_before + (self._buffer.outside_total if self._buffer else 0)
 
     def flush(self) -> None:
-        """Block until every finished step is written and committed."""
+        """Block until every finished step is written and committed (while the
+        store cannot be written, under ``on_error="warn"``, it tries once more and
+        returns: the warning has said so)."""
         if self._writer is not None:
             self._writer.flush()
 

@@ -40,8 +40,8 @@ BACKLOG_BYTES = 256 << 20      # statistics kept in memory while the store canno
 
 @dataclass
 class _Unsaved:
-    """A record whose rows are not committed yet, as kept for a new start (warn
-    mode): everything but its full tensors, of which only the count is kept."""
+    """A record whose rows are not committed yet, as kept for a new start after a
+    fault: everything but its full tensors, of which only the count is kept."""
     record: StepRecord
     tensors: int
 
