@@ -14,11 +14,14 @@ from conftest import InplaceMLP, has_hooks, transformer
 
 
 @pytest.fixture
-def fresh_dynamo(monkeypatch):
+def fresh_dynamo():
     """Dynamo as in a fresh process: nothing compiled, and its default of no
-    guards on module hooks (an earlier Recorder in this process changed it)."""
+    guards on module hooks (an earlier Recorder in this process changed it).
+    Dynamo's config is patched with its own ``patch`` (pytest's monkeypatch
+    cannot set its entries, and its undo would hide them)."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", True)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        yield
 
 
 def _steps(model, rec, n, x=None, start=0):
