@@ -124,28 +124,42 @@ def demo(out, steps, diverge):
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="the run to write")
+@click.option("--mode", type=click.Choice(["w-", "w", "a"]), default="w-", show_default=True,
+              help="w-: create a new run; w: overwrite a tensortape run (never other files); "
+                   "a: append steps to a run (a resumed job)")
 @click.option("--layers", multiple=True, help="glob pattern of layers (repeatable; default all)")
 @click.option("--capture", multiple=True, type=click.Choice(KINDS),
               help="what to record (repeatable; default activations and gradients)")
 @click.option("--tensors-every", type=click.IntRange(min=0), default=None,
               help="persist full tensors every N steps (0: statistics only; default 1)")
-@click.option("--stats-every", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--ring", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--stats-every", type=click.IntRange(min=1), default=1, show_default=True,
+              help="statistics and histograms every N steps (non-finite values are counted "
+                   "at every step)")
+@click.option("--ring", type=click.IntRange(min=0), default=0, show_default=True,
+              help="keep the full tensors of the K steps before the current one in memory, "
+                   "written out when a NaN/Inf appears (with --on-nonfinite dump)")
 @click.option("--on-nonfinite", type=click.Choice(["record", "dump", "raise"]), default="record",
-              show_default=True)
+              show_default=True,
+              help="on a NaN/Inf: record the event; dump: also write the ring and the step's "
+                   "full tensors; raise: dump, then stop training with NonFiniteError")
+@click.option("--keep-going", is_flag=True,
+              help="when the run cannot be recorded (the store exists, a pattern matches "
+                   "nothing), let the script train unrecorded instead of stopping it")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def record(out, layers, capture, tensors_every, stats_every, ring, on_nonfinite, command):
+def record(out, mode, layers, capture, tensors_every, stats_every, ring, on_nonfinite,
+           keep_going, command):
     """Record an unchanged training script: tensortape record -o RUN -- python train.py ARGS.
 
     The model is found at its first forward with grad enabled; a step is one optimizer
-    step. Exits with the script's exit status."""
+    step. Exits with the script's exit status (130 after Ctrl-C), or 2 with one line
+    when it cannot record."""
     from recorder._script import run_script
     kw = dict(layers=list(layers) or "*", stats_every=stats_every, ring=ring,
-              on_nonfinite=on_nonfinite,
+              on_nonfinite=on_nonfinite, mode=mode,
               tensors_every=None if tensors_every == 0 else (tensors_every or 1))
     if capture:
         kw["capture"] = tuple(capture)
-    sys.exit(run_script(list(command), out, **kw))
+    sys.exit(run_script(list(command), out, keep_going=keep_going, **kw))
 
 
 @cli.command()
@@ -336,13 +350,57 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output):
 @cli.command()
 @click.argument("run")
 @click.argument("out", type=click.Path(dir_okay=False))
-def export(run, out):
-    """Export RUN to one HDF5 file OUT."""
+@click.option("--force", is_flag=True, help="overwrite OUT if it exists")
+def export(run, out, force):
+    """Export RUN to one HDF5 file OUT (open_run reads it back with the same API)."""
+    import os
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise click.BadParameter(f"the folder {folder!r} does not exist; create it first",
+                                 param_hint="OUT")
+    if os.path.exists(out) and not force:
+        raise click.BadParameter(f"{out!r} exists; pass --force to overwrite it", param_hint="OUT")
     click.echo(_open(run).to_hdf5(out, progress=_progress("exporting")))
+
+
+class _Stdout:
+    """stdout that a closed pipe (``tensortape nan RUN | head -1``) silences instead
+    of failing: the command's exit status stays its own."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def _quiet(self) -> None:
+        import os
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())     # so the exit's own flush succeeds
+        except (OSError, ValueError):
+            pass
+        finally:
+            os.close(devnull)
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._quiet()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._quiet()
 
 
 def main(argv=None) -> None:
     """The console script: every error is one line on stderr (no usage block)."""
+    if not isinstance(sys.stdout, _Stdout):
+        sys.stdout = _Stdout(sys.stdout)
     try:
         rv = cli.main(args=argv, prog_name="tensortape", standalone_mode=False)
     except click.exceptions.Exit as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 
 import numpy as np
 
@@ -27,6 +28,18 @@ def to_hdf5(run, path, progress=None) -> str:
     tables = []
     for r in run.ranks:
         tables += [(p, run.checked_rows(p, r)) for p, n in run.state(r).committed.items() if n]
+    path = os.fspath(path)
+    partial = f"{path}.partial-{os.getpid()}"      # the file appears whole, or not at all
+    try:
+        _write(run, h5py, partial, tables, progress)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return path
+
+
+def _write(run, h5py, path: str, tables, progress) -> None:
     with h5py.File(path, "w") as f:
         f.attrs[JSON_ATTR] = json.dumps(run.attrs)
         for r in run.ranks:
@@ -50,7 +63,6 @@ def to_hdf5(run, path, progress=None) -> str:
                     dst.attrs[k] = v
                 for block in _blocks(shape, src.chunks, np.dtype(src.dtype).itemsize):
                     dst[block] = np.asarray(src[block])
-    return str(path)
 
 
 def _blocks(shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int):

@@ -143,9 +143,9 @@ class Run:
                     raise StoreFormatError(f"{self.path!r}: {path}/{name} holds "
                                            f"{shape[0] if shape else 0} rows, fewer than the "
                                            f"{n} committed")
-                if np.dtype(arr.dtype).kind not in "biuf":
+                if np.dtype(arr.dtype).name not in fmt.STORED_DTYPES:
                     raise StoreFormatError(f"{self.path!r}: {path}/{name} holds {arr.dtype}, "
-                                           f"not numbers; refusing to decode it")
+                                           f"which tensortape never writes; refusing to decode it")
                 row = int(np.prod(shape[1:], dtype=object)) * np.dtype(arr.dtype).itemsize
                 if row > self.MAX_ROW_BYTES:
                     raise StoreFormatError(f"{self.path!r}: {path}/{name} claims {row} bytes a "

@@ -11,9 +11,12 @@ the writer.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import threading
 import warnings
+import weakref
 from datetime import datetime, timezone
 
 import numpy as np
@@ -30,6 +33,27 @@ from ._writer import Writer
 from .errors import ConfigError, InspectionError, NonFiniteError
 
 __all__ = ["Recorder"]
+
+
+_open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """At interpreter exit, close every Recorder still open as ``interrupted``: a
+    script that raised or was interrupted keeps every step it captured.  It runs
+    among threading's exit calls, before thread pools (zarr's among them) refuse
+    new work."""
+    for rec in list(_open_recorders):
+        try:
+            rec.close(fmt.STATUS_INTERRUPTED)
+        except BaseException:        # never raise at exit
+            pass
+
+
+try:                                  # before concurrent.futures' own exit call (reversed order)
+    threading._register_atexit(_close_at_exit)
+except (AttributeError, RuntimeError):       # another Python, or already shutting down
+    atexit.register(_close_at_exit)
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -154,6 +178,7 @@ class Recorder:
         self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
         self._model = None
         self._hooks.attach()
+        _open_recorders.add(self)
         return self
 
     def close(self, status: str = fmt.STATUS_COMPLETE) -> None:
@@ -161,6 +186,7 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
+        _open_recorders.discard(self)
         try:
             if self._buffer is not None and self._buffer.step is not None:
                 self._end_step(raise_nonfinite=False)

@@ -12,8 +12,11 @@ writes into the rank group's attributes *after* the data.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import math
 import os
+import shutil
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,41 +39,143 @@ SAMPLE_BYTES = 1 << 20         # how much of a tensor's first step picks its zst
 PAYS = 0.9                     # level 1 if it makes that sample at least 10% smaller
 
 
-def check_mode(location, mode: str) -> None:
-    """Raise now, before anything is created, if ``mode`` cannot apply to ``location``."""
+@dataclass(frozen=True)
+class Found:
+    """What a store location holds: ``"missing"``, ``"empty"`` (a folder or prefix
+    with nothing in it), ``"run"`` (a tensortape store and nothing else: ``own``
+    lists its entries) or ``"other"`` (``detail`` says what)."""
+    what: str
+    detail: str = ""
+    own: tuple[str, ...] = ()
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _is_run(raw: bytes | None) -> bool:
+    try:
+        return "tensortape_format" in json.loads(raw)["attributes"]
+    except Exception:
+        return False
+
+
+def _classify(entries: list[str], ours: set[str], root_json: bytes | None) -> Found:
+    """A location's entries -> what it holds (``ours``: the entries tensortape may
+    have written: ``zarr.json`` and rank groups that are real folders)."""
+    if not entries:
+        return Found("empty")
+    if not _is_run(root_json):
+        return Found("other", f"holds files that are not a tensortape run ({_shown(entries)})")
+    theirs = [e for e in entries if e not in ours]
+    if theirs:
+        return Found("other", f"holds a tensortape run with other files beside it ({_shown(theirs)})")
+    return Found("run", own=tuple(entries))
+
+
+def _look_local(path: str) -> Found:
+    if os.path.islink(path) and not os.path.exists(path):
+        return Found("other", "is a broken symbolic link")
+    if not os.path.exists(path):
+        return Found("missing")
+    if not os.path.isdir(path):
+        return Found("other", "is a file")
+    real, cwd = os.path.realpath(path), os.path.realpath(os.getcwd())
+    if real == cwd:
+        return Found("other", "is the current directory")
+    if cwd.startswith(real.rstrip(os.sep) + os.sep):
+        return Found("other", "is a folder that holds the current directory")
+    if real == os.path.realpath(os.path.expanduser("~")):
+        return Found("other", "is your home directory")
+    entries = sorted(os.listdir(path))
+    ours = {e for e in entries if fmt.is_own_entry(e) and not os.path.islink(os.path.join(path, e))
+            and os.path.isdir(os.path.join(path, e)) == (e != "zarr.json")}
+    root_json = None
+    if "zarr.json" in ours:
+        with open(os.path.join(path, "zarr.json"), "rb") as f:
+            root_json = f.read(1 << 20)
+    return _classify(entries, ours, root_json)
+
+
+def _look_url(location: str) -> Found:
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(location)
+    root = root.rstrip("/")
+    fs.invalidate_cache()
+    if fs.isfile(root):
+        return Found("other", "is an object (a file)")
+    try:
+        listed = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return Found("missing")
+    entries = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in listed)
+    if not entries:
+        return Found("missing")
+    kinds = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("type") for e in listed}
+    ours = {e for e in entries if fmt.is_own_entry(e)
+            and (kinds[e] == "directory") == (e != "zarr.json")}
+    root_json = fs.cat(f"{root}/zarr.json") if "zarr.json" in ours else None
+    return _classify(entries, ours, root_json)
+
+
+def look(location) -> Found:
+    """What is at a store location (a local path or an fsspec URL)."""
     location = os.fspath(location)
-    exists = store_exists(location)
-    if mode == "w-" and exists:
-        raise StoreExistsError(f"store {location!r} already exists; pass mode='w' to overwrite "
-                               f"it or mode='a' to append further steps")
-    if mode == "a" and not exists:
+    return _look_url(location) if fmt.is_url(location) else _look_local(location)
+
+
+def check_mode(location, mode: str) -> Found:
+    """Raise now, before anything is created, if ``mode`` cannot apply to
+    ``location``; else say what is there.  Only a tensortape run (and nothing
+    beside it) may be overwritten: tensortape never deletes what it did not write."""
+    location = os.fspath(location)
+    found = look(location)
+    if found.what == "other":
+        if mode == "a":
+            raise StoreFormatError(f"{location!r} {found.detail}; mode='a' appends only to a "
+                                   f"tensortape run: pass the path of a recorded run")
+        raise StoreExistsError(f"{location!r} {found.detail}; tensortape will not delete or "
+                               f"overwrite what it did not write: choose a new path for the run "
+                               f"(a missing or empty folder)")
+    if mode == "w-" and found.what == "run":
+        raise StoreExistsError(f"store {location!r} already exists (a tensortape run); pass "
+                               f"mode='w' to overwrite it or mode='a' to append further steps")
+    if mode == "a" and found.what != "run":
         raise StoreNotFoundError(f"store {location!r} does not exist, so mode='a' cannot append "
                                  f"to it; use mode='w-' to create it")
-    if mode == "a" and "tensortape_format" not in zarr.open_group(location, mode="r").attrs:
-        raise StoreFormatError(f"{location!r} is not a tensortape store; pick another path")
+    return found
+
+
+def _clear(location: str, entries: tuple[str, ...]) -> None:
+    """Delete a run's own entries (``mode="w"``), and nothing else."""
+    if fmt.is_url(location):
+        import fsspec
+        fs, root = fsspec.core.url_to_fs(location)
+        for e in entries:
+            fs.rm(f"{root.rstrip('/')}/{e}", recursive=True)
+        fs.invalidate_cache()
+        return
+    for e in entries:
+        p = os.path.join(location, e)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        else:
+            os.remove(p)
 
 
 def open_root(location, mode: str, rank: int = 0, attributes: dict | None = None) -> zarr.Group:
     """Open the root group of a store for writing.  Rank 0 applies the run's
-    ``mode`` (``"w"`` clears the store, and the new root's ``zarr.json`` is written
-    once, with ``attributes``); other ranks open what it prepared."""
+    ``mode`` (``"w"`` deletes a run's own entries; the new root's ``zarr.json`` is
+    written once, with ``attributes``); other ranks open what it prepared."""
     location = os.fspath(location)
     if rank != 0:
         return zarr.open_group(location, mode="r+")
-    check_mode(location, mode)
+    found = check_mode(location, mode)
     if mode == "a":
         return zarr.open_group(location, mode="a")
-    return zarr.open_group(location, mode="w", zarr_format=3, attributes=attributes or {})
-
-
-def store_exists(location: str) -> bool:
-    if not fmt.is_url(location):
-        return os.path.exists(location)
-    try:
-        zarr.open_group(location, mode="r")
-        return True
-    except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError):
-        return False
+    if found.what == "run":
+        _clear(location, found.own)
+    return zarr.open_group(location, mode="w-", zarr_format=3, attributes=attributes or {})
 
 
 def write_threads() -> int:

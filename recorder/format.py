@@ -69,6 +69,13 @@ EVERY_CHUNK = "every_chunk"  # a table attribute: each chunk of its rows is stor
                              # fill, so a chunk missing from the committed rows is damage
 
 
+# Every dtype the writer stores (numpy names; bfloat16 and float8 are stored as their
+# unsigned bits, with ``logical_dtype``); readers refuse any other.
+STORED_DTYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128"})
+
+
 def is_url(location: str) -> bool:
     """Whether a store location is an fsspec URL rather than a local path."""
     return "://" in str(location)
@@ -76,6 +83,12 @@ def is_url(location: str) -> bool:
 
 def rank_group(rank: int) -> str:
     return f"rank{int(rank)}"
+
+
+def is_own_entry(name: str) -> bool:
+    """Whether ``name``, an entry at the root of a store, is one tensortape writes
+    (``zarr.json`` and the rank groups): ``mode="w"`` deletes these and nothing else."""
+    return name == "zarr.json" or (name.startswith("rank") and name[4:].isdigit())
 
 
 def stats_group(rank: int, kind: str) -> str:

@@ -34,9 +34,15 @@ class _Session:
         self.open_step: int | None = None
 
     def start(self, model) -> None:
+        """Training starts: a new Recorder.  A run this session recorded before (a
+        training that raised and is started again, or resumed) is closed as it
+        stands, and the new one appends to it."""
         from ._recorder import Recorder
-        if self.recorder is None:
-            self.recorder = Recorder(model, self.store, **self.kwargs).attach()
+        kwargs = self.kwargs
+        if self.recorder is not None:
+            self.close(failed=True)          # a no-op if it was closed
+            kwargs = {**kwargs, "mode": "a"}
+        self.recorder = Recorder(model, self.store, **kwargs).attach()
 
     def begin_step(self, step: int) -> None:
         if self.recorder is not None and self.open_step != step:
@@ -72,11 +78,48 @@ class _Holder:
         return self.session.recorder
 
 
+def _calling_trainer(trainer_class, callback):
+    """The Trainer whose ``__init__`` is calling ``callback`` (a few frames up), or None."""
+    import sys
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, trainer_class) and callback in getattr(
+                getattr(obj, "callback_handler", None), "callbacks", ()):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def _closing_on_error(train, session):
+    """``train`` that closes the session's run as ``interrupted`` when it raises."""
+    import functools
+
+    @functools.wraps(train)
+    def wrapped(*args, **kwargs):
+        try:
+            return train(*args, **kwargs)
+        except BaseException:
+            session.close(failed=True)
+            raise
+    wrapped._tensortape = True
+    return wrapped
+
+
 def _trainer_callback():
     import transformers
 
     class TrainerCallback(_Holder, transformers.TrainerCallback):
         """Records a ``transformers.Trainer`` run (see ``recorder.integrations``)."""
+
+        def on_init_end(self, args, state, control, **kwargs):
+            """The Trainer tells its callbacks of no exception: its ``train`` is wrapped
+            so that one (or a KeyboardInterrupt) closes the run as ``interrupted``."""
+            trainer = _calling_trainer(transformers.Trainer, self)
+            if trainer is not None and not hasattr(trainer.train, "_tensortape"):
+                trainer.train = _closing_on_error(trainer.train, self.session)
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self.session.start(model)

@@ -17,9 +17,10 @@ from analysis import open_run
 from recorder import Recorder
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-          torch.uint8, torch.bool]
+          torch.uint8, torch.bool, torch.complex64, torch.complex128]
 LAYOUTS = ["contiguous", "transposed", "strided", "expanded", "channels_last"]
-SUBNORMAL = {torch.float32: 1e-40, torch.float16: 6e-8, torch.bfloat16: 1e-40, torch.float64: 1e-310}
+SUBNORMAL = {torch.float32: 1e-40, torch.float16: 6e-8, torch.bfloat16: 1e-40, torch.float64: 1e-310,
+             torch.complex64: 1e-40, torch.complex128: 1e-310}
 
 
 @st.composite
@@ -38,7 +39,7 @@ def make(spec) -> torch.Tensor:
     def values(shape):
         if dtype == torch.bool:
             return torch.rand(shape, generator=g) > 0.5
-        if not dtype.is_floating_point:
+        if not (dtype.is_floating_point or dtype.is_complex):
             return torch.randint(0, 200, shape, generator=g).to(dtype)
         t = (torch.randn(shape, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(
             -3, 4, shape, generator=g)).to(dtype)
@@ -103,6 +104,8 @@ class Emit(torch.nn.Module):
 
 def bits(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
+    if a.dtype.kind == "c":                  # complex: the bits of both parts
+        a = a.view(f"f{a.itemsize // 2}")
     return a.view(f"u{a.itemsize}") if a.dtype.kind == "f" else a
 
 
