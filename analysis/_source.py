@@ -11,7 +11,6 @@ import json
 import math
 import os
 import stat
-import threading
 
 import numpy as np
 
@@ -26,13 +25,22 @@ JSON_ATTR = "tensortape_json"
 class Guarded:
     """An array of a store whose reads raise ``StoreFormatError`` naming the array,
     whatever a damaged chunk makes the decoder raise.  Everything else is the
-    array's own (shape, dtype, chunks, attrs, ...)."""
+    array's own (shape, dtype, chunks, attrs, ...).
 
-    def __init__(self, array, where: str):
-        self._array, self._where = array, where
+    It pickles as the store's location and the array's path, and is opened again
+    where it is unpickled (a dask.distributed worker): no store object, lock or
+    file handle travels."""
+
+    def __init__(self, array, where: str, location: str):
+        self._array, self._where, self._location = array, where, location
 
     def __getattr__(self, name):
+        if name.startswith("__") or "_array" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self._array, name)
+
+    def __reduce__(self):
+        return _reopen, (self._location, self._where)
 
     def __getitem__(self, key):
         try:
@@ -45,11 +53,22 @@ class Guarded:
                                    f"damaged") from e
 
 
+_opened: dict = {}                        # this process's sources, by location (workers)
+
+
+def _reopen(location: str, path: str) -> Guarded:
+    source = _opened.get(location)
+    if source is None:
+        source = _opened[location] = open_source(location)
+    return source.array(path)
+
+
 class ZarrSource:
     lock = False
 
     def __init__(self, location: str):
         import zarr
+        self.location = location
         try:
             store = location if fmt.is_url(location) else _checked_store(location)
             self.root = zarr.open_group(store, mode="r")
@@ -64,7 +83,7 @@ class ZarrSource:
         return dict((self.root[path] if path else self.root).attrs)
 
     def array(self, path: str):
-        return Guarded(self.root[path], path)
+        return Guarded(self.root[path], path, self.location)
 
     def has(self, path: str) -> bool:
         try:
@@ -133,11 +152,13 @@ def _checked_store(location: str):
 
 
 class H5Source:
-    lock = threading.Lock()   # HDF5 holds one global lock: read from one thread at a time
-
     def __init__(self, location: str):
         import h5py
+        from dask.utils import SerializableLock
+        self.location = location
         self.file = h5py.File(location, "r")
+        self.lock = SerializableLock("tensortape-hdf5")   # HDF5 holds one global lock: one
+                                                            # thread at a time, and it pickles
 
     def attrs(self, path: str = "") -> dict:
         node = self.file[path] if path else self.file
@@ -145,7 +166,7 @@ class H5Source:
         return json.loads(raw) if raw is not None else {}
 
     def array(self, path: str):
-        return Guarded(self.file[path], path)
+        return Guarded(self.file[path], path, self.location)
 
     def has(self, path: str) -> bool:
         return path in self.file

@@ -108,10 +108,12 @@ def _look_url(location: str) -> Found:
         listed = fs.ls(root, detail=True)
     except FileNotFoundError:
         return Found("missing")
-    entries = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in listed)
+    kinds = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("type") for e in listed}
+    # an object store has no folders: a "directory" that holds no object is nothing
+    entries = sorted(n for n, t in kinds.items()
+                     if t != "directory" or fmt.is_own_entry(n) or fs.find(f"{root}/{n}"))
     if not entries:
         return Found("missing")
-    kinds = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("type") for e in listed}
     ours = {e for e in entries if fmt.is_own_entry(e)
             and (kinds[e] == "directory") == (e != "zarr.json")}
     root_json = fs.cat(f"{root}/zarr.json") if "zarr.json" in ours else None
@@ -175,7 +177,10 @@ def open_root(location, mode: str, rank: int = 0, attributes: dict | None = None
         return zarr.open_group(location, mode="a")
     if found.what == "run":
         _clear(location, found.own)
-    return zarr.open_group(location, mode="w-", zarr_format=3, attributes=attributes or {})
+    # locally "w-": zarr's "w" would delete the folder itself (a link's target too); an
+    # object store keeps empty "folders" of what was cleared, which "w" removes
+    create = "w" if fmt.is_url(location) else "w-"
+    return zarr.open_group(location, mode=create, zarr_format=3, attributes=attributes or {})
 
 
 def write_threads() -> int:

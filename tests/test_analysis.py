@@ -195,3 +195,30 @@ def test_comparison_marks_the_first_divergence_on_a_layer_by_step_map(tmp_path):
     layers = [t.get_text() for t in heat.get_yticklabels()]
     assert marker.get_xdata()[0] == 3 and layers[int(marker.get_ydata()[0])] == "layers.1.linear1"
     assert [t.get_text() for t in lines.get_legend().get_texts()] == ["a.zarr", "b.zarr"]
+
+
+def test_a_dask_distributed_cluster_gives_the_local_answers(tmp_path):
+    """Worker processes unpickle what ``open_run`` puts in a dask graph and reopen
+    the store themselves: a full-tensor reduction, statistics and the post-mortem
+    give the local scheduler's answers, for a Zarr store and its HDF5 export."""
+    distributed = pytest.importorskip("distributed")
+    import dask
+    src = _record(str(tmp_path / "a.zarr"), nan_at=3)
+    h5 = open_run(src).to_hdf5(str(tmp_path / "a.h5"))
+
+    def answers(path):
+        run = open_run(path)
+        t = run.tensor("layers.1.linear1", "gradients")
+        first = run.first_nonfinite()
+        return (float(abs(t).max().compute()), float(t.sum().compute()),
+                run.stats("gradients")["norm"].sum().compute().item(),
+                (first.step, first.layer, first.kind), first.history["std"].values.tolist())
+
+    with dask.config.set(scheduler="threads"):
+        local = [answers(p) for p in (src, h5)]
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster):
+        remote = [answers(p) for p in (src, h5)]
+    assert remote == local
+    assert local[0][3] == (3, "layers.0.linear2", "activations")

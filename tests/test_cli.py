@@ -165,3 +165,31 @@ def test_readme_python_snippet_runs(tmp_path):
     finally:
         os.chdir(cwd)
     assert os.path.isdir(tmp_path / "runs" / "exp1.zarr")
+
+
+def test_export_refuses_an_existing_file_unless_forced(runs, tmp_path):
+    out = tmp_path / "run.h5"
+    out.write_bytes(b"precious")
+    p = script("export", runs["stable"], str(out))
+    assert p.returncode == 2 and "--force" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert out.read_bytes() == b"precious"
+    p = script("export", runs["stable"], str(tmp_path / "nodir" / "run.h5"))
+    assert p.returncode == 2 and "does not exist" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+    p = script("export", runs["stable"], str(out), "--force")
+    assert p.returncode == 0 and open_run(str(out)).layers == open_run(runs["stable"]).layers
+    assert [f.name for f in tmp_path.iterdir()] == ["run.h5"]       # no partial file left
+
+
+@pytest.mark.parametrize("args,code", [(("nan", "DIVERGE"), 1), (("nan", "STABLE"), 0),
+                                       (("stats", "STABLE"), 0), (("info", "STABLE"), 0)])
+def test_a_closed_stdout_keeps_the_exit_status(runs, args, code):
+    """`tensortape nan RUN | head -1`: the reader goes away, the status stays."""
+    exe = shutil.which("tensortape")
+    cmd = [exe] if exe else [sys.executable, os.path.join(ROOT, "cli.py")]
+    args = [runs["diverge"] if a == "DIVERGE" else runs["stable"] if a == "STABLE" else a
+            for a in args]
+    p = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    p.stdout.close()             # like `| head -1`, and before anything is written
+    err = p.stderr.read().decode()
+    assert p.wait(60) == code and "Broken pipe" not in err and "Error" not in err, err

@@ -224,15 +224,24 @@ def test_late_gradients_are_dropped_counted_and_warned(tmp_store):
 
 
 def test_deepcopy_of_hooked_model_records_nothing(tmp_store):
+    """An EMA or evaluation copy carries the hooks, but records nothing and raises
+    nothing: the step holds the original model's one call, and no other."""
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc*") as rec:
+    x, y = torch.randn(1, 8), torch.randn(3, 8)
+    with Recorder(model, tmp_store, layers="fc*", outside_step="raise") as rec:
         ema = copy.deepcopy(model)
-        ema(torch.randn(1, 8))            # outside any step, and still no error
+        ema(y)                             # outside any step: no error, no count
         with rec.step():
-            ema(torch.randn(1, 8)).sum().backward()
-            model(torch.randn(1, 8)).sum().backward()
+            ema(y).sum().backward()        # inside a step: not a micro-batch, not a call
+            model(x).sum().backward()
+        assert rec.outside_steps == 0
     run = open_run(tmp_store)
     assert run.layers == ["fc1", "fc2"] and run.steps().tolist() == [0]
+    want = copy.deepcopy(model).fc1(x)
+    np.testing.assert_array_equal(run.tensor("fc1", step=0).values, want.detach().numpy())
+    assert run.stats().sel(layer="fc1")["count"].values.tolist() == [16]    # one row of 16
+    with pytest.raises(ValueError, match="micro-batches recorded: \\[0\\]"):
+        run.tensor("fc1", step=0, micro=1)
 
 
 def test_resume_appends_steps(tmp_store):
@@ -377,9 +386,24 @@ def test_sigkill_leaves_a_readable_store(tmp_store, threads):
 
 
 def test_recorder_stays_lean():
-    code = ("import sys, recorder; bad = [m for m in ('xarray', 'matplotlib', 'analysis') "
-            "if m in sys.modules]; assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    """Recording (hooks, statistics, the writer, a store) never loads the analysis
+    side: not xarray, matplotlib, dask or ``analysis``."""
+    code = textwrap.dedent("""
+        import sys, tempfile, os, torch
+        from recorder import Recorder
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        d = tempfile.mkdtemp()
+        with Recorder(m, os.path.join(d, "r.zarr"), ring=1, on_nonfinite="dump",
+                      capture=("activations", "gradients", "weights", "weight_grads")) as rec:
+            for i in range(2):
+                with rec.step():
+                    m(torch.full((2, 4), float("nan") if i else 1.0)).sum().backward()
+        assert os.path.exists(os.path.join(d, "r.zarr", "rank0"))
+        bad = [n for n in ("xarray", "matplotlib", "dask", "analysis") if n in sys.modules]
+        assert not bad, bad
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   cwd=os.path.dirname(os.path.dirname(__file__)))
 
 
 def test_sparse_tensors_are_compressed_and_dense_ones_stay_exact(tmp_store):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -38,11 +39,45 @@ def test_record_an_unchanged_script(tmp_path):
     np.testing.assert_array_equal(run.tensor("0", step=0).values, model[0](x).detach().numpy())
 
 
-def test_a_bad_pattern_leaves_the_script_training(tmp_path):
+def test_a_run_that_cannot_be_recorded_stops_in_one_line_unless_keep_going(tmp_path):
     store = str(tmp_path / "run.zarr")
     p = tensortape("record", "-o", store, "--layers", "nope*", "--", "python", SCRIPT, "2")
+    assert p.returncode == 2 and "trained" not in p.stdout
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'nope*'" in lines[0] and "--keep-going" in lines[0], p.stderr
+    p = tensortape("record", "-o", store, "--layers", "nope*", "--keep-going", "--", "python",
+                   SCRIPT, "2")
     assert p.returncode == 3 and p.stdout.strip() == "trained 2"
     assert "not recording" in p.stderr and "'nope*'" in p.stderr
+
+
+def test_record_modes_on_an_existing_run(tmp_path):
+    store = str(tmp_path / "run.zarr")
+    assert tensortape("record", "-o", store, "--", "python", SCRIPT, "2").returncode == 3
+    p = tensortape("record", "-o", store, "--", "python", SCRIPT, "3")     # mode w-: refused
+    assert p.returncode == 2 and "trained" not in p.stdout
+    assert p.stderr.count("\n") == 1 and "already exists" in p.stderr and "mode='w'" in p.stderr
+    p = tensortape("record", "-o", store, "--mode", "w", "--", "python", SCRIPT, "3")
+    assert p.returncode == 3 and open_run(store).steps().tolist() == [0, 1, 2]
+    p = tensortape("record", "-o", store, "--mode", "a", "--", "python", SCRIPT, "2")
+    assert p.returncode == 3 and open_run(store).steps().tolist() == [0, 1, 2]  # steps re-recorded
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    p = tensortape("record", "-o", str(tmp_path / "mine"), "--mode", "w", "--", "python", SCRIPT, "2")
+    assert p.returncode == 2 and "will not delete" in p.stderr
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("command,needle", [
+    (["python", "nonexistent_train.py"], "no script 'nonexistent_train.py'"),
+    (["python", "-m", "no_such_module_xyz"], "no module 'no_such_module_xyz'"),
+])
+def test_a_missing_script_is_one_line(tmp_path, command, needle):
+    p = tensortape("record", "-o", str(tmp_path / "run.zarr"), "--", *command)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+    assert not os.path.exists(tmp_path / "run.zarr")
 
 
 def test_watch_follows_a_live_run_until_it_closes(tmp_path):
