@@ -48,7 +48,12 @@ class Inspector:
     def begin_pass(self) -> None:
         return None
 
-    def add(self, kind, name, tensor, token) -> None:
+    micro = 0
+
+    def fault(self, error, kind, name) -> None:
+        raise error
+
+    def add(self, kind, name, tensor, token, micro=0) -> None:
         if token is None or token is not self._token:
             return
         t = tensor.detach()
@@ -86,7 +91,7 @@ class Inspector:
                 for h, (_, kinds) in zip(hooksets, self._watched):
                     if "weight_grads" in kinds:
                         for name, g in h.weight_grads():
-                            self.add("weight_grads", name, g, token)
+                            self.add("weight_grads", name, g, token, 0)
         finally:
             self._token = None
             for h in hooksets:

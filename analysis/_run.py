@@ -36,10 +36,6 @@ class FirstNonFinite(NonFiniteEvent):
         return out
 
 
-def _decode_bf16(block: np.ndarray) -> np.ndarray:
-    return (block.astype(np.uint32) << 16).view(np.float32)
-
-
 def _plain(name: str, v: float):
     if np.isnan(v):
         return None
@@ -366,9 +362,9 @@ class Run:
                               f"micro-batches recorded: {sorted(set(micros.tolist()))}")
         steps, extent = steps[rows], np.asarray(self.source.array(path + "/extent")[:n])[rows]
         data = self._take(self._lazy(path + "/data")[:n], rows)
-        logical = dict(self.source.array(path + "/data").attrs).get(fmt.BF16_ATTR)
-        if logical == fmt.BF16:
-            data = data.map_blocks(_decode_bf16, dtype=np.float32)
+        logical = dict(self.source.array(path + "/data").attrs).get(fmt.LOGICAL_ATTR)
+        if logical in fmt.BITS_DTYPES:
+            data = data.map_blocks(fmt.decode_bits, logical, dtype=np.float32)
         dims = ("step", *(f"dim_{i}" for i in range(data.ndim - 1)))
         extent = extent[:, : data.ndim - 1].astype(np.int64)
         coords = {"step": steps, **{f"extent_{d}": ("step", extent[:, j])

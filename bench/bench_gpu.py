@@ -111,7 +111,7 @@ def hand_hooks(m, patterns, sink):
 
 def checks(base, ids, args, tmp):
     """What only a GPU can show: no host sync in forward/backward; Triton == torch."""
-    from recorder._engines import engine_for
+    from recorder._engines import Engines
     from recorder._triton import TritonEngine
     m = copy.deepcopy(base)
     rec = Recorder(m, os.path.join(tmp, "check.zarr"), layers=STATS_LAYERS, tensors_every=None,
@@ -129,7 +129,7 @@ def checks(base, ids, args, tmp):
     hand_hooks(m, STATS_LAYERS, lambda k, t: seen.append(t.detach()))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         m(input_ids=ids, labels=ids).loss.backward()
-    torch_engine = engine_for(torch.zeros(1))          # CPU engine: the reference numbers
+    torch_engine = Engines().for_tensor(torch.zeros(1))          # CPU engine: the reference numbers
     triton_engine = TritonEngine("cuda", True)
     bad = 0
     for t in seen:
@@ -143,7 +143,7 @@ def checks(base, ids, args, tmp):
 
 
 def kernel_table(base, ids, args):
-    from recorder._engines import engine_for
+    from recorder._engines import Engines
     seen = []
     m = copy.deepcopy(base)
     hand_hooks(m, STATS_LAYERS, lambda k, t: seen.append(t.detach()))
@@ -151,7 +151,7 @@ def kernel_table(base, ids, args):
         m(input_ids=ids, labels=ids).loss.backward()
     ratios = []
     for t in seen[:: max(1, len(seen) // 8)]:
-        eng = engine_for(t)
+        eng = Engines().for_tensor(t)
 
         def timed(fn, reps=20):
             fn()

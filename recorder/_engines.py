@@ -1,21 +1,26 @@
-"""Statistics engines: one per device type, picked per tensor (``engine_for``).
+"""Statistics engines: one per device type, picked per tensor.
 
 An engine turns tensors into summary vectors on their own device, with no
-host sync (``reduce``, and ``reduce_many`` for a step's tiny tensors at
-once).  The kernels are the pure functions of ``_summary``; an engine
-decides how to run them: fused by ``torch.compile`` where that works on the
-device, eagerly otherwise (the same numbers), and how to count codes.
+host sync (``reduce``, ``reduce_many`` for a step's tiny tensors at once, and
+``count_nonfinite`` for steps without statistics).  The kernels are the pure
+functions of ``_summary``; an engine decides how to run them: fused by
+``torch.compile`` where that works on the device, eagerly otherwise (the same
+numbers), and how to count codes.
 
 - ``CpuEngine``: large tensors get kernels that OpenMP splits across threads,
   small ones serial kernels; ``bincount`` is split across threads.
 - ``DeviceEngine``: any accelerator; codes are counted with ``index_add_``
   (``bincount`` there reads its maximum back to the host, a sync per tensor).
-
 - ``TritonEngine`` (``_triton``): CUDA, when Triton is there (it ships with
   CUDA builds of torch): one fused pass per tensor.
 
-``TENSORTAPE_COMPILE=0`` picks the eager kernels everywhere.
-``TENSORTAPE_ENGINE`` picks the engine: ``auto`` (the default, as above),
+``Engines`` holds a recording's choice: for each (device type, dtype) a chain
+of engines, best first (Triton, the compiled torch kernels, the eager ones).
+When one fails, the capture is dropped (counted) and that (device, dtype) is
+demoted to the next engine in its chain (``demote``).
+
+``TENSORTAPE_COMPILE=0`` leaves the compiled kernels out of every chain.
+``TENSORTAPE_ENGINE`` picks the first engine: ``auto`` (the default, as above),
 ``torch`` (never Triton) or ``triton`` (Triton for every device: on CPU tensors
 it needs ``TRITON_INTERPRET=1``, which is how the tests check it against the
 CPU engine).
@@ -33,16 +38,12 @@ import torch
 
 from . import format as fmt
 from ._summary import (LANES, Summaries, codes, exp_bits_of, finalize, lane_codes,
-                       memory_order, reductions, segment_reductions)
+                       memory_order, nonfinite_counts, reductions, segment_reductions, widened)
 
-__all__ = ["Engine", "engine_for", "summarize"]
+__all__ = ["Engine", "Engines", "summarize"]
 
 SMALL = 1 << 13                # elements below which a tensor waits for the step's batch
 _PARALLEL_MIN = 1 << 18        # elements from which CPU work is split across threads
-
-
-def _compile_enabled() -> bool:
-    return os.environ.get("TENSORTAPE_COMPILE", "1") not in ("0", "false", "no")
 
 
 class Engine:
@@ -62,10 +63,19 @@ class Engine:
         for tiny tensors the fixed cost of a kernel call exceeds the work."""
         return x.is_floating_point() and 0 < x.numel() < SMALL
 
+    def __repr__(self) -> str:
+        kernels = "compiled" if self.compile else "eager"
+        return f"{type(self).__name__}({self.device_type}, {kernels})"
+
+    @torch.compiler.disable
+    def count_nonfinite(self, x: torch.Tensor) -> torch.Tensor:
+        """NaN, +Inf and -Inf counts of a float tensor (float64, on its device); no sync."""
+        return self._run(nonfinite_counts, memory_order(widened(x.detach())))
+
     @torch.compiler.disable
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The summary vector of ``x``, on ``x``'s device; no sync."""
-        x = memory_order(x.detach())
+        x = memory_order(widened(x.detach()))
         exp_bits = exp_bits_of(x)
         if exp_bits == 0:
             return torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)
@@ -86,7 +96,11 @@ class Engine:
             parts = [xs[i].detach().reshape(-1) for i in idx]
             flat = torch.cat([p.to(torch.float64 if exp_bits == 11 else torch.float32) for p in parts])
             sizes = [p.numel() for p in parts]
-            lengths = torch.tensor(sizes, device=device)
+            lengths = torch.tensor(sizes)
+            if device.type == "cuda":                  # from pinned memory: no host wait
+                lengths = lengths.pin_memory().to(device, non_blocking=True)
+            elif device.type != "cpu":
+                lengths = lengths.to(device)
             seg = torch.repeat_interleave(torch.arange(len(parts), device=device), lengths,
                                           output_size=sum(sizes))   # known here: no device sync
             starts = torch.cumsum(lengths, 0) - lengths
@@ -179,42 +193,85 @@ class DeviceEngine(Engine):
     """Any accelerator (CUDA, MPS, XPU): the torch kernels, counted by ``index_add_``."""
 
 
-_engines: dict[tuple, Engine] = {}
-_engines_lock = threading.Lock()
 ENGINES = ("auto", "torch", "triton")
+_instances: dict[tuple, Engine] = {}
+_instances_lock = threading.Lock()
 
 
-def _engine_class(device_type: str, choice: str) -> type[Engine]:
-    if choice not in ENGINES:
-        raise ValueError(f"TENSORTAPE_ENGINE={choice!r} is not valid; use one of {', '.join(ENGINES)}")
-    if choice == "triton" or (choice == "auto" and device_type == "cuda"):
-        try:
-            from ._triton import TritonEngine
-            return TritonEngine
-        except Exception as e:          # no Triton here: the torch kernels, the same numbers
-            if choice == "triton":
-                warnings.warn(f"tensortape: TENSORTAPE_ENGINE=triton, but Triton is not usable "
-                              f"({type(e).__name__}: {e}); using the torch kernels",
-                              RuntimeWarning, stacklevel=3)
-    return CpuEngine if device_type == "cpu" else DeviceEngine
+def _compile_enabled() -> bool:
+    return os.environ.get("TENSORTAPE_COMPILE", "1") not in ("0", "false", "no")
 
 
-def engine_for(x: torch.Tensor, compile: bool | None = None) -> Engine:
-    """The statistics engine of ``x``'s device type (compiled kernels unless
-    ``compile=False`` or ``TENSORTAPE_COMPILE=0``)."""
-    choice = os.environ.get("TENSORTAPE_ENGINE", "auto")
-    key = (x.device.type, _compile_enabled() if compile is None else compile and _compile_enabled(),
-           choice)
-    engine = _engines.get(key)
+def _instance(cls: type, device_type: str, compile: bool) -> Engine:
+    """One engine per (class, device type, kernels) in the process: compiled
+    kernels are cached there."""
+    key = (cls, device_type, compile)
+    engine = _instances.get(key)
     if engine is None:
-        with _engines_lock:
-            engine = _engines.get(key)
-            if engine is None:
-                engine = _engines[key] = _engine_class(x.device.type, choice)(*key[:2])
+        with _instances_lock:
+            engine = _instances.setdefault(key, cls(device_type, compile))
     return engine
+
+
+def _triton_class(required: bool):
+    try:
+        from ._triton import TritonEngine
+        return TritonEngine
+    except Exception as e:              # no Triton here: the torch kernels, the same numbers
+        if required:
+            warnings.warn(f"tensortape: TENSORTAPE_ENGINE=triton, but Triton is not usable "
+                          f"({type(e).__name__}: {e}); using the torch kernels",
+                          RuntimeWarning, stacklevel=4)
+        return None
+
+
+class Engines:
+    """A recording's statistics engines: per (device type, dtype) a chain, best
+    first, and how far each has been demoted.  The settings are read once, here."""
+
+    def __init__(self, compile: bool | None = None, choice: str | None = None):
+        self.compile = _compile_enabled() if compile is None else compile and _compile_enabled()
+        self.choice = os.environ.get("TENSORTAPE_ENGINE", "auto") if choice is None else choice
+        if self.choice not in ENGINES:
+            raise ValueError(f"TENSORTAPE_ENGINE={self.choice!r} is not valid; use one of "
+                             f"{', '.join(ENGINES)}")
+        self._chains: dict[str, list[Engine]] = {}
+        self._level: dict[tuple, int] = {}
+
+    def chain(self, device_type: str) -> list[Engine]:
+        chain = self._chains.get(device_type)
+        if chain is None:
+            base = CpuEngine if device_type == "cpu" else DeviceEngine
+            classes = []
+            if self.choice == "triton" or (self.choice == "auto" and device_type == "cuda"):
+                triton = _triton_class(self.choice == "triton")
+                if triton is not None:
+                    classes.append((triton, self.compile))
+            if self.compile:
+                classes.append((base, True))
+            classes.append((base, False))
+            chain = self._chains[device_type] = [_instance(c, device_type, k) for c, k in classes]
+        return chain
+
+    def for_tensor(self, x: torch.Tensor) -> Engine:
+        """The engine for ``x``'s device type and dtype."""
+        chain = self.chain(x.device.type)
+        return chain[min(self._level.get((x.device.type, x.dtype), 0), len(chain) - 1)]
+
+    def demote(self, x: torch.Tensor) -> Engine | None:
+        """After a failure on ``x``: the next engine for its device type and dtype
+        (None when there is none left: it stays with the last)."""
+        key = (x.device.type, x.dtype)
+        chain = self.chain(x.device.type)
+        level = self._level.get(key, 0) + 1
+        if level >= len(chain):
+            return None
+        self._level[key] = level
+        return chain[level]
 
 
 def summarize(x: torch.Tensor, compile: bool | None = None) -> Summaries:
     """Statistics and histogram of one tensor, on the host (one sync)."""
     x = x.detach()
-    return finalize([engine_for(x, compile).reduce(x).cpu().numpy()], [exp_bits_of(x)])
+    engine = Engines(compile).for_tensor(x)
+    return finalize([engine.reduce(x).cpu().numpy()], [exp_bits_of(x)])

@@ -2,15 +2,22 @@
 
 A ``HookSet`` turns module calls into named captures and hands each one to a
 sink (``_step.StepBuffer``, or the Inspector): ``sink.add(kind, name, tensor,
-token)``.  ``sink.current_token()`` identifies the step a capture belongs to;
-gradients carry the token of the forward call that produced them.
+token, micro)``.  ``sink.current_token()`` identifies the step a capture
+belongs to; a gradient carries the token, name and micro-batch of the forward
+call that produced it (its *serial*), whenever it arrives.
 
 The hooks are traceable by ``torch.compile``: they only walk a module's
-output (or inputs) and call tensortape's custom ops (``_ops``) on each tensor,
-and register a gradient hook that calls the other op.  So recording adds no
-graph break; everything stateful (names, call counts, steps) happens at run
-time, in ``on_forward`` and ``on_gradient``.  Attaching also makes sure that
-code compiled without the hooks is not reused (``_see_hooks``).
+output (or inputs) and hand each tensor to ``_ops`` (custom ops while
+compiling, the plain Python body in eager mode), and register a gradient
+hook that does the same.  So recording adds no graph break; everything
+stateful (names, call counts, steps) happens at run time, in ``on_forward``
+and ``on_gradient``.  Attaching also makes sure that code compiled without
+the hooks is not reused (``_see_hooks``).
+
+**The guard.**  ``on_pass``, ``on_forward`` and ``on_gradient`` are the only
+ways from a hook into tensortape, and each catches whatever it raises: the
+capture is dropped and counted (``sink.fault``), and training goes on.  Only
+the policies a user chose raise through it (``_POLICY``).
 
 Hooks act only on the modules they were attached to: a ``deepcopy`` of the
 model (an EMA or evaluation copy) carries no-op hooks.
@@ -29,22 +36,32 @@ from torch import nn
 from . import _ops
 from ._naming import input_leaves, leaves
 from ._selection import module_table, unwrap
+from .errors import InspectionError, NonFiniteError
 from .format import join, label
 
 __all__ = ["HookSet"]
 
 
+# what may raise through the guard: the policies a user chose
+_POLICY = (InspectionError, NonFiniteError)
+
+
 class Sink(Protocol):
-    def add(self, kind: str, name: str, tensor: torch.Tensor, token: object) -> None: ...
+    def add(self, kind: str, name: str, tensor: torch.Tensor, token: object, micro: int) -> None: ...
 
     def current_token(self) -> object: ...
 
     def begin_pass(self) -> None: ...
 
+    def fault(self, error: BaseException, kind: str, name: str) -> None: ...
+
+    micro: int
+
 
 class HookSet:
     def __init__(self, model: nn.Module, names: list[str], kinds: tuple[str, ...], sink: Sink):
         table = module_table(model)
+        self._model = model                                   # as given: maybe compiled
         self._root_label = label("", table)
         self._root = unwrap(model)
         self._modules = [(n, table[n]) for n in names]
@@ -54,8 +71,8 @@ class HookSet:
         self._calls: dict[tuple[str, str], int] = {}          # calls in this forward pass
         self._weighed: set[str] = set()                       # weights captured this step
         self._names: dict[str, str] = {}                     # module -> base name of its call
-        self._serials: dict[int, tuple[object, str]] = {}     # gradients expected: this step
-        self._older: dict[int, tuple[object, str]] = {}       # and the step before
+        self._serials: dict[int, tuple] = {}   # gradients expected: (token, name, micro)
+        self._older: dict[int, tuple] = {}     # and those of the step before
         self._serial = 0
         self._probe: tuple | None = None
         self._depth = 0                                      # nesting of root-module calls
@@ -78,7 +95,7 @@ class HookSet:
                 self._handles.append(module.register_forward_hook(_PostHook(self.id, name, post)))
         self._handles.append(self._root.register_forward_hook(_PassHook(self.id, False),
                                                               always_call=True))
-        _see_hooks([self._root] + [m for _, m in self._modules])
+        _see_hooks(self._model)
 
     def detach(self) -> None:
         for h in self._handles:
@@ -113,21 +130,51 @@ class HookSet:
         g = None if p is None else p.grad
         return ("grad", None) if g is None else ("grad", id(g), g._version)
 
-    # --- called by the custom ops, at run time -------------------------------------
+    # --- called from the hooks (through ``_ops``), at run time: the guard ------------
     def on_pass(self, enter: bool) -> None:
         """The root module's forward begins (``enter``) or ends: the outermost call
         begins a forward pass, whose module calls are named afresh."""
-        if enter:
-            self._depth += 1
-            if self._depth == 1:
-                self._calls.clear()
-                self._sink.begin_pass()
-        else:
-            self._depth = max(self._depth - 1, 0)
+        try:
+            if enter:
+                self._depth += 1
+                if self._depth == 1:
+                    self._calls.clear()
+                    self._sink.begin_pass()
+            else:
+                self._depth = max(self._depth - 1, 0)
+        except _POLICY:
+            raise
+        except Exception as e:
+            self._sink.fault(e, "forward pass", self._root_label)
 
     def on_forward(self, x: torch.Tensor, module: str, path: str, what: str, first: bool) -> int:
         """One tensor of a module call; the serial its gradient will carry (or -1)."""
+        try:
+            return self._forward(x, module, path, what, first)
+        except _POLICY:
+            raise
+        except Exception as e:
+            self._sink.fault(e, what.split("+")[0], join(self._label(module), path))
+            return -1
+
+    def on_fault(self, error: BaseException, module: str) -> None:
+        """An eager hook of ``module`` raised outside the methods above."""
+        self._sink.fault(error, "capture", self._label(module))
+
+    def on_gradient(self, serial: int, g: torch.Tensor) -> None:
+        """The gradient of the output whose capture had ``serial``."""
+        token, name, micro = self._serials.get(serial) or self._older.get(serial) \
+            or (None, "?", 0)
+        try:
+            self._sink.add("gradients", name, g, token, micro)
+        except _POLICY:
+            raise
+        except Exception as e:
+            self._sink.fault(e, "gradients", name)
+
+    def _forward(self, x: torch.Tensor, module: str, path: str, what: str, first: bool) -> int:
         token = self._sink.current_token()
+        micro = self._sink.micro
         phase = "pre" if what in ("inputs", "weights") else "post"
         if first:                                   # a new call of the module
             k = self._calls.get((phase, module), 0)
@@ -137,31 +184,45 @@ class HookSet:
             name = f"{self._label(module)}:{path}"
             if name not in self._weighed:
                 self._weighed.add(name)
-                self._sink.add("weights", name, x, token)
+                self._sink.add("weights", name, x, token, micro)
             return -1
         name = join(self._names[phase + module], path)
         if what != "gradients":
-            self._sink.add(what.split("+")[0], name, x, token)
-        if "gradients" not in what:
+            self._sink.add(what.split("+")[0], name, x, token, micro)
+        if "gradients" not in what or token is None:
             return -1
         self._serial += 1
-        self._serials[self._serial] = (token, name)
+        self._serials[self._serial] = (token, name, micro)
         return self._serial
-
-    def on_gradient(self, serial: int, g: torch.Tensor) -> None:
-        token, name = self._serials.get(serial) or self._older.get(serial) or (None, "?")
-        self._sink.add("gradients", name, g, token)
 
 
 class _Hook:
     """A hook: the HookSet's id, the module's name and what to capture.  A deep
-    copy (of a hooked model) is a no-op hook."""
+    copy (of a hooked model) is a no-op hook.
+
+    In eager mode the whole hook runs under the guard (whatever its walk of the
+    output raises is a dropped capture); while compiling, Dynamo traces ``run``
+    alone, and the guard is in ``HookSet``'s methods, which run eagerly."""
 
     def __init__(self, hookset: int, module: str, kinds: frozenset):
         self.hookset, self.module, self.kinds = hookset, module, kinds
 
     def __deepcopy__(self, memo):
         return _noop
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.run(*args)
+        try:
+            return self.run(*args)
+        except _POLICY:
+            raise
+        except Exception as e:
+            _ops.fault(self.hookset, e, self.module)
+            return None
+
+    def run(self, *args):
+        raise NotImplementedError
 
 
 def _noop(*args):
@@ -173,13 +234,13 @@ class _PassHook(_Hook):
         super().__init__(hookset, "", frozenset())
         self.enter = enter
 
-    def __call__(self, module, args, *rest):
+    def run(self, module, args, *rest):
         _ops.forward_pass(self.hookset, self.enter)
         return None
 
 
 class _PreHook(_Hook):
-    def __call__(self, module, args, kwargs):
+    def run(self, module, args, kwargs):
         first = True
         if "inputs" in self.kinds:
             for path, t in input_leaves(args, kwargs):
@@ -193,7 +254,7 @@ class _PreHook(_Hook):
 
 
 class _PostHook(_Hook):
-    def __call__(self, module, args, output):
+    def run(self, module, args, output):
         acts, grads = "activations" in self.kinds, "gradients" in self.kinds
         first = True
         for path, t in leaves(output):
@@ -213,14 +274,34 @@ def _grad_hook(grad, serial, hookset):
     _ops.capture_grad(grad, serial, hookset)
 
 
-def _see_hooks(modules: list[nn.Module]) -> None:
+def _compiled_frames(model: nn.Module) -> set:
+    """The code objects whose compiled code may run ``model``: the ``forward`` of
+    every module class in it (the root included), the frames a ``torch.compile``
+    wrapper compiles (Dynamo's wrapper of the module's call, shared by every
+    compiled module), and ``Module._call_impl`` when a module was compiled in
+    place (``module.compile()``)."""
+    codes = set()
+    for m in model.modules():
+        codes.add(getattr(type(m).forward, "__code__", None))
+        f = m.__dict__.get("forward")              # a torch.compile wrapper's own forward
+        while f is not None:
+            codes.add(getattr(f, "__code__", None))
+            f = getattr(f, "__wrapped__", None)
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            codes.add(nn.Module._call_impl.__code__)
+    codes.discard(None)
+    return codes
+
+
+def _see_hooks(model: nn.Module) -> None:
     """Make compiled code see the hooks just attached (and later removed).
 
     Dynamo does not guard on module hooks by default, so code compiled before
     (for this model, or for another instance of its class) would run on without
     them.  From now on it guards on them (a length check per hooks dict), and the
-    code already compiled for these modules' ``forward`` is dropped: it recompiles
-    once.  Nothing else of the user's compiled code is touched.
+    compiled code of every frame that can run this model (``_compiled_frames``)
+    is dropped: the model recompiles once, with its hooks.  A frame shared with
+    other compiled models (Dynamo's wrapper) makes them recompile once too.
     """
     try:
         import torch._dynamo
@@ -229,5 +310,5 @@ def _see_hooks(modules: list[nn.Module]) -> None:
     except Exception as e:  # no Dynamo here: nothing can be compiled
         warnings.warn(f"tensortape: cannot make compiled code see the hooks ({e})", stacklevel=3)
         return
-    for code in {getattr(type(m).forward, "__code__", None) for m in modules} - {None}:
+    for code in _compiled_frames(model):
         reset_code(code)

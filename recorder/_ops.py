@@ -11,9 +11,13 @@ the same statistics engine as an eager one.
 ``forward_pass`` marks the start and end of a call of the recorded model's
 root module: a new forward pass, a micro-batch of the step.
 
-``capture`` returns a CPU int64 scalar, the capture's serial.  The gradient
-hook carries it to ``capture_grad``, so a gradient is named (and assigned to
-its step) by the forward call that produced it, also in compiled code.
+``capture`` returns the capture's serial (a CPU int64 scalar from the op).
+The gradient hook carries it to ``capture_grad``, so a gradient is named (and
+assigned to its step and micro-batch) by the forward call that produced it,
+also in compiled code.
+
+The custom ops are used only while compiling: in eager mode a hook calls the
+Python body directly (an op's dispatch costs about ten times its body).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import weakref
 
 import torch
 
-__all__ = ["capture", "capture_grad", "forward_pass", "register", "unregister"]
+__all__ = ["capture", "capture_grad", "fault", "forward_pass", "register", "unregister"]
 
 _hooksets: dict[int, weakref.ref] = {}
 _ids = itertools.count(1)
@@ -48,11 +52,22 @@ def _hookset(i: int):
     return ref() if ref is not None else None
 
 
+def _on_forward(x: torch.Tensor, hookset: int, module: str, path: str, what: str,
+                first: bool) -> int:
+    hs = _hookset(hookset)
+    return hs.on_forward(x, module, path, what, first) if hs is not None else -1
+
+
 def _capture(x: torch.Tensor, hookset: int, module: str, path: str, what: str,
              first: bool) -> torch.Tensor:
+    return torch.full((), _on_forward(x, hookset, module, path, what, first), dtype=torch.int64)
+
+
+def fault(hookset: int, error: BaseException, module: str) -> None:
+    """An eager hook raised: the HookSet's guard counts it."""
     hs = _hookset(hookset)
-    serial = hs.on_forward(x, module, path, what, first) if hs is not None else -1
-    return torch.full((), serial, dtype=torch.int64)
+    if hs is not None:
+        hs.on_fault(error, module)
 
 
 def _capture_grad(g: torch.Tensor, serial: torch.Tensor, hookset: int) -> None:
@@ -93,8 +108,28 @@ if hasattr(torch.library, "custom_op"):           # torch >= 2.4
     ops = torch.ops.tensortape
     for op in (ops.capture, ops.capture_grad, ops.forward_pass):
         has_side_effect(op.default)
-    capture, capture_grad, forward_pass = ops.capture, ops.capture_grad, ops.forward_pass
+    _ops = (ops.capture, ops.capture_grad, ops.forward_pass)
 else:                                              # older torch: eager only (a graph break)
-    capture = torch.compiler.disable(_capture)
-    capture_grad = torch.compiler.disable(_capture_grad)
-    forward_pass = torch.compiler.disable(_forward_pass)
+    _ops = tuple(torch.compiler.disable(f) for f in (_capture, _capture_grad, _forward_pass))
+
+
+def capture(x, hookset, module, path, what, first):
+    """Hand one tensor of a module call over; its serial (an int, or an int64 scalar
+    while compiling)."""
+    if torch.compiler.is_compiling():
+        return _ops[0](x, hookset, module, path, what, first)
+    return _on_forward(x, hookset, module, path, what, first)
+
+
+def capture_grad(g, serial, hookset) -> None:
+    if torch.compiler.is_compiling():
+        _ops[1](g, serial, hookset)
+    else:
+        _capture_grad(g, serial, hookset)
+
+
+def forward_pass(hookset, enter) -> None:
+    if torch.compiler.is_compiling():
+        _ops[2](hookset, enter)
+    else:
+        _forward_pass(hookset, enter)

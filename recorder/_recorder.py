@@ -172,9 +172,8 @@ class Recorder:
             store.commit(state, fmt.root_attrs(state, root_base))
         self._last_step, self._dropped_before = state.last_step, state.dropped
         self._outside_before = state.outside_steps
-        self._buffer = StepBuffer(cfg, state.layers, state.bytes_raw)
-        self._writer = Writer(store, state, root_base, cfg.flush_interval, cfg.max_pending_bytes,
-                              cfg.on_error)
+        self._buffer = StepBuffer(cfg, state.layers)
+        self._writer = Writer(store, state, root_base, cfg)
         self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
         self._model = None
         self._hooks.attach()
@@ -223,8 +222,10 @@ class Recorder:
 
     @property
     def dropped(self) -> int:
-        """Late gradients dropped in this run (see the README)."""
-        return self._dropped_before + (self._buffer.dropped_total if self._buffer else 0)
+        """Captures dropped so far in this run: late gradients, full tensors of a
+        dtype the store cannot hold, captures that failed (the run's
+        ``drop_reasons`` say which); the writer's own drops are counted in the store."""
+        return self._dropped_before + (self._buffer.drops_total if self._buffer else 0)
 
     # --- steps ----------------------------------------------------------------
     def step(self, i: int | None = None) -> _StepScope:
@@ -286,11 +287,14 @@ class Recorder:
             return
         try:
             if "weight_grads" in cfg.capture:
-                for name, g in self._hooks.weight_grads():
-                    buffer.add("weight_grads", name, g, buffer.token)
+                try:
+                    for name, g in self._hooks.weight_grads():
+                        buffer.add("weight_grads", name, g, buffer.token, 0)
+                except Exception as e:          # the guard, as in the hooks
+                    buffer.fault(e, "weight_grads", "(parameters)")
         finally:
             self._last_step = step
-            records = buffer.end()
+            record = buffer.end()
         if not buffer.captured and not self._warned_silent and self._hooks.backward_ran():
             self._warned_silent = True
             warnings.warn(f"tensortape: step {step} ran the model (its gradients changed) but "
@@ -298,10 +302,14 @@ class Recorder:
                           f"them may be in use (a torch.compile'd function that calls the model); "
                           f"attach the Recorder before compiling, or call torch.compiler.reset()",
                           RuntimeWarning, stacklevel=3)
-        for rec in records:
-            self._writer.put(rec)
-        events = records[-1].events if records and records[-1].step == step else []
-        if events and cfg.on_nonfinite == "raise":
+        events = []
+        if cfg.on_nonfinite == "raise":         # the one policy that waits for the device
+            try:
+                events = record.resolve().events
+            except Exception:                   # the writer counts it
+                events = []
+        self._writer.put(record)
+        if events:
             self._writer.flush()
             if raise_nonfinite:
                 e = events[0]

@@ -21,13 +21,33 @@ import threading
 
 import torch
 
-__all__ = ["Snapshot"]
+__all__ = ["Snapshot", "unstorable"]
 
 MAX_IN_FLIGHT = 2 << 30
 _side: dict = {}
 _in_flight: collections.deque = collections.deque()   # (event, nbytes), oldest first
 _in_flight_bytes = 0
 _lock = threading.Lock()
+
+
+# dtypes whose full tensors the store holds (bfloat16 and float8 as their bits, complex32
+# widened to complex64; see ``_store.to_numpy``)
+STORABLE = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.complex32, torch.complex64, torch.complex128,
+    *(getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+                                 "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+      if hasattr(torch, n))})
+
+
+def unstorable(t: torch.Tensor) -> str | None:
+    """Why the full tensor ``t`` cannot be stored (a drop reason), or None."""
+    if t.layout != torch.strided:
+        return f"{str(t.layout).removeprefix('torch.')} tensors cannot be stored"
+    if t.dtype not in STORABLE:
+        return f"{str(t.dtype).removeprefix('torch.')} tensors cannot be stored"
+    return None
 
 
 def _side_stream(device: torch.device):

@@ -1,16 +1,21 @@
 """From hook captures to step records: the training thread's side of the flow.
 
-The hooks hand every captured tensor to ``StepBuffer.add``, which only
-starts device work and appends a typed ``Capture`` (no host sync).  When the
-step ends, ``StepBuffer.end`` interprets the step's captures in one place:
-it brings every summary to the host at once, finds non-finite captures, and
-returns the ``StepRecord``s to hand to the writer, the ring's dumped steps
-first.  Nothing here writes or calls back.
+The hooks hand every captured tensor to ``StepBuffer.add``.  It follows the
+step's ``Plan`` (decided once, when the step begins): it starts the tensor's
+summary on its device (the statistics, or at a step without statistics the
+exact NaN/Inf counts), takes a snapshot when the step keeps full tensors, and
+appends a typed ``Capture``.  Nothing there waits for a device or keeps a
+reference to the user's tensor.
+
+When the step ends, ``StepBuffer.end`` batches the step's tiny tensors, packs
+every summary vector of a device into one, starts its copy to the host, and
+returns a ``StepRecord``.  The record is interpreted later, off the training
+thread (``StepRecord.resolve``: statistics, histograms, events), by the writer;
+only ``on_nonfinite="raise"`` resolves it at once, on the training thread.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -20,33 +25,34 @@ import torch
 
 from . import format as fmt
 from ._config import RecorderConfig
-from ._engines import engine_for
-from ._snapshot import Snapshot
-from ._summary import Summaries, exp_bits_of, finalize, merge
+from ._engines import Engines
+from ._snapshot import Snapshot, unstorable
+from ._summary import COUNTS, Summaries, exp_bits_of, finalize, merge, widened
 from .errors import InspectionError
 
-__all__ = ["Capture", "StepBuffer", "StepRecord", "StatsRows", "TensorRow"]
+__all__ = ["Capture", "Plan", "StepBuffer", "StepRecord", "StatsRows", "TensorRow"]
+
+SMALL = 1 << 13                # float elements below which a tensor waits for the step's batch
+LATE_GRADIENT = "gradient arrived after its step"
 
 
-# --- what a capture holds until the step ends ----------------------------------------
-@dataclass(slots=True)
-class Reduced:
-    """A summary vector already under way on the device."""
-    vec: torch.Tensor
+@dataclass(frozen=True)
+class Plan:
+    """What a step does with each capture, decided once when it begins."""
+    step: int
+    stats: bool                  # statistics and histograms (else: exact NaN/Inf counts)
+    persist: bool                # full tensors are stored
+    keep: bool                   # full tensors are snapshotted (persisted, or for the ring)
+
+    @classmethod
+    def at(cls, config: RecorderConfig, step: int) -> "Plan":
+        persist = config.persists(step)
+        keep = persist or config.ring > 0 or config.on_nonfinite != "record"
+        return cls(step, config.stats_at(step), persist, keep)
 
 
-@dataclass(slots=True)
-class Deferred:
-    """A tiny tensor, copied, summarised with the step's other tiny tensors."""
-    tensor: torch.Tensor
-
-
-@dataclass(slots=True)
-class Probe:
-    """Steps without statistics: a one-pass sum; if it is not finite, the
-    source is summarised for exact NaN and Inf counts."""
-    total: torch.Tensor
-    source: torch.Tensor | Snapshot
+# --- what a capture holds until the step ends ------------------------------------------
+SUMMARY, COUNTED, DEFERRED, COUNT_ONLY = "summary", "counted", "deferred", "count"
 
 
 @dataclass(slots=True)
@@ -56,8 +62,24 @@ class Capture:
     name: str
     micro: int
     exp_bits: int
-    summary: Reduced | Deferred | Probe | None
+    numel: int
+    form: str                       # SUMMARY, COUNTED, DEFERRED (a tiny copy) or COUNT_ONLY
+    vec: torch.Tensor | None        # the device vector (or the tiny copy) until the step ends
     snap: Snapshot | None
+
+
+@dataclass(frozen=True)
+class Meta:
+    """A capture as the record keeps it: where its vector lies in the packed one."""
+    order: int
+    kind: str
+    name: str
+    micro: int
+    exp_bits: int
+    numel: int
+    form: str
+    start: int
+    length: int
 
 
 # --- what a step hands to the writer ---------------------------------------------------
@@ -77,49 +99,123 @@ class TensorRow:
     snap: Snapshot
 
 
+class Packed:
+    """A step's summary vectors, packed per device, on their way to the host."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, object]]):
+        self._parts = parts            # (host float64 tensor, event or None) per device
+
+    def host(self) -> np.ndarray:
+        """Every vector, on the host (waits for the copies: the writer thread does)."""
+        arrays = []
+        for t, event in self._parts:
+            if event is not None:
+                event.synchronize()
+            arrays.append(t.numpy())
+        self._parts = [(torch.from_numpy(a), None) for a in arrays]
+        return np.concatenate(arrays) if arrays else np.zeros(0)
+
+
+@dataclass
+class Resolved:
+    """A step record interpreted: statistics per kind, and its non-finite events."""
+    stats: dict[str, StatsRows] = field(default_factory=dict)
+    events: list[fmt.NonFiniteEvent] = field(default_factory=list)
+
+
 @dataclass
 class StepRecord:
     step: int
+    plan: Plan | None = None
     layers: list[str] = field(default_factory=list)          # new names, in capture order
-    stats: dict[str, StatsRows] = field(default_factory=dict)
+    metas: list[Meta] = field(default_factory=list)
+    packed: Packed | None = None
     tensors: list[TensorRow] = field(default_factory=list)
-    events: list[fmt.NonFiniteEvent] = field(default_factory=list)
-    dropped: int = 0                                          # late gradients since the last record
-    outside: int = 0                                          # forward passes outside a step, too
-    over_budget: int = 0                                      # full tensors past max_bytes
+    drops: dict[str, int] = field(default_factory=dict)      # what was dropped, by reason
+    outside: int = 0                                          # forward passes outside a step
+    _resolved: Resolved | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.snap.nbytes for t in self.tensors)
 
+    def resolve(self) -> Resolved:
+        """Statistics and events from the packed vectors (once; waits for the copies)."""
+        if self._resolved is None:
+            self._resolved = _resolve(self)
+            self.packed = None
+        return self._resolved
+
+
+def _resolve(rec: StepRecord) -> Resolved:
+    out = Resolved()
+    if not rec.metas:
+        return out
+    flat = rec.packed.host() if rec.packed is not None else np.zeros(0)
+    vecs = [flat[m.start: m.start + m.length] for m in rec.metas]
+    summaries = [i for i, m in enumerate(rec.metas) if m.form == SUMMARY]
+    singles = finalize([vecs[i] for i in summaries], [rec.metas[i].exp_bits for i in summaries]) \
+        if summaries else None
+    row = {i: j for j, i in enumerate(summaries)}
+    for i, m in enumerate(rec.metas):
+        if m.form == SUMMARY:
+            bad = singles.nonfinite(row[i])
+        elif m.form == COUNTED:
+            bad = tuple(int(v) for v in vecs[i])
+        else:
+            continue
+        if any(bad):
+            out.events.append(fmt.NonFiniteEvent(
+                rec.step, m.name, m.kind, *bad, order=m.order,
+                phase="backward" if m.kind in fmt.BACKWARD_KINDS else "forward", micro=m.micro))
+    out.events.sort(key=lambda e: e.sort_key)
+    if not rec.plan.stats:
+        return out
+    per_kind: dict[str, dict[str, list[int]]] = {}        # kind -> layer -> metas
+    for i, m in enumerate(rec.metas):
+        per_kind.setdefault(m.kind, {}).setdefault(m.name, []).append(i)
+    for kind, layers in per_kind.items():
+        merged, widths = [], []
+        for idx in layers.values():
+            e = rec.metas[idx[0]].exp_bits
+            same = [i for i in idx if rec.metas[i].exp_bits == e]       # a dtype change: the first's
+            if e == 0:
+                merged.append(np.array([float(sum(rec.metas[i].numel for i in same))]))
+            else:
+                merged.append(merge([vecs[i] for i in same], e))
+            widths.append(e)
+        s = finalize(merged, widths)
+        out.stats[kind] = StatsRows(list(layers), s.stats, s.hist)
+    return out
+
 
 class StepBuffer:
-    """The captures of the open step, and the ring of recent steps."""
+    """The captures of the open step, on the training thread."""
 
-    def __init__(self, config: RecorderConfig, known_layers: list[str], persisted: int = 0):
+    def __init__(self, config: RecorderConfig, known_layers: list[str]):
         self.config = config
+        self.engines = Engines()
         self.step: int | None = None
+        self.plan: Plan | None = None
         self.token: object | None = None
         self._captures: list[Capture] = []
         self._lock = threading.Lock()          # backward hooks may run on autograd threads
         self._known = dict.fromkeys(known_layers)
         self._new: list[str] = []
-        self._ring: collections.deque = collections.deque(maxlen=config.ring or None)
-        self._dropped = 0
-        self.dropped_total = 0
+        self._drops: dict[str, int] = {}
+        self.drops_total = 0
         self.captured = 0                       # captures of the last step ended
-        self._warned_dropped = False
+        self._warned: set[str] = set()
         self.paused = 0                         # nesting of rec.pause()
         self.micro = 0                          # the open step's current micro-batch
         self._passes = 0                        # forward passes of the open step
         self._outside = 0
         self.outside_total = 0
-        self._warned_outside = False
-        self.persisted = persisted              # bytes of full tensors stored in this run
-        self._estimated = self._warned_budget = False
+        self._engine_tensor: torch.Tensor | None = None     # the tensor an engine works on
 
     def begin(self, step: int) -> None:
         self.step, self.token = step, object()
+        self.plan = Plan.at(self.config, step)
         self._captures = []
         self.micro = self._passes = 0
 
@@ -145,191 +241,159 @@ class StepBuffer:
                 "the recorded model ran outside a step; wrap forward and backward in "
                 "`with rec.step():`, or wrap evaluation in `with rec.pause():`, or pass "
                 "outside_step='warn' or 'ignore'")
-        if policy == "warn" and not self._warned_outside:
-            self._warned_outside = True
-            warnings.warn("tensortape: the recorded model ran outside a step (an evaluation "
-                          "loop?); such passes are not recorded, only counted. Wrap training "
-                          "steps in `with rec.step():`; pass outside_step='ignore' to silence "
-                          "this", stacklevel=4)
+        if policy == "warn":
+            self._warn_once("outside", "tensortape: the recorded model ran outside a step (an "
+                            "evaluation loop?); such passes are not recorded, only counted. Wrap "
+                            "training steps in `with rec.step():`; pass outside_step='ignore' to "
+                            "silence this")
 
-    def add(self, kind: str, name: str, tensor: torch.Tensor, token: object) -> None:
+    def add(self, kind: str, name: str, tensor: torch.Tensor, token: object, micro: int) -> None:
+        """One captured tensor of the step whose token is ``token`` (its forward
+        call's micro-batch ``micro``)."""
         if token is None:                   # outside a step or paused: not recorded
             return
-        if token is not self.token or self.step is None:
-            self._drop(name)
+        if token is not self.token:
+            self.drop(LATE_GRADIENT)
+            self._warn_once("late", f"tensortape: the gradient of {name!r} arrived after its step "
+                            f"ended and was dropped; run backward inside the step "
+                            f"(`with rec.step(): ...`)")
             return
         if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
             tensor = tensor.to_local()          # a sharded DTensor (FSDP2): this rank's shard
-        cfg, step = self.config, self.step
-        keep = cfg.persists(step) or cfg.ring > 0 or cfg.on_nonfinite != "record"
-        snap = Snapshot(tensor, cfg.max_samples, cfg.tensor_dtype) if keep else None
+        tensor = tensor.detach()
+        plan, cfg = self.plan, self.config
+        snap = None
+        if plan.keep:
+            reason = unstorable(tensor)
+            if reason is None:
+                snap = Snapshot(tensor, cfg.max_samples, cfg.tensor_dtype)
+            else:
+                self.drop(reason)
         exp_bits = exp_bits_of(tensor)
-        engine = engine_for(tensor)
-        summary: Reduced | Deferred | Probe | None
-        if cfg.stats_at(step):
-            summary = Deferred(tensor.detach().clone()) if engine.is_small(tensor) \
-                else Reduced(engine.reduce(tensor))
-        elif exp_bits:
-            exact = snap is not None and cfg.max_samples is None and cfg.tensor_dtype is None
-            summary = Probe(tensor.detach().sum().reshape(1).to(torch.float64),
-                            snap if exact else tensor.detach())
+        numel = tensor.numel()
+        if not exp_bits:
+            form, vec = COUNT_ONLY, None
+        elif plan.stats and numel < SMALL:
+            form, vec = DEFERRED, widened(tensor).clone()
         else:
-            summary = None
+            engine = self.engines.for_tensor(tensor)
+            self._engine_tensor = tensor
+            if plan.stats:
+                form, vec = SUMMARY, engine.reduce(tensor)
+            else:
+                form, vec = COUNTED, engine.count_nonfinite(tensor)
+            self._engine_tensor = None
         with self._lock:
-            self._captures.append(Capture(len(self._captures), kind, name, self.micro, exp_bits,
-                                          summary, snap))
+            self._captures.append(Capture(len(self._captures), kind, name, micro, exp_bits, numel,
+                                          form, vec, snap))
             if name not in self._known:
                 self._known[name] = None
                 self._new.append(name)
 
-    def _drop(self, name: str) -> None:
-        self._dropped += 1
-        self.dropped_total += 1
-        if not self._warned_dropped:
-            self._warned_dropped = True
-            warnings.warn(f"tensortape: the gradient of {name!r} arrived after its step ended and "
-                          f"was dropped; run backward inside the step (`with rec.step(): ...`)",
-                          stacklevel=3)
+    # --- faults and drops ----------------------------------------------------------------
+    def drop(self, reason: str, n: int = 1) -> None:
+        """Count ``n`` captures (or rows) dropped for ``reason``."""
+        with self._lock:
+            self._drops[reason] = self._drops.get(reason, 0) + n
+            self.drops_total += n
 
-    # --- end of step: interpret the captures in one place ---------------------------------
-    def end(self) -> list[StepRecord]:
-        """Close the step; the records to hand to the writer, oldest first."""
-        step, cfg = self.step, self.config
+    def fault(self, error: BaseException, kind: str, name: str) -> None:
+        """Anything raised while capturing ``name``: that capture is dropped (counted
+        with its reason), a failing statistics engine is demoted, and it warns once
+        per cause.  Training goes on."""
+        cause = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        self.drop(f"capture failed ({cause})")
+        tensor, self._engine_tensor = self._engine_tensor, None
+        note = ""
+        if tensor is not None:
+            failed = self.engines.for_tensor(tensor)
+            after = self.engines.demote(tensor)
+            note = (f"; {failed} failed on {tensor.dtype}, "
+                    + (f"{after} takes over" if after else "no other engine is left"))
+        self._warn_once(cause, f"tensortape: capturing {kind} of {name!r} failed ({cause}); the "
+                        f"capture is dropped and counted in the run's 'dropped'{note}; training "
+                        f"goes on", category=RuntimeWarning)
+
+    def _warn_once(self, key: str, message: str, category=UserWarning) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, category, stacklevel=5)
+
+    # --- end of step ---------------------------------------------------------------------
+    def end(self) -> StepRecord:
+        """Close the step and start its summaries' copy to the host; the record."""
+        step, plan = self.step, self.plan
         self.step = self.token = None
         with self._lock:
             caps, self._captures = self._captures, []
             new, self._new = self._new, []
         self.captured = len(caps)
         caps.sort(key=lambda c: (c.kind in fmt.BACKWARD_KINDS, c.order))
-        rec = StepRecord(step, layers=new, dropped=self._dropped, outside=self._outside)
-        self._dropped = self._outside = 0
-        self._summarise(caps, rec)
-        persist = cfg.persists(step)
-        dump = bool(rec.events) and cfg.on_nonfinite in ("dump", "raise")
-        out = []
-        if dump:
-            out = [StepRecord(s, tensors=self._rows(old)) for s, old in self._ring if old]
-            self._ring = collections.deque(((s, None) for s, _ in self._ring), maxlen=self._ring.maxlen)
-        if persist or dump:
-            rec.tensors = self._rows(caps)
-        if cfg.ring:
-            self._ring.append((step, None if (persist or dump) else caps))
-        out.append(rec)
-        if persist and rec.tensors and not self._estimated:
-            self._estimate(rec)
-        if cfg.max_bytes is not None:
-            for r in out:
-                self._budget(r)
-        return [r for r in out if r.stats or r.tensors or r.events or r.layers or r.dropped
-                or r.outside or r.over_budget]
+        rec = StepRecord(step, plan, layers=new, outside=self._outside)
+        try:
+            rec.metas, rec.packed = self._pack(caps)
+        except Exception as e:           # never into training: the step's statistics are dropped
+            cause = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            self.drop(f"statistics failed ({cause})", len(caps))
+            self._warn_once(cause, f"tensortape: the statistics of step {step} failed ({cause}); "
+                            f"they are dropped and counted; training goes on", RuntimeWarning)
+        rec.tensors = [TensorRow(c.kind, c.name, c.micro, c.snap) for c in caps if c.snap is not None]
+        with self._lock:
+            rec.drops, self._drops = self._drops, {}
+        self._outside = 0
+        return rec
 
-    GUARD_BYTES_PER_100 = 1 << 30       # warn when full tensors would pass this every 100 steps
-
-    def _estimate(self, rec: StepRecord) -> None:
-        """At the first persisted step: warn once if full tensors would fill disks."""
-        self._estimated = True
-        per_100 = rec.nbytes * 100 / (self.config.tensors_every or 1)
-        if per_100 > self.GUARD_BYTES_PER_100 and self.config.max_bytes is None:
-            warnings.warn(
-                f"tensortape: full tensors take {rec.nbytes / 1e6:.0f} MB a step here, "
-                f"{per_100 / 1e9:.1f} GB every 100 steps; record fewer with tensors_every= "
-                f"(now {self.config.tensors_every}), layers= or max_samples=, or cap them with "
-                f"max_bytes= (statistics are kept whatever you choose)", stacklevel=4)
-
-    def _budget(self, rec: StepRecord) -> None:
-        """Past ``max_bytes`` of full tensors, rows are counted instead of stored."""
-        keep = []
-        for row in rec.tensors:
-            if self.persisted + row.snap.nbytes <= self.config.max_bytes:
-                self.persisted += row.snap.nbytes
-                keep.append(row)
-            else:
-                rec.over_budget += 1
-                if not self._warned_budget:
-                    self._warned_budget = True
-                    warnings.warn(f"tensortape: max_bytes={self.config.max_bytes} of full "
-                                  f"tensors reached at step {rec.step}; from now on only "
-                                  f"statistics are recorded (tensors not stored are counted)",
-                                  stacklevel=4)
-        rec.tensors = keep
+    def _pack(self, caps: list[Capture]) -> tuple[list[Meta], Packed | None]:
+        """Batch the tiny tensors, then every vector of a device into one, copied to
+        the host without waiting (a pinned buffer and an event on CUDA)."""
+        deferred = [c for c in caps if c.form == DEFERRED]
+        by_engine: dict = {}
+        for c in deferred:
+            by_engine.setdefault(self.engines.for_tensor(c.vec), []).append(c)
+        for engine, group in by_engine.items():
+            for c, vec in zip(group, engine.reduce_many([c.vec for c in group])):
+                c.form, c.vec = SUMMARY, vec
+        metas, parts, by_device, start = [], [], {}, 0
+        for c in caps:
+            n = 0 if c.vec is None else c.vec.numel()
+            metas.append(Meta(c.order, c.kind, c.name, c.micro, c.exp_bits, c.numel, c.form,
+                              -1, n))
+            if c.vec is not None:
+                by_device.setdefault(c.vec.device, []).append((len(metas) - 1, c.vec))
+            c.vec = None
+        for device, items in by_device.items():
+            flat = torch.cat([v for _, v in items])
+            for i, v in items:
+                m = metas[i]
+                metas[i] = Meta(m.order, m.kind, m.name, m.micro, m.exp_bits, m.numel, m.form,
+                                start, m.length)
+                start += m.length
+            parts.append(_to_host(flat))
+        return metas, Packed(parts) if parts else None
 
     def pending_record(self) -> StepRecord | None:
         """What was counted since the last record, outside any step (at close)."""
-        if not (self._dropped or self._outside):
+        if not (self._drops or self._outside):
             return None
-        rec = StepRecord(-1, dropped=self._dropped, outside=self._outside)
-        self._dropped = self._outside = 0
+        rec = StepRecord(-1, drops=self._drops, outside=self._outside)
+        self._drops, self._outside = {}, 0
         return rec
 
     def clear(self) -> None:
-        self._ring.clear()
         self._captures = []
 
-    @staticmethod
-    def _rows(caps: list[Capture]) -> list[TensorRow]:
-        return [TensorRow(c.kind, c.name, c.micro, c.snap) for c in caps if c.snap is not None]
 
-    def _summarise(self, caps: list[Capture], rec: StepRecord) -> None:
-        """Every summary to the host at once; statistics per kind; events."""
-        deferred = [c for c in caps if isinstance(c.summary, Deferred)]
-        by_engine: dict = {}
-        for c in deferred:
-            by_engine.setdefault(engine_for(c.summary.tensor), []).append(c)
-        for engine, group in by_engine.items():
-            for c, vec in zip(group, engine.reduce_many([c.summary.tensor for c in group])):
-                c.summary = Reduced(vec)
-        on_device = [c for c in caps if isinstance(c.summary, (Reduced, Probe))]
-        host = _to_host([c.summary.vec if isinstance(c.summary, Reduced) else c.summary.total
-                         for c in on_device])
-        stats_caps, vecs, exps = [], [], []
-        for c, vec in zip(on_device, host):
-            if isinstance(c.summary, Probe):
-                if np.isfinite(vec[0]):
-                    continue
-                src = c.summary.source            # rare: summarised for exact counts
-                src = src.host() if isinstance(src, Snapshot) else src
-                vec = engine_for(src).reduce(src).cpu().numpy()
-            stats_caps.append(c)
-            vecs.append(vec)
-            exps.append(c.exp_bits)
-        per_kind: dict[str, dict[str, list[int]]] = {}      # kind -> layer -> rows of vecs
-        for i, c in enumerate(stats_caps):
-            if isinstance(c.summary, Reduced):
-                per_kind.setdefault(c.kind, {}).setdefault(c.name, []).append(i)
-        singles = finalize(vecs, exps) if vecs else None
-        for i, c in enumerate(stats_caps):
-            bad = singles.nonfinite(i)
-            if any(bad):
-                rec.events.append(fmt.NonFiniteEvent(
-                    rec.step, c.name, c.kind, *bad, order=c.order,
-                    phase="backward" if c.kind in fmt.BACKWARD_KINDS else "forward",
-                    micro=c.micro))
-            c.summary = None
-        rec.events.sort(key=lambda e: e.sort_key)
-        for kind, layers in per_kind.items():
-            if all(len(rows) == 1 for rows in layers.values()):
-                rows = [r[0] for r in layers.values()]
-                s = Summaries({k: v[rows] for k, v in singles.stats.items()}, singles.hist[rows])
-            else:                        # micro-batches: one summary over all of them
-                merged, widths = [], []
-                for rows in layers.values():
-                    e = exps[rows[0]]
-                    same = [r for r in rows if exps[r] == e]
-                    merged.append(merge([vecs[r] for r in same], e))
-                    widths.append(e)
-                s = finalize(merged, widths)
-            rec.stats[kind] = StatsRows(list(layers), s.stats, s.hist)
-
-def _to_host(parts: list[torch.Tensor]) -> list[np.ndarray]:
-    """Device vectors on the host, with one copy (one sync) per device."""
-    by_device: dict = {}
-    for i, p in enumerate(parts):
-        by_device.setdefault(p.device, []).append(i)
-    out: list = [None] * len(parts)
-    for idx in by_device.values():
-        flat = torch.cat([parts[i] for i in idx]).cpu().numpy()
-        pos = 0
-        for i in idx:
-            n = parts[i].numel()
-            out[i], pos = flat[pos: pos + n], pos + n
-    return out
+def _to_host(flat: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """A float64 vector's host copy, started now: on CUDA into pinned memory on the
+    current stream, with an event to wait for (the vector's memory is reused only
+    after the copy, on the same stream); elsewhere, a copy (none on the CPU)."""
+    flat = flat.to(torch.float64)
+    if flat.device.type == "cpu":
+        return flat, None
+    if flat.device.type == "cuda":
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(flat.device))
+        return host, event
+    return flat.to("cpu"), None

@@ -391,11 +391,12 @@ class RunStore:
         g.update_attributes({"name": layer, "kind": kind, fmt.EVERY_CHUNK: True})
         k = int(min(64, max(1, CHUNK_BYTES // max(sample.nbytes, 1))))
         inner = tuple(max(d, 1) for d in sample.shape)
-        attrs = {fmt.BF16_ATTR: logical} if logical else {}
+        attrs = {fmt.LOGICAL_ATTR: logical} if logical else {}
         dims = ["step", *(f"dim_{i}" for i in range(sample.ndim))]
         return {
             "data": _array(g, "data", (0, *sample.shape), (k, *inner), sample.dtype,
-                           _fill_for(sample.dtype) if not logical else 0x7FC0, dims, attrs,
+                           _fill_for(sample.dtype) if not logical else fmt.nan_bits(logical),
+                           dims, attrs,
                            level=self._level(sample)),
             "step": _array(g, "step", (0,), (SMALL_CHUNK_ROWS,), "int64", -1, ["step"]),
             "micro": _array(g, "micro", (0,), (SMALL_CHUNK_ROWS,), "int64", 0, ["step"]),
@@ -477,8 +478,14 @@ class RunStore:
 
 
 def to_numpy(t) -> tuple[np.ndarray, str | None]:
-    """A host torch tensor as numpy; bfloat16 becomes its uint16 bits."""
-    if str(t.dtype) == "torch.bfloat16":
-        import torch
-        return t.view(torch.int16).numpy().view(np.uint16), fmt.BF16
+    """A host torch tensor as numpy, and its logical dtype when numpy has none:
+    bfloat16 and the 8-bit floats become their unsigned bits, complex32 becomes
+    complex64 (exactly)."""
+    import torch
+    name = str(t.dtype).removeprefix("torch.")
+    if name in fmt.BITS_DTYPES:
+        bits = fmt.BITS_DTYPES[name]
+        return t.view(torch.int16 if bits == "uint16" else torch.uint8).numpy().view(bits), name
+    if t.dtype == torch.complex32:
+        return t.to(torch.complex64).numpy(), None
     return t.numpy(), None

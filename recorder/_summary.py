@@ -21,11 +21,19 @@ import torch
 
 from . import format as fmt
 
-__all__ = ["FIELDS", "LANES", "Summaries", "codes", "exp_bits_of", "finalize", "lane_codes",
-           "memory_order", "merge", "reductions", "segment_reductions"]
+__all__ = ["COUNTS", "FIELDS", "LANES", "NARROW", "Summaries", "codes", "exp_bits_of", "finalize",
+           "lane_codes", "memory_order", "merge", "nonfinite_counts", "reductions",
+           "segment_reductions", "widened"]
 
 FIELDS = ("count", "shift", "dsum", "dsq", "min", "max")
+COUNTS = ("nan", "posinf", "neginf")     # the vector of ``nonfinite_counts``
 LANES = 4   # interleaved sub-histograms: a run of one code does not serialise counting
+
+# floats whose values float32 holds exactly, and whose kernels torch may lack: they are
+# summarised as float32 (``widened``)
+NARROW = frozenset(getattr(torch, n) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, n))
 
 
 def exp_bits_of(x: torch.Tensor) -> int:
@@ -34,6 +42,19 @@ def exp_bits_of(x: torch.Tensor) -> int:
     if x.is_complex() or not x.is_floating_point() or x.numel() == 0:
         return 0
     return 11 if x.dtype == torch.float64 else 8
+
+
+def widened(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or float32 for the 8-bit floats (an exact conversion)."""
+    return x.float() if x.dtype in NARROW else x
+
+
+def nonfinite_counts(x: torch.Tensor) -> torch.Tensor:
+    """NaN, +Inf and -Inf counts of a float tensor, as float64 (``COUNTS``): the
+    exact check of a step without statistics, taken at capture time (a later
+    in-place op cannot hide a value from it)."""
+    inf = float("inf")
+    return torch.stack([torch.isnan(x).sum(), (x == inf).sum(), (x == -inf).sum()]).to(torch.float64)
 
 
 def vector_length(exp_bits: int) -> int:

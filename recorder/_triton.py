@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import format as fmt
 from ._engines import DeviceEngine
-from ._summary import exp_bits_of, memory_order
+from ._summary import exp_bits_of, memory_order, widened
 
 __all__ = ["TritonEngine"]
 
@@ -107,7 +107,7 @@ class TritonEngine(DeviceEngine):
 
     @torch.compiler.disable
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        x = memory_order(x.detach())
+        x = memory_order(widened(x.detach()))
         if exp_bits_of(x) != 8:          # float64, integers, empty: the torch kernels
             return super().reduce(x)
         if not x.is_contiguous():

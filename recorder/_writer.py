@@ -1,10 +1,14 @@
 """The background writer: it owns the run's durable state and the store.
 
 The training thread only enqueues: finished ``StepRecord``s, and requests
-to flush or close.  The writer thread writes each record's rows into the
-store's tables, folds what changed (new layers, events, drops) into the
-rank's ``RankState``, and commits, data first and counters after, at least
-every ``flush_interval`` seconds.
+to flush or close.  The writer thread interprets each record (its statistics
+and non-finite events, ``StepRecord.resolve``), decides which full tensors to
+store (the step's when it is persisted; the ring of recent steps, which it
+holds, and the step's when a non-finite value is dumped; up to ``max_bytes``),
+writes the rows into the store's tables, folds what changed (new layers,
+events, drops) into the rank's ``RankState``, and commits, data first and
+counters after, at least every ``flush_interval`` seconds.  A record it cannot
+interpret loses its statistics (counted), never the store.
 
 When the store cannot be written (disk full, permissions, network), the
 writer keeps the statistics of the steps not yet committed in memory (up to
@@ -17,7 +21,7 @@ warns once.
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import queue
 import threading
 import time
@@ -26,16 +30,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import format as fmt
-from ._step import StepRecord
+from ._config import RecorderConfig
+from ._step import Resolved, StepRecord, TensorRow
 from ._store import RunStore
 from .errors import RecorderError
 
 __all__ = ["Writer"]
 
 DTYPE_OR_RANK = "full tensor changed dtype or rank"
-LATE_GRADIENT = "gradient arrived after its step"
 UNWRITABLE = "store could not be written"
 BACKLOG_BYTES = 256 << 20      # statistics kept in memory while the store cannot be written
+GUARD_BYTES_PER_100 = 1 << 30  # warn when full tensors would pass this every 100 steps
 
 
 @dataclass
@@ -43,26 +48,26 @@ class _Unsaved:
     """A record whose rows are not committed yet, as kept for a new start after a
     fault: everything but its full tensors, of which only the count is kept."""
     record: StepRecord
+    resolved: Resolved
     tensors: int
-
-    @classmethod
-    def of(cls, record: StepRecord) -> "_Unsaved":
-        return cls(dataclasses.replace(record, tensors=[]), len(record.tensors))
+    over_budget: int
 
     @property
     def nbytes(self) -> int:
         return sum(r.hist.nbytes + 8 * len(r.stats) * len(r.layers)
-                   for r in self.record.stats.values())
+                   for r in self.resolved.stats.values())
 
     def without_stats(self) -> "_Unsaved":
         """The record with its statistics dropped (counted), past the backlog bound."""
-        rows = sum(len(r.layers) for r in self.record.stats.values())
-        return _Unsaved(dataclasses.replace(self.record, stats={}), self.tensors + rows)
+        rows = sum(len(r.layers) for r in self.resolved.stats.values())
+        return _Unsaved(self.record, Resolved({}, self.resolved.events), self.tensors + rows,
+                        self.over_budget)
 
 
 @dataclass
 class _Put:
     record: StepRecord
+    nbytes: int                  # its snapshots' bytes, held against the back-pressure budget
 
 
 @dataclass
@@ -95,13 +100,18 @@ class Writer:
     """Owns the store and the rank's state on its own thread."""
 
     def __init__(self, store: RunStore, state: fmt.RankState, root_base: dict[str, Any] | None,
-                 flush_interval: float, max_pending_bytes: int, on_error: str = "warn"):
+                 config: RecorderConfig):
         self.store = store
         self.state = state                 # written by the writer thread only
         self.root_base = root_base         # rank 0: the root attributes besides the state's
-        self.flush_interval = flush_interval
-        self.on_error = on_error
-        self.budget = _ByteBudget(max_pending_bytes)
+        self.config = config
+        self.flush_interval = config.flush_interval
+        self.on_error = config.on_error
+        self.budget = _ByteBudget(config.max_pending_bytes)
+        # the full tensors of the steps before (None: already stored), dumped on a NaN/Inf
+        self._ring: collections.deque = collections.deque(maxlen=config.ring or None)
+        self._budget_used = state.bytes_raw        # full tensors stored, for max_bytes
+        self._warned: set[str] = set()
         self.q: queue.Queue = queue.Queue(maxsize=64)
         self.error: BaseException | None = None
         self._skipped: set[str] = set()
@@ -116,8 +126,9 @@ class Writer:
 
     # --- training-thread side -------------------------------------------------
     def put(self, record: StepRecord) -> None:
-        self.budget.acquire(record.nbytes, self.thread.is_alive)
-        self.q.put(_Put(record))
+        n = record.nbytes
+        self.budget.acquire(n, self.thread.is_alive)
+        self.q.put(_Put(record, n))
         self.check()
 
     def flush(self) -> None:
@@ -167,7 +178,7 @@ class Writer:
                     try:
                         self._put(msg.record)
                     finally:
-                        self.budget.release(msg.record.nbytes)
+                        self.budget.release(msg.nbytes)
                     pending = True
                 elif isinstance(msg, _Flush) and self._fault is None:
                     if msg.final:
@@ -189,7 +200,13 @@ class Writer:
                     return
 
     def _put(self, record: StepRecord) -> None:
-        unsaved = _Unsaved.of(record)
+        resolved = self._resolve(record)
+        tensors = self._choose_tensors(record, resolved)
+        over = 0
+        if self.config.max_bytes is not None:
+            tensors, over = self._within_budget(tensors)
+        record.tensors = []              # stored now, or held by the ring: not kept for a restart
+        unsaved = _Unsaved(record, resolved, sum(len(rows) for _, rows in tensors), over)
         if self._fault is None and self._kept + unsaved.nbytes > BACKLOG_BYTES:
             try:
                 self._commit(None)       # bounds what a new start would write again
@@ -200,7 +217,78 @@ class Writer:
         self._unsaved.append(unsaved)
         self._kept += unsaved.nbytes
         if self._fault is None:
-            self._write(record)
+            self._write(unsaved, tensors)
+
+    def _resolve(self, record: StepRecord) -> Resolved:
+        """The record's statistics and events; a record that cannot be interpreted
+        loses its statistics (counted), never the store."""
+        try:
+            return record.resolve()
+        except Exception as e:
+            cause = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            reason = f"statistics failed ({cause})"
+            record.drops[reason] = record.drops.get(reason, 0) + len(record.metas)
+            self._warn_once(reason, f"tensortape: the statistics of step {record.step} could not "
+                                    f"be computed ({cause}); they are dropped and counted")
+            return Resolved()
+
+    def _choose_tensors(self, record: StepRecord, resolved: Resolved) -> list:
+        """The full tensors to store now, as (step, rows): the step's own when it is
+        persisted; on a non-finite value under ``dump``/``raise``, the ring's and the
+        step's.  A step not stored goes into the ring."""
+        plan, cfg = record.plan, self.config
+        if plan is None:
+            return []
+        dump = bool(resolved.events) and cfg.on_nonfinite in ("dump", "raise")
+        out = []
+        if dump:
+            out = [(s, rows) for s, rows in self._ring if rows]
+            self._ring = collections.deque(((s, None) for s, _ in self._ring),
+                                           maxlen=self._ring.maxlen)
+        stored = plan.persist or dump
+        if stored and record.tensors:
+            out.append((record.step, record.tensors))
+            if plan.persist and not self.state.bytes_raw:
+                self._estimate(record)
+        if cfg.ring:
+            self._ring.append((record.step, None if stored else record.tensors))
+        return out
+
+    def _estimate(self, record: StepRecord) -> None:
+        """At the first persisted step: warn once if full tensors would fill disks."""
+        cfg = self.config
+        per_100 = record.nbytes * 100 / (cfg.tensors_every or 1)
+        if per_100 > GUARD_BYTES_PER_100 and cfg.max_bytes is None:
+            self._warn_once("estimate", (
+                f"tensortape: full tensors take {record.nbytes / 1e6:.0f} MB a step here, "
+                f"{per_100 / 1e9:.1f} GB every 100 steps; record fewer with tensors_every= "
+                f"(now {cfg.tensors_every}), layers= or max_samples=, or cap them with "
+                f"max_bytes= (statistics are kept whatever you choose)"), UserWarning)
+
+    def _within_budget(self, tensors: list) -> tuple[list, int]:
+        """Past ``max_bytes`` of full tensors, rows are counted instead of stored."""
+        limit, used = self.config.max_bytes, self._budget_used
+        kept, over = [], 0
+        for step, rows in tensors:
+            mine = []
+            for row in rows:
+                if used + row.snap.nbytes <= limit:
+                    used += row.snap.nbytes
+                    mine.append(row)
+                else:
+                    over += 1
+                    self._warn_once("budget", (
+                        f"tensortape: max_bytes={limit} of full tensors reached at step {step}; "
+                        f"from now on only statistics are recorded (tensors not stored are "
+                        f"counted)"), UserWarning)
+            kept.append((step, mine))
+        self._budget_used = used
+        return kept, over
+
+    def _warn_once(self, key: str, message: str, category=RuntimeWarning) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, category, stacklevel=1)
 
     def _commit(self, status: str | None) -> None:
         self.state.committed.update(self.store.flush())
@@ -238,14 +326,14 @@ class Writer:
         self.store.reset()
         self.state = self._copy(self._saved)
         for u in self._unsaved:
-            self._write(u.record)
+            self._write(u, [])
             self._drop(UNWRITABLE, u.tensors)
         self._commit(status)
         self._fault = None
 
     def _last_words(self) -> None:
         if self._fault is not None:
-            rows = sum(len(r.layers) for u in self._unsaved for r in u.record.stats.values())
+            rows = sum(len(r.layers) for u in self._unsaved for r in u.resolved.stats.values())
             warnings.warn(f"tensortape: the store could not be written when the run was closed "
                           f"({self._fault}); the statistics of {len(self._unsaved)} steps "
                           f"({rows} rows) since the last commit are lost", RuntimeWarning,
@@ -256,35 +344,41 @@ class Writer:
             self.state.dropped += n
             self.state.drop_reasons[reason] = self.state.drop_reasons.get(reason, 0) + n
 
-    def _write(self, rec: StepRecord) -> None:
-        st = self.state
+    def _write(self, unsaved: _Unsaved, tensors: list[tuple[int, list[TensorRow]]]) -> None:
+        st, rec, res = self.state, unsaved.record, unsaved.resolved
         st.layers.extend(rec.layers)
-        self._drop(LATE_GRADIENT, rec.dropped)
+        for reason, n in rec.drops.items():
+            self._drop(reason, n)
         st.outside_steps += rec.outside
-        st.over_budget += rec.over_budget
-        st.events_total += len(rec.events)
-        st.events.extend(rec.events[:max(fmt.MAX_EVENTS - len(st.events), 0)])
+        st.over_budget += unsaved.over_budget
+        st.events_total += len(res.events)
+        st.events.extend(res.events[:max(fmt.MAX_EVENTS - len(st.events), 0)])
         if rec.step >= 0:
             st.last_step = rec.step if st.last_step is None else max(st.last_step, rec.step)
-        for kind, rows in rec.stats.items():
+        for kind, rows in res.stats.items():
             names = st.stats_layers.setdefault(kind, [])
             known = set(names)
             names.extend(layer for layer in rows.layers if layer not in known)
             path = fmt.stats_group(st.rank, kind)
             self.store.append_stats(kind, rec.step, names, rows.layers, rows.stats, rows.hist,
                                     st.committed.get(path, 0))
-        for row in rec.tensors:
-            path = fmt.tensor_group(st.rank, row.kind, row.layer)
-            host = row.snap.host()
-            n = self.store.append_tensor(row.kind, row.layer, rec.step, row.micro, host,
-                                         st.committed.get(path, 0))
-            if n >= 0:
-                st.bytes_raw += n
-                continue
-            self._drop(DTYPE_OR_RANK, 1)     # counted, with its reason, and warned once a table
-            if path not in self._skipped:
-                self._skipped.add(path)
-                warnings.warn(f"tensortape: {row.kind} of {row.layer!r} changed rank or dtype at "
-                              f"step {rec.step} (now {host.dtype}{list(host.shape)}); its full "
-                              f"tensors of such steps are not stored, and are counted in the "
-                              f"run's 'dropped' (its statistics are kept)", stacklevel=1)
+        for step, rows in tensors:
+            for row in rows:
+                self._write_tensor(step, row)
+
+    def _write_tensor(self, step: int, row: TensorRow) -> None:
+        st = self.state
+        path = fmt.tensor_group(st.rank, row.kind, row.layer)
+        host = row.snap.host()
+        n = self.store.append_tensor(row.kind, row.layer, step, row.micro, host,
+                                     st.committed.get(path, 0))
+        if n >= 0:
+            st.bytes_raw += n
+            return
+        self._drop(DTYPE_OR_RANK, 1)     # counted, with its reason, and warned once a table
+        if path not in self._skipped:
+            self._skipped.add(path)
+            warnings.warn(f"tensortape: {row.kind} of {row.layer!r} changed rank or dtype at "
+                          f"step {step} (now {host.dtype}{list(host.shape)}); its full "
+                          f"tensors of such steps are not stored, and are counted in the "
+                          f"run's 'dropped' (its statistics are kept)", stacklevel=1)

@@ -56,8 +56,10 @@ STATUS_INTERRUPTED = "interrupted"
 STATUSES = (STATUS_RECORDING, STATUS_COMPLETE, STATUS_INTERRUPTED)
 
 ROOT_LABEL = "(root)"
-BF16_ATTR = "logical_dtype"
-BF16 = "bfloat16"
+LOGICAL_ATTR = "logical_dtype"
+# dtypes numpy lacks, stored as their unsigned bits with ``logical_dtype``
+BITS_DTYPES = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8",
+               "float8_e4m3fnuz": "uint8", "float8_e5m2fnuz": "uint8", "float8_e8m0fnu": "uint8"}
 MAX_EVENTS = 1000          # events kept in the attributes; ``events_total`` counts them all
 
 # --- tables and their columns ----------------------------------------------
@@ -326,6 +328,57 @@ def root_attrs(state: RankState, base: dict[str, Any], status: str | None = None
     if status:
         out["status"] = status
     return out
+
+
+# --- dtypes stored as bits -----------------------------------------------------------
+# (exponent bits, mantissa bits, bias, has a sign bit, NaN codes, whether e == max is Inf/NaN)
+_FLOAT8 = {
+    "float8_e4m3fn": (4, 3, 7, True),
+    "float8_e5m2": (5, 2, 15, True),
+    "float8_e4m3fnuz": (4, 3, 8, True),
+    "float8_e5m2fnuz": (5, 2, 16, True),
+    "float8_e8m0fnu": (8, 0, 127, False),
+}
+
+
+@lru_cache(maxsize=None)
+def _float8_table(name: str) -> np.ndarray:
+    """The float32 value of each of the 256 codes of an 8-bit float (exact)."""
+    exp_bits, man_bits, bias, signed = _FLOAT8[name]
+    code = np.arange(256)
+    e = (code >> man_bits) & ((1 << exp_bits) - 1)
+    m = (code & ((1 << man_bits) - 1)).astype(np.float64)
+    frac = m / (1 << man_bits)
+    value = np.where(e == 0, frac * 2.0 ** (1 - bias), (1 + frac) * 2.0 ** (e - bias))
+    if name == "float8_e8m0fnu":                     # no zero, no subnormals: 2^(code - 127)
+        value = 2.0 ** (code - 127.0)
+    if signed:
+        value = np.where(code >> 7, -value, value)
+    if name == "float8_e4m3fn":
+        value = np.where((code & 0x7F) == 0x7F, np.nan, value)
+    elif name == "float8_e5m2":
+        top = e == (1 << exp_bits) - 1
+        value = np.where(top & (m == 0), np.copysign(np.inf, value), value)
+        value = np.where(top & (m != 0), np.nan, value)
+    elif name in ("float8_e4m3fnuz", "float8_e5m2fnuz"):
+        value = np.where(code == 0x80, np.nan, value)
+    else:
+        value = np.where(code == 0xFF, np.nan, value)
+    return value.astype(np.float32)
+
+
+def nan_bits(logical: str) -> int:
+    """A NaN's bits in a dtype stored as bits: the fill value of padding."""
+    if logical == "bfloat16":
+        return 0x7FC0
+    return int(np.nonzero(np.isnan(_float8_table(logical)))[0][0])
+
+
+def decode_bits(block: np.ndarray, logical: str) -> np.ndarray:
+    """Stored bits of ``logical`` (bfloat16 or an 8-bit float) -> exact float32."""
+    if logical == "bfloat16":
+        return (block.astype(np.uint32) << 16).view(np.float32)
+    return _float8_table(logical)[block]
 
 
 # --- histogram codes and bins ----------------------------------------------------

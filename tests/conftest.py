@@ -123,6 +123,7 @@ def s3_server(tmp_path, monkeypatch):
         monkeypatch.setenv(k, v)
     try:
         import s3fs
+        s3fs.S3FileSystem.clear_instance_cache()     # clients cached for an earlier server
         fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
         deadline = time.monotonic() + 60
         while True:
@@ -135,6 +136,8 @@ def s3_server(tmp_path, monkeypatch):
                 time.sleep(0.5)
         yield "s3://tensortape-test"
     finally:
+        import s3fs
+        s3fs.S3FileSystem.clear_instance_cache()
         proc.terminate()
         try:
             proc.wait(10)

@@ -110,6 +110,7 @@ def test_sigint_mid_step_keeps_what_the_step_captured(tmp_path):
     """Ctrl-C inside a step of a plain loop: the step ends and is recorded."""
     store = str(tmp_path / "run.zarr")
     code = ("import os, signal, torch, sys; from recorder import Recorder\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "m = torch.nn.Linear(4, 4)\n"
             "with Recorder(m, sys.argv[1], flush_interval=60) as rec:\n"
             "    for i in range(5):\n"

@@ -44,8 +44,8 @@ RECORD = textwrap.dedent("""
     with Recorder(model, sys.argv[1], layers="", capture="activations", tensors_every=None) as rec:
         with rec.step():
             model()
-    from recorder._engines import engine_for
-    print(type(engine_for(torch.zeros(1))).__name__)
+    from recorder._engines import Engines
+    print(type(Engines().for_tensor(torch.zeros(1))).__name__)
 """)
 
 

@@ -130,5 +130,6 @@ class _Rows(torch.utils.data.Dataset):
 
 
 if __name__ == "__main__":
-    framework, how, k, store, log = sys.argv[1:6]
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # as on a terminal, even when the
+    framework, how, k, store, log = sys.argv[1:6]              # tests run in the background
     main(framework, how, int(k), store, log)
