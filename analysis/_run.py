@@ -296,6 +296,9 @@ class Run:
         idx = self._select(names, layers)
         data = {}
         for s in fmt.STATS:
+            if not len(rows):                  # full tensors of this kind, no statistics yet
+                data[s] = (("step", "layer"), np.zeros((0, len(idx))))
+                continue
             arr = self._take(self._lazy(path + "/" + s), rows)[:, : len(names)]
             data[s] = (("step", "layer"), arr[:, idx])
         ds = xr.Dataset(data, coords={"step": steps, "layer": [names[i] for i in idx]})

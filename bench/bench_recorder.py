@@ -1,28 +1,35 @@
 """Recorder overhead, side by side in one run (ratios, never absolute claims).
 
-Workload: nn.TransformerEncoder, 4 layers, d=256, batch 16 x 128 tokens, on
-the CPU; every self-attention and Linear output and its gradient is captured
-(12 activations and 12 gradients a step).
+    python bench/bench_recorder.py [--only full|stats|many|kernel] [--rounds N]
 
-    python bench/bench_recorder.py [--only full|stats]
+Workloads, on the CPU:
 
-Every contender trains its own identical copy of the model.  The contenders
-take turns in blocks of steps, for several rounds (after one warm-up round),
-so machine noise hits them all alike.  Reported: the median step time of each
-contender relative to the bare step.
+- ``stats``, ``full``, ``kernel``: nn.TransformerEncoder, 4 layers, d=256, batch
+  16 x 128 tokens, torch's default threads; every self-attention and Linear output
+  and its gradient is captured (12 activations and 12 gradients a step, 2-8 MB each).
+- ``many``: nn.Sequential of 200 Linear(16, 16), batch 4, on one thread,
+  ``layers=["*"]``: 402 tiny captures a step, where the fixed cost per captured
+  tensor is all there is.
 
-Full mode: blocks of 20 steps (about 5 s, the recorder's commit interval), 3
-rounds.  A block's time includes a flush (the writer thread catching up and
-committing), so a background writer cannot hide its cost in the next
-contender's block, and commits come about as often as in real use.
-Statistics mode: blocks of 3 steps, 6 rounds; its writer's work is small and
-is not flushed per block.
+Every contender trains its own identical copy of the model.  The contenders take
+turns in blocks of steps, for several rounds (after one warm-up round), so
+machine noise hits them all alike.  Each block ends with the contender's flush
+(the recorder's writer catching up and committing; TensorBoard's flush), so a
+background writer cannot hide its cost in the next contender's block.
+Reported per contender, relative to the bare step: the median step (the flush
+excluded) and the sustained step (a block's whole time, flush included, over its
+steps: what a long run pays).
 
-  full   tensortape full tensors every step   vs torch.save of the same tensors
-         (twice: the default compression="auto", and compression=None)
-  stats  tensortape statistics only           vs TensorBoard add_histogram of the
-         same tensors (hooks wired by hand)   vs wandb.watch(log="all") offline
-         (parameters and their gradients only: wandb cannot see activations)
+  full    tensortape full tensors every step  vs torch.save of the same tensors
+          (twice: the default compression="auto", and compression=None)
+  stats   tensortape statistics only          vs TensorBoard add_histogram of the
+          same tensors (hooks wired by hand)  vs wandb.watch(log="all") offline
+          (parameters and their gradients only: wandb cannot see activations)
+  many    tensortape statistics only, and full tensors (the default
+          tensors_every=1)                    vs TensorBoard add_histogram; and the
+          added time per captured tensor
+  kernel  the statistics engine per tensor    vs one read of it (x.sum()): MB/s and
+          the ratio to that floor
 """
 
 from __future__ import annotations
@@ -45,18 +52,23 @@ from recorder import Recorder
 LAYERS = ["layers.*.self_attn", "layers.*.linear*"]
 
 
-def model_and_data():
+def transformer():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
     m = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
-    return m, torch.randn(16, 128, 256)
+    return m, torch.randn(16, 128, 256), LAYERS
 
 
-def hand_hooks(m, sink):
+def many_linears():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(200)]), torch.randn(4, 16), ["*"]
+
+
+def hand_hooks(m, patterns, sink):
     """What users wire by hand for TensorBoard or torch.save: outputs and their grads."""
     handles = []
     for n, mod in m.named_modules():
-        if any(fnmatch.fnmatchcase(n, p) for p in LAYERS):
+        if any(fnmatch.fnmatchcase(n, p) for p in patterns):
             def fwd(module, a, out, n=n):
                 t = out[0] if isinstance(out, tuple) else out
                 sink("act/" + n, t)
@@ -73,7 +85,8 @@ class Contender:
         self.x = x
         self.opt = torch.optim.SGD(self.m.parameters(), lr=1e-4)
         self.before, self.after, self.end_block = before, after, end_block
-        self.times: list[float] = []
+        self.steps: list[float] = []
+        self.blocks: list[float] = []
 
     def step(self, i):
         with (self.before(i) if self.before else None) or contextlib.nullcontext():
@@ -83,43 +96,61 @@ class Contender:
         if self.after:
             self.after(i)
 
-    def block(self, start, n):
-        t = time.perf_counter()
+    def block(self, start, n, keep):
+        t0 = time.perf_counter()
         for i in range(start, start + n):
+            t = time.perf_counter()
             self.step(i)
+            if keep:
+                self.steps.append(time.perf_counter() - t)
         if self.end_block:
             self.end_block()
-        return (time.perf_counter() - t) / n
+        if keep:
+            self.blocks.append((time.perf_counter() - t0) / n)
 
 
 def run(contenders, rounds, block):
+    """Blocks in turn; per contender (median step, sustained step) in seconds."""
     step = 0
     for r in range(rounds + 1):            # round 0 warms up (compilation, caches)
         for c in contenders.values():
-            t = c.block(step, block)
-            if r:
-                c.times.append(t)
+            c.block(step, block, keep=r > 0)
         step += block
-    return {k: statistics.median(c.times) for k, c in contenders.items()}
+    return {k: (statistics.median(c.steps), statistics.mean(c.blocks))
+            for k, c in contenders.items()}
+
+
+def recorder(c, store, layers, **kw):
+    rec = Recorder(c.m, store, layers=layers, **kw).attach()
+    c.before, c.end_block = (lambda i: rec.step()), rec.flush
+    return rec
+
+
+def tensorboard(c, tmp, layers):
+    from torch.utils.tensorboard import SummaryWriter
+    w = SummaryWriter(os.path.join(tmp, "tb"))
+    box = {"i": 0}
+    hand_hooks(c.m, layers, lambda k, t: w.add_histogram(k, t.detach(), box["i"]))
+    c.before, c.end_block = (lambda i: box.__setitem__("i", i)), w.flush
+    return w
 
 
 def dir_bytes(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def bench_full(base, x, tmp, rounds, block):
+def bench_full(tmp, rounds, block):
+    base, x, layers = transformer()
     c = {"bare": Contender(base, x)}
     recs = {}
     for name, compression in (("tensortape full", "auto"), ("tensortape full, uncompressed", None)):
         tt = c[name] = Contender(base, x)
         store = os.path.join(tmp, f"{compression}.zarr")
-        rec = recs[store] = Recorder(tt.m, store, layers=LAYERS, tensors_every=1,
-                                     compression=compression).attach()
-        tt.before, tt.end_block = (lambda i, rec=rec: rec.step()), rec.flush
+        recs[store] = recorder(tt, store, layers, tensors_every=1, compression=compression)
     sv = c["torch.save"] = Contender(base, x)
     buf, save_dir = {}, os.path.join(tmp, "save")
     os.makedirs(save_dir)
-    hand_hooks(sv.m, lambda k, t: buf.__setitem__(k, t.detach().clone()))
+    hand_hooks(sv.m, layers, lambda k, t: buf.__setitem__(k, t.detach().clone()))
 
     def save(i):
         torch.save(dict(buf), os.path.join(save_dir, f"step{i}.pt"))
@@ -130,22 +161,16 @@ def bench_full(base, x, tmp, rounds, block):
         rec.close()
     from analysis import open_run
     store = next(iter(recs))
-    res["_bytes"] = (open_run(store).summary()["bytes_raw"], dir_bytes(store), dir_bytes(save_dir))
-    return res
+    sizes = (open_run(store).summary()["bytes_raw"], dir_bytes(store), dir_bytes(save_dir))
+    return res, sizes
 
 
-def bench_stats(base, x, tmp, rounds, block):
+def bench_stats(tmp, rounds, block):
+    base, x, layers = transformer()
     c = {"bare": Contender(base, x)}
-    tt = c["tensortape stats"] = Contender(base, x)
-    rec = Recorder(tt.m, os.path.join(tmp, "stats.zarr"), layers=LAYERS, tensors_every=None).attach()
-    tt.before = lambda i: rec.step()     # its writer's work per step is small: no flush per block
-
-    from torch.utils.tensorboard import SummaryWriter
-    w = SummaryWriter(os.path.join(tmp, "tb"))
-    tb = c["tensorboard add_histogram"] = Contender(base, x, end_block=w.flush)
-    box = {"i": 0}
-    hand_hooks(tb.m, lambda k, t: w.add_histogram(k, t.detach(), box["i"]))
-    tb.before = lambda i: box.__setitem__("i", i)
+    rec = recorder(c.setdefault("tensortape stats", Contender(base, x)),
+                   os.path.join(tmp, "stats.zarr"), layers, tensors_every=None)
+    w = tensorboard(c.setdefault("tensorboard add_histogram", Contender(base, x)), tmp, layers)
     wb_run = None
     try:
         os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=tmp)
@@ -161,36 +186,101 @@ def bench_stats(base, x, tmp, rounds, block):
     w.close()
     if wb_run is not None:
         wb_run.finish()
-    return res
+    return res, None
+
+
+def bench_many(tmp, rounds, block):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        base, x, layers = many_linears()
+        c = {"bare": Contender(base, x)}
+        recs = [recorder(c.setdefault("tensortape stats", Contender(base, x)),
+                         os.path.join(tmp, "many-stats.zarr"), layers, tensors_every=None),
+                recorder(c.setdefault("tensortape full (default)", Contender(base, x)),
+                         os.path.join(tmp, "many-full.zarr"), layers)]
+        w = tensorboard(c.setdefault("tensorboard add_histogram", Contender(base, x)), tmp, layers)
+        res = run(c, rounds, block)
+        for rec in recs:
+            rec.close()
+        w.close()
+        from analysis import open_run
+        return res, 2 * len(open_run(os.path.join(tmp, "many-stats.zarr")).layers)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def bench_kernel(tmp, rounds, block):
+    """Per-tensor time of the statistics engine against one read of the tensor."""
+    from recorder._engines import Engines
+    base, x, layers = transformer()
+    seen = []
+    m = copy.deepcopy(base)
+    hand_hooks(m, layers, lambda k, t: seen.append((k, t.detach().clone())))
+    m(x).pow(2).mean().backward()
+    engine = Engines().for_tensor(x)
+
+    def timed(fn, t, reps=10):
+        fn(t)
+        s = time.perf_counter()
+        for _ in range(reps):
+            fn(t)
+        return (time.perf_counter() - s) / reps
+    rows = []
+    for name, t in seen[:: max(1, len(seen) // 6)]:
+        floor = timed(lambda t: t.sum(), t)
+        ours = timed(engine.reduce, t)
+        rows.append((name, t.numel() * t.element_size(), floor, ours))
+    return rows, engine
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["full", "stats"], default=None)
+    ap.add_argument("--only", choices=["full", "stats", "many", "kernel"], default=None)
+    ap.add_argument("--rounds", type=int, default=None, help="rounds of blocks (default per mode)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="tt-bench-")
-    base, x = model_and_data()
     print(f"threads={torch.get_num_threads()}")
+    modes = (("many", bench_many, 6, 10), ("stats", bench_stats, 6, 5),
+             ("full", bench_full, 3, 20), ("kernel", bench_kernel, 0, 0))
     try:
-        for mode, fn, rounds, block in (("full", bench_full, 3, 20), ("stats", bench_stats, 6, 3)):
+        for mode, fn, rounds, block in modes:
             if args.only not in (None, mode):
                 continue
-            res = fn(base, x, tmp, rounds, block)
-            bare = res.pop("bare")
-            sizes = res.pop("_bytes", None)
-            print(f"\n[{mode}] {rounds} rounds of {block}-step blocks; bare step (median): {bare * 1e3:.1f} ms")
-            for k, v in res.items():
-                print(f"  {k:28s} {v / bare:6.2f}x bare   (+{(v - bare) * 1e3:7.1f} ms/step)")
+            res, extra = fn(tmp, args.rounds or rounds, block)
+            if mode == "kernel":
+                print(f"\n[kernel] {extra} against one read of each tensor (x.sum())")
+                for name, nbytes, floor, ours in res:
+                    print(f"  {name:34s} {nbytes / 1e6:6.1f} MB  x.sum() {nbytes / floor / 1e6:7.0f} MB/s"
+                          f"  engine {nbytes / ours / 1e6:7.0f} MB/s  {ours / floor:5.1f}x the floor")
+                continue
+            bare_med, bare_sus = res.pop("bare")
+            print(f"\n[{mode}] {args.rounds or rounds} rounds of {block}-step blocks; bare step: "
+                  f"median {bare_med * 1e3:.1f} ms, sustained {bare_sus * 1e3:.1f} ms")
+            for k, (med, sus) in res.items():
+                print(f"  {k:30s} median {med / bare_med:6.2f}x bare (+{(med - bare_med) * 1e3:7.1f} ms)"
+                      f"   sustained {sus / bare_sus:6.2f}x (+{(sus - bare_sus) * 1e3:7.1f} ms)")
             if mode == "full":
                 for k in ("tensortape full", "tensortape full, uncompressed"):
-                    print(f"  {k} / torch.save: {res[k] / res['torch.save']:.2f}")
-                raw, disk, saved = sizes
+                    print(f"  {k} / torch.save: median {res[k][0] / res['torch.save'][0]:.2f}, "
+                          f"sustained {res[k][1] / res['torch.save'][1]:.2f}")
+                raw, disk, saved = extra
                 print(f"  tensortape: {raw / 1e6:.0f} MB of tensors -> {disk / 1e6:.0f} MB on disk "
                       f"(compression {raw / disk:.2f}, statistics included); torch.save: {saved / 1e6:.0f} MB")
+            elif mode == "stats":
+                add_tt = res["tensortape stats"][1] - bare_sus
+                add_tb = res["tensorboard add_histogram"][1] - bare_sus
+                print(f"  added time (sustained), TensorBoard / tensortape: {add_tb / max(add_tt, 1e-9):.1f}x")
             else:
-                add_tt = res["tensortape stats"] - bare
-                add_tb = res["tensorboard add_histogram"] - bare
-                print(f"  added time, TensorBoard / tensortape: {add_tb / max(add_tt, 1e-9):.1f}x")
+                for k in ("tensortape stats", "tensortape full (default)"):
+                    med, sus = res[k]
+                    print(f"  {k}: +{(med - bare_med) / extra * 1e6:.0f} us (median), "
+                          f"+{(sus - bare_sus) / extra * 1e6:.0f} us (sustained) per captured tensor "
+                          f"({extra} a step)")
+                add_tt = res["tensortape stats"][1] - bare_sus
+                add_tb = res["tensorboard add_histogram"][1] - bare_sus
+                print(f"  added time (sustained), TensorBoard / tensortape stats: "
+                      f"{add_tb / max(add_tt, 1e-9):.1f}x")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

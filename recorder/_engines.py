@@ -31,13 +31,15 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import types
 import warnings
 
 import numpy as np
 import torch
 
 from . import format as fmt
-from ._summary import (LANES, Summaries, codes, exp_bits_of, finalize, lane_codes,
+from ._summary import (FIELDS, LANES, Summaries, codes, empty_summary, exp_bits_of, finalize,
+                       lane_codes,
                        memory_order, nonfinite_counts, reductions, segment_reductions, widened)
 
 __all__ = ["Engine", "Engines", "summarize"]
@@ -53,6 +55,7 @@ class Engine:
         self.device_type = device_type
         self.compile = compile
         self._compiled: dict = {}
+        self._slots: dict = {}
         self._lock = threading.Lock()
         self._warned = False
 
@@ -79,48 +82,67 @@ class Engine:
         exp_bits = exp_bits_of(x)
         if exp_bits == 0:
             return torch.full((1,), x.numel(), dtype=torch.float64, device=x.device)
+        if x.numel() == 0:
+            return empty_summary().to(x.device)
         width = fmt.code_width(exp_bits)
-        counts = self._bincount(self._run(lane_codes, x), LANES * width).view(LANES, width).sum(0)
-        return torch.cat([self._run(reductions, x), counts.to(torch.float64)])
+        counts = self._bincount(self._run(lane_codes, x), LANES * width)
+        return torch.cat([self._run(reductions, x), self.to_slots(counts, exp_bits)])
+
+    def to_slots(self, code_counts: torch.Tensor, exp_bits: int) -> torch.Tensor:
+        """Counts of codes (any number of lanes of ``code_width``, on a device) -> the
+        ``format.SLOTS`` counts of a summary vector, float64, on that device."""
+        table = self.slots(code_counts.device, exp_bits)
+        lanes = code_counts.numel() // len(table)
+        out = torch.zeros(fmt.SLOTS, dtype=torch.float64, device=code_counts.device)
+        return out.index_add_(0, table.repeat(lanes), code_counts.reshape(-1).to(torch.float64))
+
+    def slots(self, device: torch.device, exp_bits: int) -> torch.Tensor:
+        """``format.code_slots`` on ``device`` (kept: one copy to each device)."""
+        key = (device, exp_bits)
+        table = self._slots.get(key)
+        if table is None:
+            table = self._slots[key] = torch.from_numpy(fmt.code_slots(exp_bits)).to(device)
+        return table
 
     @torch.compiler.disable
-    def reduce_many(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``reduce`` of many small float tensors of this device, with a few kernels
-        for all of them: segment reductions, and one count of codes offset by
-        segment.  The same vectors as ``reduce``."""
-        out: list = [None] * len(xs)
-        groups: dict = {}
-        for i, x in enumerate(xs):
-            groups.setdefault((x.device, exp_bits_of(x)), []).append(i)
-        for (device, exp_bits), idx in groups.items():
-            parts = [xs[i].detach().reshape(-1) for i in idx]
-            flat = torch.cat([p.to(torch.float64 if exp_bits == 11 else torch.float32) for p in parts])
-            sizes = [p.numel() for p in parts]
-            lengths = torch.tensor(sizes)
-            if device.type == "cuda":                  # from pinned memory: no host wait
-                lengths = lengths.pin_memory().to(device, non_blocking=True)
-            elif device.type != "cpu":
-                lengths = lengths.to(device)
-            seg = torch.repeat_interleave(torch.arange(len(parts), device=device), lengths,
-                                          output_size=sum(sizes))   # known here: no device sync
-            starts = torch.cumsum(lengths, 0) - lengths
-            width = fmt.code_width(exp_bits)
-            counts = self._bincount(self._run(codes, flat) + seg * width,
-                                    len(parts) * width).view(len(parts), width)
-            table = torch.cat([segment_reductions(flat, seg, starts, lengths),
-                               counts.to(torch.float64)], 1)
-            for row, i in zip(table, idx):
-                out[i] = row
-        return out
+    def reduce_many(self, xs: list[torch.Tensor], exp_bits: int) -> torch.Tensor:
+        """``reduce`` of many small float tensors of one device and code width, with
+        a few kernels for all of them: segment reductions, and one count of codes
+        offset by segment.  A (tensors x vector) table of the vectors ``reduce``
+        would give."""
+        device = xs[0].device
+        flat = torch.cat([x.reshape(-1) for x in xs])        # 16-bit floats promote to float32
+        flat = flat.to(torch.float64 if exp_bits == 11 else torch.float32)
+        sizes = [x.numel() for x in xs]
+        lengths = torch.tensor(sizes)
+        if device.type == "cuda":                  # from pinned memory: no host wait
+            lengths = lengths.pin_memory().to(device, non_blocking=True)
+        elif device.type != "cpu":
+            lengths = lengths.to(device)
+        seg = torch.repeat_interleave(torch.arange(len(xs), device=device), lengths,
+                                      output_size=flat.numel())   # known here: no device sync
+        starts = torch.cumsum(lengths, 0) - lengths
+        slot = self.slots(device, exp_bits)[self._run(codes, flat)]   # tiny tensors: a gather
+        head = len(FIELDS)
+        table = torch.zeros((len(xs), head + fmt.SLOTS), dtype=torch.float64, device=device)
+        table[:, :head] = segment_reductions(flat, seg, starts, lengths)
+        ones = torch.ones(1, dtype=torch.float64, device=device).expand(flat.numel())
+        table.view(-1).index_add_(0, slot + seg * (head + fmt.SLOTS) + head, ones)   # the counts,
+        return table                                                  # in place, as float64
 
     # --- how kernels run ------------------------------------------------------------
     def _parallel(self, x: torch.Tensor) -> bool:
         return False
 
     def _run(self, fn, x: torch.Tensor) -> torch.Tensor:
-        """``fn(x)`` as one fused kernel, compiled once per (kernel, dtype, threading)."""
-        if not self.compile:
+        """``fn(x)`` as one fused kernel, compiled once per (kernel, dtype, threading).
+
+        The kernels ignore element order, so a contiguous tensor goes in flat (one
+        compiled shape for every rank); a tensor that is not contiguous runs the
+        eager kernel (no recompile per stride pattern)."""
+        if not self.compile or not x.is_contiguous():
             return fn(x)
+        x = x.reshape(-1)
         key = (fn, x.dtype, self._parallel(x))
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -142,7 +164,11 @@ class Engine:
             probe = torch.tensor([1.0, float("nan"), 0.0, -float("inf")], device=x.device,
                                  dtype=x.dtype)
             options = {"cpp.dynamic_threads": parallel} if self.device_type == "cpu" else {}
-            compiled = torch.compile(fn, dynamic=True, options=options)
+            # a code object of its own: Dynamo's recompile limit counts per code object,
+            # and each (kernel, dtype, threading) is one compiled function
+            own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                     fn.__defaults__, fn.__closure__)
+            compiled = torch.compile(own, dynamic=True, options=options)
             with torch.no_grad():
                 torch.testing.assert_close(compiled(probe), fn(probe), equal_nan=True)
             return compiled
@@ -274,4 +300,4 @@ def summarize(x: torch.Tensor, compile: bool | None = None) -> Summaries:
     """Statistics and histogram of one tensor, on the host (one sync)."""
     x = x.detach()
     engine = Engines(compile).for_tensor(x)
-    return finalize([engine.reduce(x).cpu().numpy()], [exp_bits_of(x)])
+    return finalize([engine.reduce(x).cpu().numpy()])

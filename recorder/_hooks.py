@@ -44,6 +44,7 @@ __all__ = ["HookSet"]
 
 # what may raise through the guard: the policies a user chose
 _POLICY = (InspectionError, NonFiniteError)
+_STALE = object()          # the token of a step that is gone: never the open step's
 
 
 class Sink(Protocol):
@@ -162,9 +163,13 @@ class HookSet:
         self._sink.fault(error, "capture", self._label(module))
 
     def on_gradient(self, serial: int, g: torch.Tensor) -> None:
-        """The gradient of the output whose capture had ``serial``."""
-        token, name, micro = self._serials.get(serial) or self._older.get(serial) \
-            or (None, "?", 0)
+        """The gradient of the output whose capture had ``serial`` (-1: none was
+        recorded, so neither is this).  A serial of a step older than the last is
+        a late gradient, dropped and counted like any."""
+        found = self._serials.get(serial) or self._older.get(serial)
+        if found is None:
+            found = (_STALE, "an output of an earlier step", 0) if serial > 0 else (None, "?", 0)
+        token, name, micro = found
         try:
             self._sink.add("gradients", name, g, token, micro)
         except _POLICY:
@@ -182,7 +187,7 @@ class HookSet:
             self._names[phase + module] = self._label(module) + (f"#{k}" if k else "")
         if what == "weights":            # a module's weights: once a step, not per micro-batch
             name = f"{self._label(module)}:{path}"
-            if name not in self._weighed:
+            if token is not None and name not in self._weighed:    # recorded, not paused
                 self._weighed.add(name)
                 self._sink.add("weights", name, x, token, micro)
             return -1

@@ -27,7 +27,7 @@ from . import format as fmt
 from ._config import RecorderConfig
 from ._engines import Engines
 from ._snapshot import Snapshot, unstorable
-from ._summary import COUNTS, Summaries, exp_bits_of, finalize, merge, widened
+from ._summary import combine, empty_summary, exp_bits_of, moments, widened
 from .errors import InspectionError
 
 __all__ = ["Capture", "Plan", "StepBuffer", "StepRecord", "StatsRows", "TensorRow"]
@@ -70,16 +70,27 @@ class Capture:
 
 @dataclass(frozen=True)
 class Meta:
-    """A capture as the record keeps it: where its vector lies in the packed one."""
+    """A capture as the record keeps it: which row of which block holds its vector
+    (block -1: none, a count only)."""
     order: int
     kind: str
     name: str
     micro: int
-    exp_bits: int
     numel: int
     form: str
+    block: int = -1
+    row: int = 0
+
+
+@dataclass(frozen=True)
+class Block:
+    """A (rows x width) matrix of a step's summary vectors (or NaN/Inf counts), as
+    one engine call or one stack made them, and where it starts in the packed
+    host vector."""
+    form: str                    # SUMMARY or COUNTED
+    rows: int
+    width: int
     start: int
-    length: int
 
 
 # --- what a step hands to the writer ---------------------------------------------------
@@ -129,6 +140,7 @@ class StepRecord:
     plan: Plan | None = None
     layers: list[str] = field(default_factory=list)          # new names, in capture order
     metas: list[Meta] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
     packed: Packed | None = None
     tensors: list[TensorRow] = field(default_factory=list)
     drops: dict[str, int] = field(default_factory=dict)      # what was dropped, by reason
@@ -152,40 +164,48 @@ def _resolve(rec: StepRecord) -> Resolved:
     if not rec.metas:
         return out
     flat = rec.packed.host() if rec.packed is not None else np.zeros(0)
-    vecs = [flat[m.start: m.start + m.length] for m in rec.metas]
-    summaries = [i for i, m in enumerate(rec.metas) if m.form == SUMMARY]
-    singles = finalize([vecs[i] for i in summaries], [rec.metas[i].exp_bits for i in summaries]) \
-        if summaries else None
-    row = {i: j for j, i in enumerate(summaries)}
+    mats = [flat[b.start: b.start + b.rows * b.width].reshape(b.rows, b.width) for b in rec.blocks]
+    # every capture with statistics is a row of ``moments``: the summary blocks, then a
+    # block of counts for those without a vector (integer, bool, complex)
+    summary = [i for i, b in enumerate(rec.blocks) if b.form == SUMMARY]
+    base, at = {}, 0
+    for i in summary:
+        base[i], at = at, at + rec.blocks[i].rows
+    counted_only = [i for i, m in enumerate(rec.metas) if m.block < 0]
+    position = {i: at + j for j, i in enumerate(counted_only)}
     for i, m in enumerate(rec.metas):
-        if m.form == SUMMARY:
-            bad = singles.nonfinite(row[i])
-        elif m.form == COUNTED:
-            bad = tuple(int(v) for v in vecs[i])
+        if m.block >= 0 and rec.blocks[m.block].form == SUMMARY:
+            position[i] = base[m.block] + m.row
+    blocks = [mats[i] for i in summary]
+    blocks.append(np.array([float(rec.metas[i].numel) for i in counted_only]).reshape(-1, 1))
+    m, hist = moments(blocks)
+    for i, meta in enumerate(rec.metas):
+        if i in position:
+            p = position[i]
+            bad = (int(m["nan"][p]), int(m["posinf"][p]), int(m["neginf"][p]))
+        elif meta.form == COUNTED:
+            bad = tuple(int(v) for v in mats[meta.block][meta.row])
         else:
             continue
         if any(bad):
             out.events.append(fmt.NonFiniteEvent(
-                rec.step, m.name, m.kind, *bad, order=m.order,
-                phase="backward" if m.kind in fmt.BACKWARD_KINDS else "forward", micro=m.micro))
+                rec.step, meta.name, meta.kind, *bad, order=meta.order,
+                phase="backward" if meta.kind in fmt.BACKWARD_KINDS else "forward",
+                micro=meta.micro))
     out.events.sort(key=lambda e: e.sort_key)
     if not rec.plan.stats:
         return out
-    per_kind: dict[str, dict[str, list[int]]] = {}        # kind -> layer -> metas
-    for i, m in enumerate(rec.metas):
-        per_kind.setdefault(m.kind, {}).setdefault(m.name, []).append(i)
+    per_kind: dict[str, dict[str, list[int]]] = {}        # kind -> layer -> its rows
+    for i, meta in enumerate(rec.metas):
+        if i in position:
+            per_kind.setdefault(meta.kind, {}).setdefault(meta.name, []).append(position[i])
+    s = combine(m, hist, [rows for layers in per_kind.values() for rows in layers.values()])
+    at = 0                                             # micro-batches: one row over all of them
     for kind, layers in per_kind.items():
-        merged, widths = [], []
-        for idx in layers.values():
-            e = rec.metas[idx[0]].exp_bits
-            same = [i for i in idx if rec.metas[i].exp_bits == e]       # a dtype change: the first's
-            if e == 0:
-                merged.append(np.array([float(sum(rec.metas[i].numel for i in same))]))
-            else:
-                merged.append(merge([vecs[i] for i in same], e))
-            widths.append(e)
-        s = finalize(merged, widths)
-        out.stats[kind] = StatsRows(list(layers), s.stats, s.hist)
+        part = slice(at, at + len(layers))
+        out.stats[kind] = StatsRows(list(layers), {k: v[part] for k, v in s.stats.items()},
+                                    s.hist[part])
+        at += len(layers)
     return out
 
 
@@ -250,13 +270,15 @@ class StepBuffer:
     def add(self, kind: str, name: str, tensor: torch.Tensor, token: object, micro: int) -> None:
         """One captured tensor of the step whose token is ``token`` (its forward
         call's micro-batch ``micro``)."""
-        if token is None:                   # outside a step or paused: not recorded
+        if token is None:                   # its forward was not recorded: neither is it
             return
         if token is not self.token:
             self.drop(LATE_GRADIENT)
             self._warn_once("late", f"tensortape: the gradient of {name!r} arrived after its step "
                             f"ended and was dropped; run backward inside the step "
                             f"(`with rec.step(): ...`)")
+            return
+        if self.paused:                     # inside pause(): nothing is recorded
             return
         if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
             tensor = tensor.to_local()          # a sharded DTensor (FSDP2): this rank's shard
@@ -273,6 +295,8 @@ class StepBuffer:
         numel = tensor.numel()
         if not exp_bits:
             form, vec = COUNT_ONLY, None
+        elif numel == 0:
+            form, vec = (SUMMARY, empty_summary()) if plan.stats else (COUNT_ONLY, None)
         elif plan.stats and numel < SMALL:
             form, vec = DEFERRED, widened(tensor).clone()
         else:
@@ -297,12 +321,12 @@ class StepBuffer:
             self._drops[reason] = self._drops.get(reason, 0) + n
             self.drops_total += n
 
-    def fault(self, error: BaseException, kind: str, name: str) -> None:
-        """Anything raised while capturing ``name``: that capture is dropped (counted
-        with its reason), a failing statistics engine is demoted, and it warns once
-        per cause.  Training goes on."""
+    def fault(self, error: BaseException, kind: str, name: str, n: int = 1) -> None:
+        """Anything raised while capturing ``name``: that capture (or ``n`` of them) is
+        dropped (counted with its reason), a failing statistics engine is demoted,
+        and it warns once per cause.  Training goes on."""
         cause = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
-        self.drop(f"capture failed ({cause})")
+        self.drop(f"capture failed ({cause})", n)
         tensor, self._engine_tensor = self._engine_tensor, None
         note = ""
         if tensor is not None:
@@ -331,7 +355,7 @@ class StepBuffer:
         caps.sort(key=lambda c: (c.kind in fmt.BACKWARD_KINDS, c.order))
         rec = StepRecord(step, plan, layers=new, outside=self._outside)
         try:
-            rec.metas, rec.packed = self._pack(caps)
+            rec.metas, rec.blocks, rec.packed = self._pack(caps)
         except Exception as e:           # never into training: the step's statistics are dropped
             cause = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             self.drop(f"statistics failed ({cause})", len(caps))
@@ -343,33 +367,44 @@ class StepBuffer:
         self._outside = 0
         return rec
 
-    def _pack(self, caps: list[Capture]) -> tuple[list[Meta], Packed | None]:
-        """Batch the tiny tensors, then every vector of a device into one, copied to
-        the host without waiting (a pinned buffer and an event on CUDA)."""
-        deferred = [c for c in caps if c.form == DEFERRED]
-        by_engine: dict = {}
-        for c in deferred:
-            by_engine.setdefault(self.engines.for_tensor(c.vec), []).append(c)
-        for engine, group in by_engine.items():
-            for c, vec in zip(group, engine.reduce_many([c.vec for c in group])):
-                c.form, c.vec = SUMMARY, vec
-        metas, parts, by_device, start = [], [], {}, 0
-        for c in caps:
-            n = 0 if c.vec is None else c.vec.numel()
-            metas.append(Meta(c.order, c.kind, c.name, c.micro, c.exp_bits, c.numel, c.form,
-                              -1, n))
+    def _pack(self, caps: list[Capture]) -> tuple[list[Meta], list[Block], Packed | None]:
+        """Batch the tiny tensors, stack the other vectors of a device and width into
+        blocks, and start each device's copy to the host without waiting (a pinned
+        buffer and an event on CUDA)."""
+        groups: dict = {}          # (device, form, code width of tiny ones) -> capture indices
+        for i, c in enumerate(caps):
             if c.vec is not None:
-                by_device.setdefault(c.vec.device, []).append((len(metas) - 1, c.vec))
+                key = (c.vec.device, c.form, c.exp_bits if c.form == DEFERRED else 0)
+                groups.setdefault(key, []).append(i)
+        made = []                  # (device, matrix, form, capture indices)
+        for (device, form, e), idx in groups.items():
+            vecs = [caps[i].vec for i in idx]
+            if form == DEFERRED:
+                engine = self.engines.for_tensor(vecs[0])
+                try:
+                    made.append((device, engine.reduce_many(vecs, e), SUMMARY, idx))
+                except Exception as err:     # the guard: these captures' statistics are dropped
+                    self._engine_tensor = vecs[0]
+                    self.fault(err, "statistics", f"{len(idx)} small tensors", len(idx))
+                    for i in idx:
+                        caps[i].form, caps[i].vec = COUNT_ONLY, None
+                continue
+            made.append((device, torch.stack(vecs), form, idx))
+        metas = [Meta(c.order, c.kind, c.name, c.micro, c.numel, c.form) for c in caps]
+        blocks, parts, start = [], [], 0
+        for device in dict.fromkeys(d for d, *_ in made):
+            mine = [b for b in made if b[0] == device]
+            for _, mat, form, idx in mine:
+                for row, i in enumerate(idx):
+                    c = caps[i]
+                    metas[i] = Meta(c.order, c.kind, c.name, c.micro, c.numel, form, len(blocks), row)
+                blocks.append(Block(form, mat.shape[0], mat.shape[1], start))
+                start += mat.numel()
+            mats = [mat.reshape(-1) for _, mat, *_ in mine]
+            parts.append(_to_host(mats[0] if len(mats) == 1 else torch.cat(mats)))
+        for c in caps:
             c.vec = None
-        for device, items in by_device.items():
-            flat = torch.cat([v for _, v in items])
-            for i, v in items:
-                m = metas[i]
-                metas[i] = Meta(m.order, m.kind, m.name, m.micro, m.exp_bits, m.numel, m.form,
-                                start, m.length)
-                start += m.length
-            parts.append(_to_host(flat))
-        return metas, Packed(parts) if parts else None
+        return metas, blocks, Packed(parts) if parts else None
 
     def pending_record(self) -> StepRecord | None:
         """What was counted since the last record, outside any step (at close)."""

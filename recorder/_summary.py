@@ -1,12 +1,14 @@
 """Pure tensor -> summary functions: no I/O, no caches, no device policy.
 
-A tensor's *summary vector* is one float64 vector on the tensor's own device:
-the NaN-safe reductions (``FIELDS``), then the counts of its histogram codes
-(``format.code_width(exp_bits)`` of them; see ``format.encode``).  Integer,
-bool, complex and empty tensors get a vector holding only their element count
-(``exp_bits == 0``).  A statistics engine (``_engines``) computes vectors on
-the device with the kernels below; ``finalize`` turns a batch of them, on the
-host, into the statistics and histograms of the store in vectorised passes.
+A float tensor's *summary vector* is one float64 vector on the tensor's own
+device: the NaN-safe reductions (``FIELDS``), then ``format.SLOTS`` counts: one
+per histogram bin, then NaN, +Inf and -Inf.  The device counts the elements'
+histogram codes (``codes``; see ``format.encode``) and maps them to slots
+(``format.code_slots``), so every float dtype gives a vector of one width.
+Integer, bool and complex tensors have no vector: their element count is all.
+A statistics engine (``_engines``) computes vectors on the device with the
+kernels below; ``moments`` and ``combine`` turn blocks of them, on the host,
+into the statistics and histograms of the store in vectorised passes.
 
 Sums accumulate in float64 around a shift taken from the tensor itself, so
 the variance does not cancel.
@@ -21,9 +23,9 @@ import torch
 
 from . import format as fmt
 
-__all__ = ["COUNTS", "FIELDS", "LANES", "NARROW", "Summaries", "codes", "exp_bits_of", "finalize",
-           "lane_codes", "memory_order", "merge", "nonfinite_counts", "reductions",
-           "segment_reductions", "widened"]
+__all__ = ["COUNTS", "FIELDS", "LANES", "NARROW", "VECTOR", "Summaries", "codes", "combine",
+           "empty_summary", "exp_bits_of", "finalize", "lane_codes", "memory_order", "moments",
+           "nonfinite_counts", "reductions", "segment_reductions", "widened"]
 
 FIELDS = ("count", "shift", "dsum", "dsq", "min", "max")
 COUNTS = ("nan", "posinf", "neginf")     # the vector of ``nonfinite_counts``
@@ -38,10 +40,21 @@ NARROW = frozenset(getattr(torch, n) for n in (
 
 def exp_bits_of(x: torch.Tensor) -> int:
     """The code width a tensor's summary uses: 11 (float64), 8 (other floats),
-    or 0 (integer, bool, complex or empty: a count only)."""
-    if x.is_complex() or not x.is_floating_point() or x.numel() == 0:
+    or 0 (integer, bool or complex: a count only)."""
+    if x.is_complex() or not x.is_floating_point():
         return 0
     return 11 if x.dtype == torch.float64 else 8
+
+
+VECTOR = len(FIELDS) + fmt.SLOTS         # the length of a summary vector
+
+
+def empty_summary() -> torch.Tensor:
+    """The summary vector of an empty float tensor (on the host): no values, so it
+    merges with its step's other micro-batches as nothing."""
+    inf = float("inf")
+    head = torch.tensor([0.0, 0.0, 0.0, 0.0, inf, -inf], dtype=torch.float64)
+    return torch.cat([head, torch.zeros(fmt.SLOTS, dtype=torch.float64)])
 
 
 def widened(x: torch.Tensor) -> torch.Tensor:
@@ -55,10 +68,6 @@ def nonfinite_counts(x: torch.Tensor) -> torch.Tensor:
     in-place op cannot hide a value from it)."""
     inf = float("inf")
     return torch.stack([torch.isnan(x).sum(), (x == inf).sum(), (x == -inf).sum()]).to(torch.float64)
-
-
-def vector_length(exp_bits: int) -> int:
-    return 1 if exp_bits == 0 else len(FIELDS) + fmt.code_width(exp_bits)
 
 
 def memory_order(x: torch.Tensor) -> torch.Tensor:
@@ -132,31 +141,9 @@ def segment_reductions(flat: torch.Tensor, seg: torch.Tensor, starts: torch.Tens
                         lo.to(torch.float64), hi.to(torch.float64)], 1)
 
 
-def merge(vecs: list[np.ndarray], exp_bits: int) -> np.ndarray:
-    """One host summary vector of several tensors taken together (a step's
-    micro-batches): exactly the vector of their concatenation, but for the
-    rounding of the float64 sums (moved to one shift)."""
-    if len(vecs) == 1:
-        return vecs[0]
-    v = np.stack(vecs)
-    if exp_bits == 0:
-        return v.sum(axis=0)
-    _, exact = fmt.decode(v[:, len(FIELDS):], exp_bits)
-    n = v[:, 0] - exact["nan"] - exact["posinf"] - exact["neginf"]       # finite counts
-    c, s1, s2 = v[:, 1], v[:, 2], v[:, 3]
-    c0 = c[np.argmax(n > 0)]
-    dc = c - c0
-    out = v.sum(axis=0)
-    out[1] = c0
-    out[2] = np.sum(s1 + n * dc)
-    out[3] = np.sum(s2 + 2 * dc * s1 + n * dc * dc)
-    out[4], out[5] = v[:, 4].min(), v[:, 5].max()
-    return out
-
-
 @dataclass
 class Summaries:
-    """Statistics (one array per store name) and histograms of a batch of tensors."""
+    """Statistics (one array per store name) and histograms of a batch of rows."""
     stats: dict[str, np.ndarray]
     hist: np.ndarray                  # (n, NBINS)
 
@@ -164,50 +151,97 @@ class Summaries:
         return tuple(int(self.stats[k][i]) for k in ("nan", "posinf", "neginf"))
 
 
-def finalize(vecs: list[np.ndarray], exp_bits: list[int]) -> Summaries:
-    """Host summary vectors (with their code widths) -> statistics and histograms.
+# the moments of a summary that add up over tensors: counts (then the shifted sums)
+_COUNTED = ("count", "n", "zeros", "nan", "posinf", "neginf", "floats")
 
-    Vectors of one width are finalised together in one vectorised pass.
-    """
-    n = len(vecs)
-    out = Summaries({s: np.full(n, np.nan) for s in fmt.STATS},
-                    np.zeros((n, fmt.NBINS), dtype=np.int64))
+
+def moments(blocks: list[np.ndarray]) -> tuple[dict, np.ndarray]:
+    """Blocks of summary vectors, each a (rows x ``VECTOR``) matrix, or (rows x 1) of
+    element counts (tensors without float statistics), in one vectorised pass a
+    block: per row (blocks concatenated) its counts, shifted sums, min and max, and
+    its histogram."""
+    n = sum(len(mat) for mat in blocks)
+    m = {k: np.zeros(n) for k in (*_COUNTED, "c", "s1", "s2")}
+    m["lo"], m["hi"] = np.full(n, np.inf), np.full(n, -np.inf)
+    hist = np.zeros((n, fmt.NBINS), dtype=np.int64)
+    at, head = 0, len(FIELDS)
+    for mat in blocks:
+        rows = slice(at, at + len(mat))
+        at += len(mat)
+        m["count"][rows] = mat[:, 0]
+        if mat.shape[1] == 1:               # integer, bool or complex: a count and nothing else
+            continue
+        m["floats"][rows] = 1
+        hist[rows] = mat[:, head: head + fmt.NBINS]
+        m["zeros"][rows] = mat[:, head + fmt.ZERO_BIN]
+        for k, slot in (("nan", fmt.NAN_SLOT), ("posinf", fmt.POSINF_SLOT),
+                        ("neginf", fmt.NEGINF_SLOT)):
+            m[k][rows] = mat[:, head + slot]
+        m["n"][rows] = mat[:, 0] - m["nan"][rows] - m["posinf"][rows] - m["neginf"][rows]
+        for k, f in (("c", "shift"), ("s1", "dsum"), ("s2", "dsq"), ("lo", "min"), ("hi", "max")):
+            m[k][rows] = mat[:, FIELDS.index(f)]
+    return m, hist
+
+
+def combine(m: dict, hist: np.ndarray, rows: list[list[int]]) -> Summaries:
+    """The statistics of groups of ``moments`` rows, each group taken together (a
+    step's micro-batches), exactly as of their concatenation but for the rounding
+    of the float64 sums (moved to one shift): ``count`` counts every element, the
+    other statistics the float ones, whatever their dtypes."""
+    order = np.fromiter((i for r in rows for i in r), np.int64, sum(map(len, rows)))
+    g = {k: v[order] for k, v in m.items()}
+    if len(order) == len(rows):              # a row each: nothing to merge
+        out = dict(g, hist=hist[order])
+        return _statistics(out)
+    starts = np.cumsum([0] + [len(r) for r in rows[:-1]]).astype(np.int64)
+    out = {k: np.add.reduceat(g[k], starts) for k in _COUNTED}
+    member = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+    # each group's shift: that of its first row holding finite values (else 0)
+    first = np.minimum.reduceat(np.where(g["n"] > 0, np.arange(len(order)), len(order)), starts)
+    c0 = np.where(first < len(order), g["c"][np.minimum(first, len(order) - 1)], 0.0)
+    dc = np.where(g["n"] > 0, g["c"] - c0[member], 0.0)
+    out["c"] = c0
+    out["s1"] = np.add.reduceat(g["s1"] + g["n"] * dc, starts)
+    out["s2"] = np.add.reduceat(g["s2"] + 2 * dc * g["s1"] + g["n"] * dc * dc, starts)
+    out["lo"] = np.minimum.reduceat(g["lo"], starts)
+    out["hi"] = np.maximum.reduceat(g["hi"], starts)
+    out["hist"] = np.add.reduceat(hist[order], starts, axis=0)
+    return _statistics(out)
+
+
+def finalize(vecs: list[np.ndarray]) -> Summaries:
+    """Host summary vectors (or 1-element counts) -> statistics and histograms, a row each."""
     by_width: dict[int, list[int]] = {}
-    for i, e in enumerate(exp_bits):
-        by_width.setdefault(e, []).append(i)
-    for e, rows in by_width.items():
-        part, hist = _finalize_width(np.stack([vecs[i] for i in rows]), e)
-        for s, v in part.items():
-            out.stats[s][rows] = v
-        if hist is not None:
-            out.hist[rows] = hist
-    return out
+    for i, v in enumerate(vecs):
+        by_width.setdefault(len(v), []).append(i)
+    blocks, position, at = [], {}, 0
+    for idx in by_width.values():
+        blocks.append(np.stack([vecs[i] for i in idx]))
+        for i in idx:
+            position[i], at = at, at + 1
+    m, hist = moments(blocks)
+    return combine(m, hist, [[position[i]] for i in range(len(vecs))])
 
 
-def _finalize_width(vecs: np.ndarray, exp_bits: int) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
-    count = vecs[:, 0]
-    if exp_bits == 0:               # integer, bool or empty tensors: a count and nothing else
-        stats = {k: np.full(len(vecs), np.nan) for k in fmt.STATS}
-        stats.update(count=count, nan=0 * count, posinf=0 * count, neginf=0 * count)
-        return stats, None
-    c, s1, s2, lo, hi = (vecs[:, FIELDS.index(f)] for f in ("shift", "dsum", "dsq", "min", "max"))
-    hist, exact = fmt.decode(vecs[:, len(FIELDS):], exp_bits)
-    nan, posinf, neginf = exact["nan"], exact["posinf"], exact["neginf"]
-    n = count - nan - posinf - neginf
+def _statistics(m: dict) -> Summaries:
+    n, c, s1, s2 = m["n"], m["c"], m["s1"], m["s2"]
+    floats = m["floats"] > 0           # rows of float tensors: their norm is 0 without values
     has = n > 0
     safe = np.where(has, n, 1.0)
     m2 = s2 - s1 * s1 / safe            # sums of (x - c) and (x - c)^2: no cancellation
-    lo, hi = np.where(has, lo, np.nan), np.where(has, hi, np.nan)
-    return {
-        "count": count,
+    lo, hi = np.where(has, m["lo"], np.nan), np.where(has, m["hi"], np.nan)
+    norm = np.sqrt(np.maximum(s2 + 2 * c * s1 + n * c * c, 0.0))
+    stats = {
+        "count": m["count"],
         "mean": np.where(has, c + s1 / safe, np.nan),
         "std": np.where(has, np.sqrt(np.maximum(m2, 0.0) / safe), np.nan),
         "min": lo,
         "max": hi,
         "abs_max": np.maximum(np.abs(lo), np.abs(hi)),
-        "norm": np.sqrt(np.maximum(s2 + 2 * c * s1 + n * c * c, 0.0)),
-        "zero_frac": np.where(has, exact["zeros"] / safe, np.nan),
-        "nan": nan,
-        "posinf": posinf,
-        "neginf": neginf,
-    }, hist
+        "norm": np.where(floats, norm, np.nan),
+        "zero_frac": np.where(has, m["zeros"] / safe, np.nan),
+        "nan": m["nan"],
+        "posinf": m["posinf"],
+        "neginf": m["neginf"],
+    }
+    return Summaries(stats, m["hist"])

@@ -108,7 +108,7 @@ class TritonEngine(DeviceEngine):
     @torch.compiler.disable
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         x = memory_order(widened(x.detach()))
-        if exp_bits_of(x) != 8:          # float64, integers, empty: the torch kernels
+        if exp_bits_of(x) != 8 or not x.numel():     # float64, integers, empty: torch kernels
             return super().reduce(x)
         if not x.is_contiguous():
             x = x.contiguous()
@@ -123,4 +123,4 @@ class TritonEngine(DeviceEngine):
         head = torch.stack([torch.full((), n, dtype=torch.float64, device=x.device), shift,
                             parts[:, 0].sum(), parts[:, 1].sum(), parts[:, 2].min(),
                             parts[:, 3].max()])
-        return torch.cat([head, hist.sum(0, dtype=torch.int64).to(torch.float64)])
+        return torch.cat([head, self.to_slots(hist.sum(0, dtype=torch.int64), 8)])

@@ -354,17 +354,25 @@ def _float8_table(name: str) -> np.ndarray:
         value = 2.0 ** (code - 127.0)
     if signed:
         value = np.where(code >> 7, -value, value)
-    if name == "float8_e4m3fn":
-        value = np.where((code & 0x7F) == 0x7F, np.nan, value)
-    elif name == "float8_e5m2":
-        top = e == (1 << exp_bits) - 1
+    top = e == (1 << exp_bits) - 1
+    if name == "float8_e5m2":
         value = np.where(top & (m == 0), np.copysign(np.inf, value), value)
-        value = np.where(top & (m != 0), np.nan, value)
-    elif name in ("float8_e4m3fnuz", "float8_e5m2fnuz"):
-        value = np.where(code == 0x80, np.nan, value)
+    with np.errstate(over="ignore"):              # e8m0fnu's 2^128 is its NaN's code
+        out = value.astype(np.float32).view(np.uint32)
+    # NaNs widen as torch widens them: the payload shifted in and the quiet bit set
+    # (e4m3fn, e5m2), or one fixed NaN (the fnuz formats and e8m0fnu)
+    if name == "float8_e4m3fn":
+        nan = (code & 0x7F) == 0x7F
+    elif name == "float8_e5m2":
+        nan = top & (m != 0)
     else:
-        value = np.where(code == 0xFF, np.nan, value)
-    return value.astype(np.float32)
+        nan = code == (0x80 if signed else 0xFF)
+    if name in ("float8_e4m3fn", "float8_e5m2"):
+        widened = ((code >> 7).astype(np.uint32) << 31) | 0x7FC00000 \
+            | (code & ((1 << man_bits) - 1)).astype(np.uint32) << (23 - man_bits)
+    else:
+        widened = np.full(256, 0x7F800001, np.uint32)
+    return np.where(nan, widened, out).astype(np.uint32).view(np.float32)
 
 
 def nan_bits(logical: str) -> int:
@@ -476,28 +484,16 @@ def code_to_bin(exp_bits: int) -> np.ndarray:
     return np.where(exp_field == (1 << exp_bits) - 1, -1, out).astype(np.int64)
 
 
+# A summary vector's counts: one slot per bin, then the NaN, +Inf and -Inf counts.
+NAN_SLOT, POSINF_SLOT, NEGINF_SLOT = NBINS, NBINS + 1, NBINS + 2
+SLOTS = NBINS + 3
+
+
 @lru_cache(maxsize=None)
-def _bin_groups(exp_bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Codes ordered by bin, where each bin's run starts, and those bins."""
-    lut = code_to_bin(exp_bits)
-    keep = np.nonzero(lut >= 0)[0]
-    order = keep[np.argsort(lut[keep], kind="stable")]
-    ordered = lut[order]
-    starts = np.concatenate([[0], np.nonzero(np.diff(ordered))[0] + 1])
-    return order, starts, ordered[starts]
-
-
-def decode(counts: np.ndarray, exp_bits: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Code counts (..., ``code_width``) -> global histograms (..., NBINS) and
-    exact counts ``nan``, ``posinf``, ``neginf`` and ``zeros`` (one per row)."""
-    counts = np.asarray(counts)
-    n = raw_codes(exp_bits)
-    raw, special = counts[..., :n], counts[..., n:]
-    exact = {"nan": raw[..., code_to_bin(exp_bits) < 0].sum(axis=-1),
-             "posinf": special[..., 2], "neginf": special[..., 3],
-             "zeros": special[..., 0] + special[..., 1]}
-    order, starts, bins = _bin_groups(exp_bits)
-    hist = np.zeros((*raw.shape[:-1], NBINS), dtype=np.int64)
-    hist[..., bins] = np.rint(np.add.reduceat(raw[..., order], starts, axis=-1))
-    hist[..., ZERO_BIN] = exact["zeros"]
-    return hist, exact
+def code_slots(exp_bits: int) -> np.ndarray:
+    """The slot of each histogram code (``code_width`` of them): its bin, or the
+    NaN, +Inf or -Inf count.  Both zeros go to the zero bin.  The device maps its
+    code counts through this, so a summary's counts have one width for every dtype."""
+    raw = code_to_bin(exp_bits)
+    raw = np.where(raw < 0, NAN_SLOT, raw)
+    return np.concatenate([raw, [ZERO_BIN, ZERO_BIN, POSINF_SLOT, NEGINF_SLOT]]).astype(np.int64)
