@@ -131,14 +131,15 @@ class Schedules(RuleBasedStateMachine):
             m[0].cast.dtype = cfg["half"]
         self.opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in self.models]
         recorded = self.models[1]
-        if cfg["compile"]:          # compiled and trained before the recorder attaches
-            torch._dynamo.reset()
+        if cfg["compile"]:          # compiled and trained before the recorder attaches, on
+            torch._dynamo.reset()   # every shape to come (so no later call must recompile)
             recorded = torch.compile(recorded, backend="eager")
-            for run, opt in zip((self.models[0], recorded), self.opts):
-                a, b = run(torch.ones(2, 4))
-                (a.float().sum() + b.float().sum()).backward()
-                opt.step()
-                opt.zero_grad()
+            for rows in range(4):
+                for run, opt in zip((self.models[0], recorded), self.opts):
+                    a, b = run(torch.ones(rows, 4))
+                    (a.float().sum() + b.float().sum()).backward()
+                    opt.step()
+                    opt.zero_grad()
         kw = {k: cfg[k] for k in ("capture", "stats_every", "tensors_every", "ring", "on_nonfinite")}
         self.oracle = Oracle(self.models[0], cfg["layers"], **kw)
         self.run = [self.models[0], recorded]
