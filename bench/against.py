@@ -4,7 +4,9 @@
 
 Each benchmark already reports ratios measured side by side in its own
 process (against the bare step and a peer); running it alternately on both
-trees, pair after pair, puts the two commits side by side in one run.
+trees, pair after pair, puts the two commits side by side in one run.  The
+benchmark script is this tree's on both (it uses the public API only), so the
+same workloads run on both commits' code.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def main():
             for name, tree in (("this tree", HERE), (args.rev, wt)):
                 print(f"===== pair {i + 1}: {name}", flush=True)
                 env = dict(os.environ, PYTHONPATH=tree)
-                subprocess.run([sys.executable, *script], cwd=tree, env=env, check=True)
+                subprocess.run([sys.executable, os.path.join(HERE, script[0]), *script[1:]], cwd=tree,
+                               env=env, check=True)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", wt], cwd=HERE, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Recorder overhead, side by side in one run (ratios, never absolute claims).
 
-    python bench/bench_recorder.py [--only full|stats|many|kernel] [--rounds N]
+    python bench/bench_recorder.py [--only MODE ...] [--rounds N]     (MODE: many stats full kernel)
 
 Workloads, on the CPU:
 
@@ -236,7 +236,7 @@ def bench_kernel(tmp, rounds, block):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["full", "stats", "many", "kernel"], default=None)
+    ap.add_argument("--only", nargs="+", choices=["full", "stats", "many", "kernel"], default=None)
     ap.add_argument("--rounds", type=int, default=None, help="rounds of blocks (default per mode)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="tt-bench-")
@@ -245,7 +245,7 @@ def main():
              ("full", bench_full, 3, 20), ("kernel", bench_kernel, 0, 0))
     try:
         for mode, fn, rounds, block in modes:
-            if args.only not in (None, mode):
+            if args.only and mode not in args.only:
                 continue
             res, extra = fn(tmp, args.rounds or rounds, block)
             if mode == "kernel":

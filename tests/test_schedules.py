@@ -134,12 +134,13 @@ class Schedules(RuleBasedStateMachine):
         if cfg["compile"]:          # compiled and trained before the recorder attaches, on
             torch._dynamo.reset()   # every shape to come (so no later call must recompile)
             recorded = torch.compile(recorded, backend="eager")
-            for rows in range(4):
-                for run, opt in zip((self.models[0], recorded), self.opts):
-                    a, b = run(torch.ones(rows, 4))
-                    (a.float().sum() + b.float().sum()).backward()
-                    opt.step()
-                    opt.zero_grad()
+            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):   # as in a fresh process
+                for rows in range(4):
+                    for run, opt in zip((self.models[0], recorded), self.opts):
+                        a, b = run(torch.ones(rows, 4))
+                        (a.float().sum() + b.float().sum()).backward()
+                        opt.step()
+                        opt.zero_grad()
         kw = {k: cfg[k] for k in ("capture", "stats_every", "tensors_every", "ring", "on_nonfinite")}
         self.oracle = Oracle(self.models[0], cfg["layers"], **kw)
         self.run = [self.models[0], recorded]
