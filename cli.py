@@ -18,6 +18,8 @@ KINDS = ("activations", "gradients", "inputs", "weights", "weight_grads")
 STATS = ("count", "mean", "std", "min", "max", "abs_max", "norm", "zero_frac", "nan", "posinf",
          "neginf")
 COUNTS = ("count", "nan", "posinf", "neginf")
+INTEGERS = COUNTS + ("delta_count", "delta_nan", "delta_posinf", "delta_neginf", "worst_step",
+                     "rel_l2_step")
 EXIT_ERROR = 2
 
 
@@ -27,6 +29,13 @@ class TensortapeError(click.ClickException):
 
 
 class _Group(click.Group):
+    def parse_args(self, ctx, args):
+        """``--debug`` anywhere on the line (before a ``--``) is the group's flag."""
+        cut = args.index("--") if "--" in args else len(args)
+        if "--debug" in args[:cut]:
+            args = ["--debug"] + [a for i, a in enumerate(args) if a != "--debug" or i > cut]
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -84,7 +93,7 @@ def _number(name: str, v):
         return None
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
-    return int(v) if name in COUNTS else v
+    return int(v) if name in INTEGERS else v
 
 
 def _table(columns, rows) -> None:
@@ -95,6 +104,45 @@ def _table(columns, rows) -> None:
         t.add_row(*map(str, r))
     Console(soft_wrap=True).print(t)
 
+
+def _step_range(text):
+    """``A:B`` (either side may be empty) -> (A or None, B or None)."""
+    if text is None:
+        return None
+    lo, sep, hi = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return (int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a step range; write A:B (steps A to B-1), "
+                                 f"A: or :B", param_hint="--steps") from None
+
+
+def _select_steps(ds, step, steps, what="statistics"):
+    """``ds`` at ``--step N`` or within ``--steps A:B``; one line naming the run's
+    steps when none is there."""
+    from analysis._run import steps_text
+    have = ds.step.values
+    if step is not None:
+        if step not in have:
+            raise click.BadParameter(f"step {step} has no {what}; the run has {steps_text(have)}",
+                                     param_hint="--step")
+        return ds.sel(step=[step])
+    rng = _step_range(steps)
+    if rng is None:
+        return ds
+    lo, hi = rng
+    keep = (have >= (lo if lo is not None else have.min(initial=0))) & \
+        (have < (hi if hi is not None else have.max(initial=0) + 1))
+    if not keep.any():
+        raise click.BadParameter(f"no {what} in steps {steps}; the run has {steps_text(have)}",
+                                 param_hint="--steps")
+    return ds.isel(step=keep)
+
+
+steps_option = click.option("--steps", default=None, metavar="A:B",
+                            help="only steps A to B-1 (A: from A on, :B before B)")
 
 kind_option = click.option("--kind", type=click.Choice(KINDS), default="activations",
                            show_default=True)
@@ -226,18 +274,14 @@ def info(run, fmt):
 @cli.command()
 @click.argument("run")
 @kind_option
-@click.option("--layer", "pattern", default=None, help="glob pattern of layers")
-@click.option("--step", type=int, default=None)
+@click.option("--layer", "pattern", default=None, help="glob pattern of layers (default: all)")
+@click.option("--step", type=int, default=None, help="only this step")
+@steps_option
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
               show_default=True)
-def stats(run, kind, pattern, step, fmt):
-    """Per-step statistics of RUN."""
-    ds = _open(run).stats(kind, pattern)
-    if step is not None:
-        if step not in ds.step.values:
-            raise click.BadParameter(f"step {step} has no statistics; try one of "
-                                     f"{ds.step.values[:5].tolist()}", param_hint="--step")
-        ds = ds.sel(step=[step])
+def stats(run, kind, pattern, step, steps, fmt):
+    """Per-step statistics of RUN: a row per (step, layer); counts are integers."""
+    ds = _select_steps(_open(run).stats(kind, pattern), step, steps)
     df = ds.compute().to_dataframe().reset_index()
     for c in COUNTS:
         df[c] = df[c].astype("Int64")
@@ -293,21 +337,28 @@ def nan(run, around, fmt):
               help="statistic for --type evolution")
 @click.option("--step", type=int, default=None,
               help="step for --type histogram (default: the last with finite values)")
+@steps_option
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, writable=True),
               help="PNG file to write")
-def plot(run, layer, kind, plot_type, stat, step, output):
+def plot(run, layer, kind, plot_type, stat, step, steps, output):
     """Plot a layer of RUN into a PNG file."""
     r = _open(run)
     if plot_type != "evolution" and any(ch in layer for ch in "*?["):
         raise click.BadParameter(f"a {plot_type} shows one layer; {layer!r} is a pattern (use "
                                  f"--type evolution for many, or name one layer)",
                                  param_hint="--layer")
+    rng = _step_range(steps)
+    span = None if rng is None else slice(*rng)
     if plot_type == "histogram":
+        if step is not None and step not in r.steps(kind):
+            from analysis._run import steps_text
+            raise click.BadParameter(f"step {step} has no statistics; the run has "
+                                     f"{steps_text(r.steps(kind))}", param_hint="--step")
         fig = r.plot_histogram(layer, kind=kind, steps=step)
     elif plot_type == "evolution":
-        fig = r.plot_evolution(layers=layer, kind=kind, stat=stat)
+        fig = r.plot_evolution(layers=layer, kind=kind, stat=stat, steps=span)
     else:
-        fig = r.plot_distribution(layer, kind=kind)
+        fig = r.plot_distribution(layer, kind=kind, steps=span)
     fig.savefig(output, dpi=120)
     click.echo(output)
 
@@ -317,28 +368,58 @@ def plot(run, layer, kind, plot_type, stat, step, output):
 @click.argument("run_b")
 @kind_option
 @click.option("--layer", "pattern", default=None, help="glob pattern of layers")
-@click.option("--rtol", type=click.FloatRange(min=0), default=1e-3, show_default=True)
+@click.option("--rtol", type=click.FloatRange(min=0), default=1e-3, show_default=True,
+              help="relative tolerance: runs differ where rel_l2 (full tensors) or any "
+                   "statistic's relative difference is above it")
 @format_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="PNG: where the runs differ (layer x step) and the first diverging layer")
 def compare(run_a, run_b, kind, pattern, rtol, fmt, output):
-    """Compare two runs layer by layer; exit 1 when they diverge, 0 when they agree."""
+    """Compare two runs layer by layer; exit 1 when they diverge, 0 when they agree.
+
+    It says which steps and layers each metric covers, where the runs first
+    diverge (and whether full tensors or statistics show it), and per layer each
+    metric at its worst step. Runs that share no layer of KIND: exit 2."""
     from analysis import compare_runs, first_divergence, plot_comparison
     from analysis._compare import summarize
     a, b = _open(run_a), _open(run_b)
-    first = first_divergence(a, b, rtol=rtol, kinds=[kind], layers=pattern)
     ds = compare_runs(a, b, kind=kind, layers=pattern, progress=_progress("comparing tensors"))
+    first = first_divergence(a, b, rtol=rtol, kinds=[kind], layers=pattern)
     table = summarize(ds)
+    stats_steps = [int(x) for x in ds.step.values]
+    by = None
+    if first is not None:
+        by = "full tensors" if "rel_l2" in ds and not math.isnan(
+            float(ds["rel_l2"].sel(step=first[0], layer=first[1]))) else "statistics"
     if fmt == "json":
         _json({"first_divergence": None if first is None else {"step": first[0],
-                                                                "layer": first[1], "kind": kind},
+                                                                "layer": first[1], "kind": kind,
+                                                                "by": by},
+               "coverage": {"statistics": {"steps": stats_steps,
+                                           "layers": [str(x) for x in ds.layer.values]},
+                            "full_tensors": {"steps": ds.attrs["tensor_steps"],
+                                             "layers": ds.attrs["tensor_layers"]}},
                "layers": {str(layer): {k: _number(k, table[k].sel(layer=layer))
                                        for k in table.data_vars}
                           for layer in table.layer.values}})
     else:
-        click.echo("no divergence" if first is None else
-                   f"first divergence: step {first[0]}, layer {first[1]} ({kind})")
-        click.echo(table.to_dataframe().to_string(float_format=lambda v: f"{v:.4g}"))
+        if first is None:
+            click.echo("no divergence")
+        else:
+            click.echo(f"first divergence: step {first[0]}, layer {first[1]} ({kind}), shown by {by}")
+            if by == "statistics" and ds.attrs["tensor_steps"] and bool(
+                    (ds["rel_l2"].fillna(0) <= rtol).all()):
+                click.echo("  the full tensors agree at every step both runs hold them; the verdict "
+                           "follows the statistics at the steps without full tensors")
+        click.echo(f"compared {kind} of {ds.sizes['layer']} layers both runs hold:")
+        click.echo(f"  statistics (delta_*, stat_rel): {ds['stat_rel'].attrs['covers'][12:]}")
+        click.echo("  full tensors (rel_l2, cosine, max_abs, sqnr_db): " +
+                   (ds["rel_l2"].attrs["covers"][14:] if "rel_l2" in ds else
+                    "none (not both runs hold them)"))
+        click.echo("per layer, each metric at its worst step (worst_step: where the statistics "
+                   "differ most):")
+        frame = table.to_dataframe()
+        click.echo(frame.to_string(float_format=lambda v: f"{v:.4g}"))
     if output:
         layer = first[1] if first else str(ds.layer.values[0])
         plot_comparison(a, b, layer, kind=kind, rtol=rtol).savefig(output, dpi=120)

@@ -6,8 +6,9 @@ import numpy as np
 import xarray as xr
 
 from recorder import format as fmt
+from recorder.errors import ConfigError
 
-from ._run import Run, open_run
+from ._run import Run, open_run, steps_text
 
 __all__ = ["compare_runs", "first_divergence", "plot_comparison", "tensor_metrics"]
 
@@ -29,25 +30,67 @@ def tensor_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
 
 
 def _common(a: Run, b: Run, kind: str, layers) -> tuple[list[str], np.ndarray]:
-    la = set(a.stats(kind, layers).layer.values.tolist())
-    names = [n for n in b.stats(kind, layers).layer.values.tolist() if n in la]
-    steps = np.intersect1d(a.steps(kind), b.steps(kind))
+    """The layers (in ``a``'s order) and steps of ``kind`` that both runs hold."""
+    named = [r.stats(kind, layers).layer.values.tolist() if kind in r.kinds else [] for r in (a, b)]
+    names = [n for n in named[0] if n in set(named[1])]
+    steps = np.intersect1d(a.steps(kind), b.steps(kind)) if names else np.zeros(0, np.int64)
     return names, steps
+
+
+def _no_common(a: Run, b: Run, kinds, layers) -> ConfigError:
+    """Why two runs cannot be compared, in one line."""
+    where = f" matching {layers!r}" if layers else ""
+    held = "; ".join(f"{r.path} has {', '.join(f'{k}: {len(r.stats(k).layer)} layers' for k in r.kinds) or 'nothing'}"
+                     f" (e.g. {', '.join(r.layers[:3]) or 'none'})" for r in (a, b))
+    return ConfigError(f"the runs share no recorded (layer, kind) of {', '.join(kinds)}{where} with "
+                       f"common steps, so they cannot be compared ({held}); compare runs of the same "
+                       f"model, or pick --kind/--layer that both hold")
+
+
+def _relative(sa: xr.Dataset, sb: xr.Dataset) -> xr.DataArray:
+    """Per (step, layer), the largest relative difference of any statistic, as
+    ``first_divergence`` measures it: |b - a| / max(|a|, |b|); NaN against a
+    number is infinite, NaN against NaN is 0."""
+    out = None
+    for s in fmt.STATS:
+        x, y = sa[s].astype(float), sb[s].astype(float)
+        d = abs(y - x) / np.maximum(np.maximum(abs(x), abs(y)), 1e-30)
+        d = xr.where(x.isnull() & y.isnull(), 0.0, xr.where(x.isnull() | y.isnull(), np.inf, d))
+        d = xr.where(x == y, 0.0, d)
+        out = d if out is None else np.maximum(out, d)
+    return out
 
 
 def compare_runs(a, b, kind: str = "activations", layers=None, progress=None) -> xr.Dataset:
     """An ``xr.Dataset`` (step, layer) over the steps and layers both runs hold.
 
     Where both hold full tensors: ``rel_l2``, ``cosine``, ``max_abs``,
-    ``sqnr_db``; otherwise ``delta_<stat>`` (b - a) of the statistics.
-    ``progress`` wraps the iterable of layers whose full tensors are scanned
-    (for example ``click.progressbar`` or ``tqdm.tqdm``).
+    ``sqnr_db`` (NaN elsewhere); at every common step: ``delta_<stat>`` (b - a)
+    of the statistics (counts as int64), and ``stat_rel``, the largest relative
+    difference of any statistic (what ``first_divergence`` tests where there are
+    no full tensors).  Each variable's ``covers`` attribute, and the dataset's
+    ``tensor_steps``/``tensor_layers``, say which steps and layers it covers.
+
+    a, b: run paths, URLs or ``Run`` objects.  kind: the kind compared.
+    layers: glob pattern(s) narrowing the layers (default: all both runs hold).
+    progress: wraps the iterable of layers whose full tensors are scanned
+    (for example ``tqdm.tqdm``).  Raises ``ConfigError`` when the runs share no
+    (layer, kind) with common steps.
     """
     a, b = open_run(a), open_run(b)
     names, steps = _common(a, b, kind, layers)
+    if not names or not len(steps):
+        raise _no_common(a, b, [kind], layers)
     sa = a.stats(kind, names).sel(step=steps).compute()
     sb = b.stats(kind, names).sel(step=steps).compute()
     out = xr.Dataset({f"delta_{s}": sb[s] - sa[s] for s in fmt.STATS})
+    out["stat_rel"] = _relative(sa, sb)
+    out["nonfinite"] = (sum(sa[k] for k in fmt.COUNT_STATS[1:]) > 0) | \
+        (sum(sb[k] for k in fmt.COUNT_STATS[1:]) > 0)
+    stats_cover = f"statistics: {steps_text(steps)} x {len(names)} layers"
+    for v in out.data_vars:
+        out[v].attrs["covers"] = stats_cover
+    tensor_steps, tensor_layers = set(), []
     ta, tb = set(a.tensor_layers(kind)), set(b.tensor_layers(kind))
     both = [n for n in names if n in ta and n in tb]
     if both:
@@ -65,9 +108,14 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None) ->
                                    b.tensor(layer, kind, step=int(s)).values)
                 for k, v in m.items():
                     vals[k][i, j] = v
+                tensor_steps.add(int(s))
+                if layer not in tensor_layers:
+                    tensor_layers.append(layer)
+        covers = f"full tensors: {steps_text(sorted(tensor_steps))} x {len(tensor_layers)} layers"
         for k in _METRICS:
-            out[k] = (("step", "layer"), vals[k])
-    out.attrs.update(kind=kind, a=a.path, b=b.path)
+            out[k] = (("step", "layer"), vals[k], {"covers": covers})
+    out.attrs.update(kind=kind, a=a.path, b=b.path, tensor_steps=sorted(tensor_steps),
+                     tensor_layers=tensor_layers, layers_compared=names)
     return out
 
 
@@ -83,10 +131,12 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None) -> tuple
     Steps in order; within a step, forward kinds before gradients, each in
     execution order.  ``rel_l2 > rtol`` decides where both runs hold the full
     tensor; otherwise any statistic differing by more than ``rtol`` relatively.
-    ``kinds`` and ``layers`` (glob patterns) narrow the search.
+    ``kinds`` and ``layers`` (glob patterns) narrow the search.  Raises
+    ``ConfigError`` when the runs share no (layer, kind) with common steps.
     """
     a, b = open_run(a), open_run(b)
     order = {n: i for i, n in enumerate(a.layers)}
+    kinds_asked = kinds or fmt.FORWARD_KINDS + fmt.BACKWARD_KINDS
     kinds = [k for k in (kinds or fmt.FORWARD_KINDS + fmt.BACKWARD_KINDS) if k in a.kinds and k in b.kinds]
     per_kind = {}
     for kind in kinds:
@@ -96,6 +146,8 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None) -> tuple
             sb = b.stats(kind, names).sel(step=steps).compute()
             per_kind[kind] = (sorted(names, key=lambda n: order.get(n, 1 << 30)), steps, sa, sb,
                               set(a.tensor_layers(kind)), set(b.tensor_layers(kind)))
+    if not per_kind:
+        raise _no_common(a, b, kinds or list(kinds_asked), layers)
     all_steps = sorted({int(s) for v in per_kind.values() for s in v[1]})
     tensor_steps: dict = {}
 
@@ -132,46 +184,68 @@ _LOWEST_IS_WORST = ("cosine", "sqnr_db")
 def summarize(ds: xr.Dataset) -> xr.Dataset:
     """``compare_runs``'s result per layer, each metric at its worst step: the
     largest ``rel_l2``, ``max_abs`` and ``|delta_<stat>|``, the smallest ``cosine``
-    and ``sqnr_db``."""
+    and ``sqnr_db``; ``worst_step``, the step whose statistics differ most
+    (``stat_rel``), and ``rel_l2_step``, the full-tensor step with the largest
+    ``rel_l2``.  Steps are int64 (-1: none), counts int64."""
     cols = [c for c in ("rel_l2", "cosine", "max_abs", "sqnr_db", "delta_mean", "delta_std",
                         "delta_abs_max", "delta_nan") if c in ds]
-    return xr.Dataset({c: ds[c].min("step") if c in _LOWEST_IS_WORST else
-                       (abs(ds[c]) if c.startswith("delta_") else ds[c]).max("step")
-                       for c in cols})
+    out = xr.Dataset({c: ds[c].min("step") if c in _LOWEST_IS_WORST else
+                      (abs(ds[c]) if c.startswith("delta_") else ds[c]).max("step")
+                      for c in cols})
+    out["stat_rel"] = ds["stat_rel"].max("step")
+    out["worst_step"] = ("layer", _argmax_step(ds["stat_rel"]))
+    if "rel_l2" in ds:
+        out["rel_l2_step"] = ("layer", _argmax_step(ds["rel_l2"]))
+    return out
 
 
-def difference_map(a, b, kind: str = "activations", stat: str = "std", layers=None,
+def _argmax_step(da: xr.DataArray) -> np.ndarray:
+    """Per layer, the first step where ``da`` is largest, or -1 where it holds
+    no number."""
+    v = da.transpose("layer", "step").values.astype(float)
+    steps = da.step.values.astype(np.int64)
+    out = np.full(v.shape[0], -1, np.int64)
+    for j, row in enumerate(v):
+        if not np.isnan(row).all():
+            out[j] = steps[int(np.nanargmax(row))]
+    return out
+
+
+def difference_map(a, b, kind: str = "activations", layers=None,
                    ds: xr.Dataset | None = None) -> xr.DataArray:
-    """How much two runs differ, layer x step: ``rel_l2`` when both runs hold every
-    full tensor compared, else (one metric for the whole map) the relative
-    difference of ``stat``, |b - a| / max(|a|, |b|)."""
-    a, b = open_run(a), open_run(b)
+    """How much two runs differ, layer x step, in the metric the ``compare``
+    table uses: ``rel_l2`` when both runs hold every full tensor compared, else
+    ``stat_rel`` (the largest relative difference of any statistic)."""
     ds = compare_runs(a, b, kind, layers) if ds is None else ds
-    names, steps = list(ds.layer.values), ds.step.values
-    sa = a.stats(kind, names)[stat].sel(step=steps).compute()
-    sb = b.stats(kind, names)[stat].sel(step=steps).compute()
-    rel = abs(sb - sa) / np.maximum(np.maximum(abs(sa), abs(sb)), 1e-30)
     full = "rel_l2" in ds and bool(ds["rel_l2"].notnull().all())
-    out = ds["rel_l2"] if full else rel
-    metric = "rel_l2" if full else f"relative difference of {stat}"
-    return out.transpose("layer", "step").rename(metric)
+    metric = "rel_l2" if full else "stat_rel"
+    return ds[metric].transpose("layer", "step").rename(metric)
 
 
 def plot_comparison(a, b, layer, kind="activations", stat="std", rtol: float = 1e-3):
-    """Where two runs part -> Figure: a layer x step heat map of their difference
-    (``rel_l2`` where both hold full tensors, else the relative difference of
-    ``stat``) with the first divergence marked, beside ``stat`` of ``layer`` in both."""
+    """Where two runs part -> Figure: a layer x step map of their difference (the
+    table's metric: ``rel_l2`` where both hold every full tensor, else
+    ``stat_rel``), NaN/Inf cells marked, the first divergence circled; beside it
+    ``stat`` of ``layer`` in both runs.
+
+    a, b: run paths or ``Run`` objects.  layer: the layer whose lines are drawn.
+    kind: the kind compared.  stat: the statistic of the lines.  rtol: as in
+    ``first_divergence``."""
     import os
     from . import _plots
     a, b = open_run(a), open_run(b)
-    lines = [r.stats(kind, [layer])[stat].isel(layer=0).compute().assign_attrs(layer=layer, kind=kind)
-             for r in (a, b)]
-    diff = difference_map(a, b, kind, stat)
+    ds = compare_runs(a, b, kind)
+    lines = []
+    for r in (a, b):
+        st = r.stats(kind, [layer]).isel(layer=0).compute()
+        bad = sum(st[k] for k in fmt.COUNT_STATS[1:])
+        lines.append(st[stat].assign_coords(nonfinite=bad).assign_attrs(layer=layer, kind=kind))
     first = first_divergence(a, b, rtol=rtol, kinds=[kind])
     names = [os.path.basename(r.path.rstrip("/")) or r.path for r in (a, b)]
     if names[0] == names[1]:
         names = [_short_path(r.path) for r in (a, b)]
-    return _plots.comparison(diff, *lines, labels=names, first=first)
+    return _plots.comparison(difference_map(a, b, kind, ds=ds), *lines, labels=names, first=first,
+                             nonfinite=ds["nonfinite"])
 
 
 def _short_path(path: str) -> str:

@@ -18,22 +18,65 @@ from recorder._engines import summarize
 from recorder._hooks import HookSet
 from recorder._naming import leaves
 from recorder._selection import select_layers
-from recorder.errors import LayerNotFoundError
+from recorder.errors import ConfigError, LayerNotFoundError
 
 __all__ = ["Inspector"]
 
 
+class _Sink:
+    """What the recorder's ``HookSet`` hands its captures to: here, memory."""
+
+    micro = 0
+
+    def __init__(self, inspector: "Inspector"):
+        self._inspector = inspector
+        self.token: object | None = None
+
+    def current_token(self) -> object:
+        return self.token
+
+    def begin_pass(self) -> None:
+        return None
+
+    def fault(self, error, kind, name) -> None:
+        raise error
+
+    def add(self, kind, name, tensor, token, micro=0) -> None:
+        if token is None or token is not self.token:
+            return
+        t = tensor.detach()
+        self._inspector.captured_data[(name, kind)] = t.to("cpu", copy=True)
+        s = summarize(t, compile=False)
+        stats = {k: (int(v[0]) if k in fmt.COUNT_STATS else float(v[0])) for k, v in s.stats.items()}
+        self._inspector._stats[(name, kind)] = (stats, s.hist[0])
+
+
 class Inspector:
+    """One batch through a model, in memory, with the recorder's hooks and
+    statistics (the numbers a store would hold), for notebooks.
+
+    ``Inspector(model)``, then ``watch(pattern, what=...)`` once or more, then
+    ``run_inspection(data, target, loss_fn)``; then ``get_statistics``,
+    ``get_histogram``, ``plot_histogram`` and ``captured_data`` (a dict
+    ``{(layer, kind): tensor on the CPU}``).  Nothing is written to disk.
+    """
+
     def __init__(self, model: nn.Module):
+        """model: any ``nn.Module``; it is not changed (hooks live only inside
+        ``run_inspection``, and parameters' ``.grad`` are restored)."""
         self.model = model
         self._watched: list[tuple[list[str], tuple[str, ...]]] = []
         self.captured_data: dict[tuple[str, str], torch.Tensor] = {}
         self._stats: dict[tuple[str, str], tuple[dict, np.ndarray]] = {}
-        self._token: object | None = None
+        self._sink = _Sink(self)
 
     def watch(self, pattern, what=("activations", "gradients"), *, capture=None) -> list[str]:
-        """Watch the layers a glob pattern (or list) selects; returns their names.
-        ``capture=`` is a synonym of ``what=``, as in ``Recorder``."""
+        """Watch the layers a glob pattern (or list of them) selects; returns their names.
+
+        what: the kinds to capture, any of ``activations``, ``gradients``,
+        ``inputs``, ``weights``, ``weight_grads`` (``capture=`` is a synonym, as in
+        ``Recorder``).  A pattern that matches no layer raises
+        ``LayerNotFoundError`` naming the closest."""
         if capture is not None:
             what = capture
         kinds = RecorderConfig.build(capture=what).capture
@@ -41,36 +84,25 @@ class Inspector:
         self._watched.append((names, kinds))
         return names
 
-    # --- the HookSet's sink -----------------------------------------------------------
-    def current_token(self) -> object:
-        return self._token
-
-    def begin_pass(self) -> None:
-        return None
-
-    micro = 0
-
-    def fault(self, error, kind, name) -> None:
-        raise error
-
-    def add(self, kind, name, tensor, token, micro=0) -> None:
-        if token is None or token is not self._token:
-            return
-        t = tensor.detach()
-        self.captured_data[(name, kind)] = t.to("cpu", copy=True)
-        s = summarize(t, compile=False)
-        self._stats[(name, kind)] = ({k: float(v[0]) for k, v in s.stats.items()}, s.hist[0])
-
     def run_inspection(self, data, target=None, loss_fn=None):
-        """One forward (and backward, when gradients are watched); returns the output.
+        """One forward (and backward, when a backward kind is watched); returns the output.
 
-        Parameters' ``.grad`` are as they were before the call.
+        data: the model's input: a tensor, a tuple/list (positional arguments) or a
+        dict (keyword arguments).  target, loss_fn: the backward pass runs on
+        ``loss_fn(output, target)``; without ``loss_fn``, on the sum of every
+        floating-point tensor in the output that requires grad (so each output
+        element's gradient is 1).  Parameters' ``.grad`` are as they were before
+        the call, and the hooks are removed in a ``finally``.  Raises
+        ``ConfigError`` when nothing is watched (call ``watch()`` first).
         """
+        if not self._watched:
+            raise ConfigError("nothing is watched; call inspector.watch(pattern) before "
+                              "run_inspection")
         self.captured_data, self._stats = {}, {}
-        self._token = token = object()
+        self._sink.token = token = object()
         backward = any(k in fmt.BACKWARD_KINDS for _, kinds in self._watched for k in kinds)
         saved = {p: p.grad for p in self.model.parameters()} if backward else {}
-        hooksets = [HookSet(self.model, names, kinds, self) for names, kinds in self._watched]
+        hooksets = [HookSet(self.model, names, kinds, self._sink) for names, kinds in self._watched]
         try:
             for h in hooksets:
                 h.attach()
@@ -91,9 +123,9 @@ class Inspector:
                 for h, (_, kinds) in zip(hooksets, self._watched):
                     if "weight_grads" in kinds:
                         for name, g in h.weight_grads():
-                            self.add("weight_grads", name, g, token, 0)
+                            self._sink.add("weight_grads", name, g, token, 0)
         finally:
-            self._token = None
+            self._sink.token = None
             for h in hooksets:
                 h.detach()
             for p, g in saved.items():
@@ -103,12 +135,13 @@ class Inspector:
     def _key(self, layer: str, what: str) -> tuple[str, str]:
         if (layer, what) not in self._stats:
             names = sorted({n for n, k in self._stats if k == what})
-            shown = fmt.closest(layer, names) if names else "none (call run_inspection first)"
+            shown = fmt.closest(layer, names) if names else "none yet (call run_inspection first)"
             raise LayerNotFoundError(f"no {what} captured for layer {layer!r}; captured: {shown}")
         return layer, what
 
     def get_statistics(self, layer: str, what: str = "activations") -> dict[str, float]:
-        """The statistics of one capture (the store's names)."""
+        """The statistics of one capture (the store's names; counts are ints).
+        layer: a watched layer's name; what: its kind."""
         return dict(self._stats[self._key(layer, what)][0])
 
     def get_histogram(self, layer: str, what: str = "activations") -> xr.DataArray:

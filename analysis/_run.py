@@ -65,6 +65,38 @@ def open_run(path) -> "Run":
     return path if isinstance(path, Run) else Run(path)
 
 
+
+def _with_range(h, st):
+    """Histogram ``h`` with each step's true ``min`` and ``max`` (from ``st``) as coords."""
+    return h.assign_coords(min=("step", st["min"].values.astype(float)),
+                           max=("step", st["max"].values.astype(float)))
+
+
+def _within(obj, steps: slice | None):
+    """``obj`` at the steps of the half-open slice ``steps`` (None: all)."""
+    if steps is None:
+        return obj
+    have = obj.step.values
+    keep = np.ones(len(have), bool)
+    if steps.start is not None:
+        keep &= have >= steps.start
+    if steps.stop is not None:
+        keep &= have < steps.stop
+    if not keep.any():
+        raise ConfigError(f"no steps in {steps.start}:{steps.stop}; the run has {steps_text(have)}")
+    return obj.isel(step=np.nonzero(keep)[0])
+
+
+def steps_text(steps) -> str:
+    """Steps in words: ``steps 0-39 (40)``, ``4 steps (0, 10, 20, 30)``, ``no steps``."""
+    steps = [int(x) for x in steps]
+    if not steps:
+        return "no steps"
+    if len(steps) > 2 and steps == list(range(steps[0], steps[-1] + 1)):
+        return f"steps {steps[0]}-{steps[-1]} ({len(steps)})"
+    shown = ", ".join(map(str, steps[:6])) + (f", ..., {steps[-1]}" if len(steps) > 6 else "")
+    return f"{len(steps)} step{'s' if len(steps) > 1 else ''} ({shown})"
+
 class Run:
     """A recorded run.  ``source`` is the store as read (attributes and arrays),
     ``state(rank)`` a rank's committed state; the methods below are the API."""
@@ -288,7 +320,12 @@ class Run:
         return [i for i, n in enumerate(names) if n in chosen]
 
     def stats(self, kind: str = "activations", layers=None, rank: int | None = None) -> xr.Dataset:
-        """Per-step statistics: an ``xr.Dataset`` with dims (step, layer)."""
+        """Per-step statistics: an ``xr.Dataset`` with dims (step, layer), one
+        variable per statistic (lazy; counts are int64).
+
+        kind: one of ``run.kinds``.  layers: a glob pattern or list of them
+        (default: every layer with statistics).  rank: which rank's group
+        (default: the only one, or 0)."""
         rank = self._rank(rank)
         self._kind(kind, rank)
         path, rows, steps = self._stats_rows(kind, rank)
@@ -296,11 +333,12 @@ class Run:
         idx = self._select(names, layers)
         data = {}
         for s in fmt.STATS:
+            dtype = np.int64 if s in fmt.COUNT_STATS else np.float64
             if not len(rows):                  # full tensors of this kind, no statistics yet
-                data[s] = (("step", "layer"), np.zeros((0, len(idx))))
+                data[s] = (("step", "layer"), np.zeros((0, len(idx)), dtype))
                 continue
             arr = self._take(self._lazy(path + "/" + s), rows)[:, : len(names)]
-            data[s] = (("step", "layer"), arr[:, idx])
+            data[s] = (("step", "layer"), arr[:, idx].astype(dtype))
         ds = xr.Dataset(data, coords={"step": steps, "layer": [names[i] for i in idx]})
         ds.attrs.update(kind=kind, rank=rank)
         return ds
@@ -328,8 +366,8 @@ class Run:
             out.coords[s] = ("step", self._take(self._lazy(path + "/" + s), rows)[:, i])
         if step is not None:
             if step not in set(steps.tolist()):
-                raise ConfigError(f"step {step} has no statistics for {layer!r}; steps with "
-                                  f"statistics: {steps[:5].tolist()}...")
+                raise ConfigError(f"step {step} has no statistics for {layer!r}; it has "
+                                  f"{steps_text(steps)}")
             out = out.sel(step=step)
         return out
 
@@ -379,8 +417,8 @@ class Run:
         hits = np.nonzero(steps == step)[0]
         if not hits.size:
             raise ConfigError(f"step {step} has no full {kind} tensor for {layer!r}"
-                              f"{f' (micro-batch {m})' if m else ''}; steps with tensors: "
-                              f"{steps[:8].tolist()}")
+                              f"{f' (micro-batch {m})' if m else ''}; it has full tensors at "
+                              f"{steps_text(steps)}")
         row = out.isel(step=int(hits[0]))
         return row.isel({d: slice(0, int(e)) for d, e in zip(dims[1:], extent[hits[0]])}).compute()
 
@@ -408,23 +446,42 @@ class Run:
                               history=hist, same_step=same)
 
     # --- plots and export ------------------------------------------------------------
-    def plot_histogram(self, layer, kind="activations", steps=None, rank=None, ax=None):
-        """Histogram of ``layer`` at some steps (default: the last with finite values) -> Figure."""
+    def plot_histogram(self, layer, kind="activations", steps=None, rank=None, ax=None,
+                       density: bool = False):
+        """Histogram of ``layer`` at some steps (an int or a list; default: the last
+        with finite values) over values: bars of the bins' true widths on a
+        symmetric-log axis, NaN/+Inf/-Inf as their own bars -> Figure.
+        ``density``: counts per unit of value instead of counts per bin."""
         from . import _plots
-        return _plots.histogram(self.histogram(layer, kind, rank=rank).compute(), steps, ax)
+        h = self.histogram(layer, kind, rank=rank).compute()
+        st = self.stats(kind, [layer], rank=rank).isel(layer=0).compute()
+        return _plots.histogram(_with_range(h, st), steps, ax, density=density)
 
-    def plot_evolution(self, layers=None, kind="activations", stat="std", rank=None, ax=None):
-        """One statistic over all the steps, a line per layer, NaN/Inf steps marked -> Figure."""
+    def plot_evolution(self, layers=None, kind="activations", stat="std", rank=None, ax=None,
+                       steps: slice | None = None):
+        """One statistic over the steps (``steps``: a slice of step numbers, half-open;
+        default all), a line per layer (small multiples past 6 layers), each layer's
+        NaN/Inf steps marked with their counts -> Figure."""
         from . import _plots
-        ds = self.stats(kind, layers, rank=rank)
+        ds = _within(self.stats(kind, layers, rank=rank), steps)
         if stat not in ds:
             raise ConfigError(f"stat {stat!r} is not recorded; use one of {', '.join(ds.data_vars)}")
-        return _plots.evolution(ds.compute(), stat, ax)
+        return _plots.evolution(ds.compute().assign_attrs(run=self.name), stat, ax)
 
-    def plot_distribution(self, layer, kind="activations", rank=None, ax=None):
-        """Step x value heat map of ``layer``'s histogram with percentile bands -> Figure."""
+    def plot_distribution(self, layer, kind="activations", rank=None, ax=None,
+                          steps: slice | None = None):
+        """Step x value picture of ``layer``'s histogram (``steps``: a half-open slice of
+        step numbers; default all): bands from the true min and max and the
+        percentiles, the median, NaN/Inf counts below -> Figure."""
         from . import _plots
-        return _plots.distribution(self.histogram(layer, kind, rank=rank).compute(), ax)
+        h = _within(self.histogram(layer, kind, rank=rank), steps).compute()
+        st = _within(self.stats(kind, [layer], rank=rank), steps).isel(layer=0)
+        return _plots.distribution(_with_range(h, st), ax)
+
+    @property
+    def name(self) -> str:
+        """The run's short name: the last part of its path."""
+        return self.path.rstrip("/").rsplit("/", 1)[-1] or self.path
 
     def to_hdf5(self, path, progress=None) -> str:
         from ._export import to_hdf5

@@ -21,13 +21,36 @@ __all__ = ["watch"]
 COLUMNS = ("mean", "std", "abs_max", "zero_frac", "nan", "posinf", "neginf")
 
 
+RATE_WINDOW = 30.0          # seconds of step changes the rate is measured over
+
+
+class _Rate:
+    """Steps per second over a sliding window of the moments the committed step
+    changed (a store commits every few seconds, so refreshes between two commits
+    see no change: they keep the last rate instead of dropping to 0)."""
+
+    def __init__(self, window: float = RATE_WINDOW):
+        self.window, self.changes, self.value = window, [], None
+
+    def see(self, now: float, step: int | None) -> float | None:
+        if step is not None and (not self.changes or step != self.changes[-1][1]):
+            self.changes.append((now, step))
+            while len(self.changes) > 2 and now - self.changes[0][0] > self.window:
+                self.changes.pop(0)
+            (t0, s0), (t1, s1) = self.changes[0], self.changes[-1]
+            if t1 > t0:
+                self.value = (s1 - s0) / (t1 - t0)
+        return self.value
+
+
 def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations",
               sleep: Callable[[float], None] = time.sleep) -> Iterator[dict]:
     """One view of the run per ``interval`` until it stops recording: its status,
-    last step, steps per second, the latest statistics per layer, and the events
-    new since the last view."""
-    seen_events = 0
-    last = None
+    last committed step, steps per second (over a sliding window), the latest
+    statistics per layer, one alert per (layer, kind) the first time it goes
+    non-finite, and the count of non-finite events so far."""
+    alerted: set = set()
+    rate = _Rate()
     while True:
         try:
             run = open_run(path)
@@ -35,21 +58,23 @@ def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations
             yield {"waiting": str(e)}
             sleep(interval)
             continue
-        now = time.monotonic()
-        view = {"status": run.status, "step": None, "rate": None, "rows": [], "alerts": []}
-        events = run.events
-        view["alerts"] = events[seen_events:]
-        seen_events = len(events)
+        view = {"status": run.status, "step": None, "rate": None, "rows": [], "alerts": [],
+                "events": run.attrs.get("events_total", len(run.events)),
+                "nonfinite_layers": 0, "last_event": None}
+        for e in run.events:
+            if (e.layer, e.kind) not in alerted:
+                alerted.add((e.layer, e.kind))
+                view["alerts"].append(e)
+            view["last_event"] = max(view["last_event"] or e.step, e.step)
+        view["nonfinite_layers"] = len(alerted)
         if kind in run.kinds:
             ds = run.stats(kind, layers)
             if ds.sizes["step"]:
                 row = ds.isel(step=-1).compute()
                 view["step"] = int(row.step)
-                view["rows"] = [(str(layer), {c: float(row[c].sel(layer=layer)) for c in COLUMNS})
+                view["rows"] = [(str(layer), {c: row[c].sel(layer=layer).item() for c in COLUMNS})
                                 for layer in row.layer.values]
-        if last is not None and view["step"] is not None and last[1] is not None and now > last[0]:
-            view["rate"] = (view["step"] - last[1]) / (now - last[0])
-        last = (now, view["step"])
+        view["rate"] = rate.see(time.monotonic(), view["step"])
         yield view
         if view["status"] != fmt.STATUS_RECORDING:
             return
@@ -57,19 +82,25 @@ def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations
 
 
 def render(view: dict, width: int = 100) -> list[str]:
-    """Lines of text for one view."""
+    """Lines of text for one view: a status line, the table, the alerts, and a
+    summary of the non-finite events."""
     if "waiting" in view:
         return [f"waiting for the run: {view['waiting']}"]
+    if view["step"] is None:
+        return [f"status {view['status']}   waiting for the first commit"]
     rate = f"{view['rate']:.2f} steps/s" if view["rate"] is not None else "- steps/s"
     lines = [f"status {view['status']}   step {view['step']}   {rate}"]
     if view["rows"]:
         name_w = min(max(len(n) for n, _ in view["rows"]), width - 70)
         lines.append("layer".ljust(name_w) + "".join(f"{c:>10}" for c in COLUMNS))
         for name, vals in view["rows"]:
-            cells = "".join(f"{int(vals[c]):>10d}" if c in ("nan", "posinf", "neginf")
+            cells = "".join(f"{int(vals[c]):>10d}" if c in fmt.COUNT_STATS
                             else f"{vals[c]:>10.3g}" for c in COLUMNS)
             lines.append(name[-name_w:].ljust(name_w) + cells)
     for e in view["alerts"]:
-        lines.append(f"ALERT non-finite at step {e.step}: {e.layer} ({e.kind}, micro-batch "
+        lines.append(f"ALERT {e.layer} ({e.kind}) went non-finite at step {e.step} (micro-batch "
                      f"{e.micro}): {e.nan} NaN, {e.posinf} +Inf, {e.neginf} -Inf")
+    if view["events"]:
+        lines.append(f"non-finite so far: {view['events']} events in {view['nonfinite_layers']} "
+                     f"(layer, kind) pairs, the last at step {view['last_event']}")
     return lines

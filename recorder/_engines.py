@@ -29,7 +29,9 @@ CPU engine).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
+import sys
 import threading
 import types
 import warnings
@@ -47,6 +49,32 @@ __all__ = ["Engine", "Engines", "summarize"]
 SMALL = 1 << 13                # elements below which a tensor waits for the step's batch
 _PARALLEL_MIN = 1 << 18        # elements from which CPU work is split across threads
 
+
+
+_told = False
+
+
+@contextlib.contextmanager
+def _told_after(seconds: float, message: str):
+    """Print ``message`` on stderr once per process if the block takes longer
+    than ``seconds`` (a timer, so a fast block says nothing)."""
+    global _told
+    if _told:
+        yield
+        return
+
+    def tell():
+        global _told
+        if not _told:
+            _told = True
+            print(message, file=sys.stderr, flush=True)
+    timer = threading.Timer(seconds, tell)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 class Engine:
     """Runs the summary kernels on one device type."""
@@ -160,6 +188,11 @@ class Engine:
         return fn(x)
 
     def _compile(self, fn, x: torch.Tensor, parallel: bool):
+        with _told_after(1.0, "tensortape: compiling the statistics kernels, once per dtype "
+                              "(a few seconds, the first steps only)"):
+            return self._compile_now(fn, x, parallel)
+
+    def _compile_now(self, fn, x: torch.Tensor, parallel: bool):
         try:
             probe = torch.tensor([1.0, float("nan"), 0.0, -float("inf")], device=x.device,
                                  dtype=x.dtype)

@@ -88,19 +88,49 @@ class _StepScope:
 class Recorder:
     """Record activations and gradients of chosen layers into a Zarr store.
 
-    See the README and ``shared/SPEC.md`` for every argument.  Beyond the
-    SPEC: ``max_bytes`` (stop storing full tensors past this many bytes; they are
-    counted in ``over_budget``, and statistics go on), ``flush_interval`` (seconds
-    between commits, default 5),
-    ``max_pending_bytes`` (snapshot bytes queued for the writer before the
-    training thread waits, default 1 GiB) and ``compression`` of full tensors
-    (``"auto"``: zstd level 1 where it shrinks an array's first step by 10% or
-    more, else zstd's fast mode; or a zstd level for every array; or ``None``),
-    and ``on_error``: when the store cannot be written (disk full, permissions,
-    network), ``"warn"`` (the default) warns once and trains on, keeping the
-    statistics in memory until the store can be written again and counting the
-    full tensors it could not write in ``dropped``; ``"raise"`` raises
-    ``RecorderError`` at the next step, flush or close.
+    ``with Recorder(model, "run.zarr") as rec:`` then ``with rec.step(i):`` around
+    each training step's forward and backward.  Arguments (all but the first two
+    by keyword):
+
+    model: any ``nn.Module``, also one wrapped by ``torch.compile``, DDP or FSDP
+        (names are the unwrapped model's), or a ``torch.fx.GraphModule``.
+    store: a folder path or fsspec URL (``s3://...``, ``memory://...``).
+    layers: a glob pattern or list of them over module names (``"*"``: every
+        module; the root is ``""``).  A pattern matching nothing raises
+        ``LayerNotFoundError`` naming the closest names.
+    capture: kinds to record: ``activations``, ``gradients`` (of the outputs),
+        ``inputs``, ``weights``, ``weight_grads``.
+    stats_every: statistics and histograms at steps where ``step % stats_every == 0``
+        (other steps still count NaN/Inf exactly).
+    tensors_every: full tensors at steps where ``step % tensors_every == 0``;
+        ``None`` for statistics only.
+    ring: keep the full tensors of this many steps before the current one in
+        memory, for ``on_nonfinite="dump"``.
+    on_nonfinite: ``"record"`` (an event), ``"warn"``, ``"raise"``
+        (``NonFiniteError`` at the step's end), ``"dump"`` (store the ring and the
+        current step's full tensors).
+    max_samples: full tensors keep only their first k entries along dim 0.
+    tensor_dtype: storage dtype of full tensors (``None``: their own).
+    mode: ``"w-"`` (refuse an existing run), ``"w"`` (replace a tensortape run;
+        never anything else), ``"a"`` (append to one).
+    metadata: a JSON-able dict saved with the run.
+    outside_step: a forward outside any step: ``"warn"`` once, ``"ignore"``, or
+        ``"raise"`` (``InspectionError``); it is counted, never recorded.
+    max_bytes: store full tensors only up to this many bytes in all (then
+        counted in ``over_budget``; statistics go on).
+    flush_interval: seconds between commits (a crash loses at most this much).
+    max_pending_bytes: snapshot bytes queued for the writer before the training
+        thread waits (nothing is dropped).
+    compression: full tensors: ``"auto"`` (zstd level 1 where it shrinks an
+        array's first step by 10% or more, else zstd's fast mode), a zstd level,
+        or ``None``.
+    on_error: when the store cannot be written: ``"warn"`` (warn once, keep the
+        statistics in memory, count the full tensors not written in
+        ``dropped``, train on) or ``"raise"`` (``RecorderError`` at the next
+        step end, flush or close).
+
+    docs/GUIDE.md says how each behaves where it matters (micro-batches,
+    compile, distributed runs, faults).
     """
 
     def __init__(self, model: nn.Module, store, *, layers="*",

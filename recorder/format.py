@@ -50,6 +50,7 @@ STATS = (
     "zero_frac", "nan", "posinf", "neginf",
 )
 
+COUNT_STATS = ("count", "nan", "posinf", "neginf")     # integers in every API and output
 STATUS_RECORDING = "recording"
 STATUS_COMPLETE = "complete"
 STATUS_INTERRUPTED = "interrupted"

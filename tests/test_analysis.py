@@ -141,35 +141,45 @@ def test_histograms_plot_against_bin_centres(tmp_path):
     np.testing.assert_array_equal(line.get_xdata(), h.bin.values)
 
 
-def test_distribution_shows_the_occupied_bins_and_nonfinite_counts(tmp_path):
+def test_distribution_spans_the_true_range_and_shows_nonfinite_counts(tmp_path):
     run = open_run(_record(str(tmp_path / "a.zarr"), nan_at=3, tensors_every=None))
     h = run.histogram("layers.0.linear2").compute()
+    st = run.stats("activations", ["layers.0.linear2"]).isel(layer=0).compute()
     fig = run.plot_distribution("layers.0.linear2")
     heat = fig.axes[0]
     strip = next(ax for ax in fig.axes if ax.get_ylabel() == "NaN/Inf")
-    occupied = h.bin.values[np.nonzero(h.values.sum(0))[0]]
-    lo, hi = heat.get_ylim()                 # the occupied range, and only that (2% margin)
-    assert lo <= occupied.min() and hi >= occupied.max()
-    span = occupied.max() - occupied.min()
-    assert occupied.min() - lo <= 0.03 * span and hi - occupied.max() <= 0.03 * span
+    true_lo, true_hi = float(st["min"].min()), float(st["max"].max())
+    lo, hi = heat.get_ylim()                 # the true range, and only that (2% margin)
+    span = true_hi - true_lo
+    assert lo <= true_lo and hi >= true_hi
+    assert true_lo - lo <= 0.03 * span and hi - true_hi <= 0.03 * span
+    band = heat.collections[0].get_paths()[0].vertices[:, 1]          # the min-max band
+    assert np.isclose(band.min(), true_lo) and np.isclose(band.max(), true_hi)
     bars = [p.get_height() for p in strip.patches]
     bad = (h.nan + h.posinf + h.neginf).values
     assert bars == bad.tolist() and bad[3] > 0 and bad[:3].sum() == 0
 
 
-def test_evolution_marks_nonfinite_steps_and_breaks_the_lines_there(tmp_path):
+def test_evolution_marks_each_layers_nonfinite_steps_and_breaks_its_line_there(tmp_path):
     run = open_run(_record(str(tmp_path / "a.zarr"), nan_at=3, steps=6, tensors_every=None))
     fig = run.plot_evolution(kind="activations", stat="abs_max")
     ax = fig.axes[0]
     ds = run.stats("activations").compute()
-    bad_steps = ds.step.values[(ds.nan + ds.posinf + ds.neginf).sum("layer").values > 0]
-    spans = [p for p in ax.patches if p.get_facecolor()[0] == 1.0]        # the red bands
-    centres = sorted({round(p.get_x() + p.get_width() / 2, 6) for p in spans})
-    assert centres == bad_steps.tolist() and len(bad_steps) >= 1
+    assert "a.zarr" in ax.get_title()                                     # the run is named
+    bad = (ds.nan + ds.posinf + ds.neginf)
+    lines = {ln.get_label(): ln for ln in ax.get_lines() if ln.get_linestyle() == "-"}
+    marks = [ln for ln in ax.get_lines() if ln.get_marker() == "x"]
+    for i, layer in enumerate(ds.layer.values):
+        steps = ds.step.values[bad.isel(layer=i).values > 0]
+        label = next(k for k in lines if k.startswith(str(layer)[:20]) or str(layer) in k)
+        if steps.size:
+            assert f"NaN/Inf from step {steps[0]} ({int(bad.isel(layer=i)[steps[0]]):,} values" \
+                in label
+            mark = next(m for m in marks if m.get_color() == lines[label].get_color())
+            assert mark.get_xdata().tolist() == steps.tolist()
+            assert np.isnan(lines[label].get_ydata()[steps[0]])   # no finite-only value drawn
+    assert int(bad.sum()) > 0
     assert ax.get_xlim() == (0, 5)                                        # the whole run
-    bad_layer = ds.layer.values.tolist().index("layers.0.linear2")
-    line = ax.get_lines()[bad_layer]
-    assert np.isnan(line.get_ydata()[3])           # no finite-only value drawn at a NaN step
     assert ax.get_yscale() == "log"
 
 
@@ -181,7 +191,7 @@ def test_histogram_defaults_to_the_last_step_with_finite_values(tmp_path):
             with rec.step(i):
                 model(torch.full((2, 4), float("nan")) if i == 3 else torch.randn(2, 4))
     fig = open_run(store).plot_histogram("(root)")
-    assert fig.axes[0].get_legend().get_texts()[0].get_text().startswith("step 2")
+    assert fig.axes[0].get_legend().get_texts()[0].get_text() == "step 2"
 
 
 def test_comparison_marks_the_first_divergence_on_a_layer_by_step_map(tmp_path):
