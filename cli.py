@@ -145,9 +145,10 @@ steps_option = click.option("--steps", default=None, metavar="A:B",
                             help="only steps A to B-1 (A: from A on, :B before B)")
 
 kind_option = click.option("--kind", type=click.Choice(KINDS), default="activations",
-                           show_default=True)
+                           show_default=True, help="which recorded tensors")
 format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]),
-                             default="table", show_default=True)
+                             default="table", show_default=True,
+                             help="json: for scripts (counts are integers, NaN is null)")
 
 
 @cli.command()
@@ -214,7 +215,7 @@ def record(out, mode, layers, capture, tensors_every, stats_every, ring, on_nonf
 @click.argument("run")
 @click.option("--interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
               help="seconds between refreshes")
-@click.option("--layer", "pattern", default=None, help="glob pattern of layers")
+@click.option("--layer", "pattern", default=None, help="glob pattern of layers to show (default: all)")
 @kind_option
 def watch(run, interval, pattern, kind):
     """Follow RUN while it is recorded: latest statistics per layer, non-finite alerts,
@@ -278,7 +279,7 @@ def info(run, fmt):
 @click.option("--step", type=int, default=None, help="only this step")
 @steps_option
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
-              show_default=True)
+              show_default=True, help="csv and json: for scripts (counts are integers)")
 def stats(run, kind, pattern, step, steps, fmt):
     """Per-step statistics of RUN: a row per (step, layer); counts are integers."""
     ds = _select_steps(_open(run).stats(kind, pattern), step, steps)
@@ -332,7 +333,9 @@ def nan(run, around, fmt):
 @click.option("--layer", required=True, help="layer name (a pattern for --type evolution)")
 @kind_option
 @click.option("--type", "plot_type", type=click.Choice(["histogram", "evolution", "distribution"]),
-              default="histogram", show_default=True)
+              default="histogram", show_default=True,
+              help="histogram: one step over values; evolution: a statistic over steps, per "
+                   "layer; distribution: the histogram over steps")
 @click.option("--stat", type=click.Choice(STATS), default="std", show_default=True,
               help="statistic for --type evolution")
 @click.option("--step", type=int, default=None,
@@ -367,7 +370,7 @@ def plot(run, layer, kind, plot_type, stat, step, steps, output):
 @click.argument("run_a")
 @click.argument("run_b")
 @kind_option
-@click.option("--layer", "pattern", default=None, help="glob pattern of layers")
+@click.option("--layer", "pattern", default=None, help="glob pattern of layers to compare (default: all both runs hold)")
 @click.option("--rtol", type=click.FloatRange(min=0), default=1e-3, show_default=True,
               help="relative tolerance: runs differ where rel_l2 (full tensors) or any "
                    "statistic's relative difference is above it")

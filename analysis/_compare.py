@@ -17,8 +17,11 @@ _METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
 
 def tensor_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     """rel_l2, cosine, max_abs and SQNR (dB) of ``b`` against ``a`` (NaN-padding ignored)."""
-    a = np.asarray(a, np.float64).ravel()
-    b = np.asarray(b, np.float64).ravel()
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    if a.shape != b.shape:                 # not the same tensor: as different as can be
+        return {"rel_l2": np.inf, "cosine": np.nan, "max_abs": np.inf, "sqnr_db": -np.inf}
+    a, b = a.ravel(), b.ravel()
     na, nd = np.linalg.norm(a), np.linalg.norm(b - a)
     nb = np.linalg.norm(b)
     return {
@@ -30,9 +33,12 @@ def tensor_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
 
 
 def _common(a: Run, b: Run, kind: str, layers) -> tuple[list[str], np.ndarray]:
-    """The layers (in ``a``'s order) and steps of ``kind`` that both runs hold."""
+    """The layers (in ``a``'s order) and steps of ``kind`` that both runs hold.  The
+    roots of two different model classes are not the same layer."""
     named = [r.stats(kind, layers).layer.values.tolist() if kind in r.kinds else [] for r in (a, b)]
     names = [n for n in named[0] if n in set(named[1])]
+    if a.attrs.get("model_class") != b.attrs.get("model_class"):
+        names = [n for n in names if n != fmt.ROOT_LABEL]
     steps = np.intersect1d(a.steps(kind), b.steps(kind)) if names else np.zeros(0, np.int64)
     return names, steps
 

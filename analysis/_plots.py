@@ -209,7 +209,8 @@ def evolution(ds, stat: str = "std", ax=None, max_legend: int = 12):
         line, = a.plot(steps, y, lw=1.2, color=color,
                        label=label if (many or i < max_legend) else None)
         if hit.size:
-            a.plot(steps[hit], np.ones(hit.size), "x", color=color, ms=6, mew=1.6,
+            row = 0.98 if many else 0.98 - 0.03 * (i % 12)     # a row of marks per layer
+            a.plot(steps[hit], np.full(hit.size, row), "x", color=color, ms=5, mew=1.4,
                    transform=a.get_xaxis_transform(), clip_on=False)
             if many:
                 for j in hit:
@@ -342,7 +343,7 @@ def comparison(diff, line_a, line_b, labels=("run A", "run B"), first=None, nonf
     """Where two runs differ: a layer x step heat map of ``diff`` (named after its
     metric) on a sequential scale where darker means more different (white:
     identical), cells where either run held NaN/Inf (``nonfinite``, layer x
-    step) marked with a black x and infinite differences drawn darkest, the
+    step) marked with a cyan x and infinite differences drawn black, the
     first divergence circled; beside it the two runs' lines of one statistic of
     one layer, their NaN/Inf steps marked."""
     from matplotlib.colors import LogNorm
@@ -366,7 +367,7 @@ def comparison(diff, line_a, line_b, labels=("run A", "run B"), first=None, nonf
         nf = nonfinite.transpose("layer", "step").values.astype(bool)
         li, si = np.nonzero(nf)
         if li.size:
-            heat.plot(steps[si], li, "x", color="black", ms=5, mew=1.2, ls="",
+            heat.plot(steps[si], li, "x", color="tab:cyan", ms=5, mew=1.4, ls="",
                       label="NaN/Inf in a run")
     heat.set_yticks(np.arange(len(layers)), [_short(n, 30) for n in layers], fontsize="x-small")
     heat.invert_yaxis()

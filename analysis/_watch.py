@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from recorder import format as fmt
-from recorder.errors import StoreNotFoundError
+from recorder.errors import StoreFormatError, StoreNotFoundError
 
 from ._run import open_run
 
@@ -21,6 +21,7 @@ __all__ = ["watch"]
 COLUMNS = ("mean", "std", "abs_max", "zero_frac", "nan", "posinf", "neginf")
 
 
+CREATING = 30.0            # seconds a folder may take to become a store before it is an error
 RATE_WINDOW = 30.0          # seconds of step changes the rate is measured over
 
 
@@ -51,13 +52,21 @@ def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations
     non-finite, and the count of non-finite events so far."""
     alerted: set = set()
     rate = _Rate()
+    opened, since = False, time.monotonic()
     while True:
         try:
             run = open_run(path)
-        except StoreNotFoundError as e:        # not created yet; a damaged store is an error
+        except StoreNotFoundError as e:        # not created yet
             yield {"waiting": str(e)}
             sleep(interval)
             continue
+        except StoreFormatError as e:          # being created (its folder before its root
+            if opened or time.monotonic() - since > CREATING:   # file); else damaged
+                raise
+            yield {"waiting": str(e)}
+            sleep(interval)
+            continue
+        opened = True
         view = {"status": run.status, "step": None, "rate": None, "rows": [], "alerts": [],
                 "events": run.attrs.get("events_total", len(run.events)),
                 "nonfinite_layers": 0, "last_event": None}

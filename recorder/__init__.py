@@ -6,10 +6,11 @@ modules, which readers use) does not import torch: ``Recorder`` and
 ``select_layers`` load on first use (PEP 562).
 """
 
-from .errors import (InspectionError, LayerNotFoundError, NonFiniteError, RecorderError,
+from .errors import (ConfigError, InspectionError, LayerNotFoundError, NonFiniteError, RecorderError,
                      StoreExistsError, StoreFormatError, StoreNotFoundError)
 
 __all__ = [
+    "ConfigError",
     "InspectionError",
     "LayerNotFoundError",
     "NonFiniteError",

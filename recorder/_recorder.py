@@ -106,9 +106,9 @@ class Recorder:
         ``None`` for statistics only.
     ring: keep the full tensors of this many steps before the current one in
         memory, for ``on_nonfinite="dump"``.
-    on_nonfinite: ``"record"`` (an event), ``"warn"``, ``"raise"``
-        (``NonFiniteError`` at the step's end), ``"dump"`` (store the ring and the
-        current step's full tensors).
+    on_nonfinite: ``"record"`` (an event), ``"dump"`` (also store the ring and
+        the current step's full tensors), ``"raise"`` (dump, then raise
+        ``NonFiniteError`` at the step's end).
     max_samples: full tensors keep only their first k entries along dim 0.
     tensor_dtype: storage dtype of full tensors (``None``: their own).
     mode: ``"w-"`` (refuse an existing run), ``"w"`` (replace a tensortape run;

@@ -24,6 +24,8 @@ tensors (batched, ``reduce_many``).  Triton runs on CPU tensors too under
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -51,8 +53,8 @@ def _as_float32(raw, BF16: tl.constexpr):
 @triton.jit
 def _summary_kernel(x_ptr, n, parts_ptr, hist_ptr, BLOCK: tl.constexpr, RAW: tl.constexpr,
                     WIDTH: tl.constexpr, SHIFT: tl.constexpr, BF16: tl.constexpr):
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
+    pid = tl.program_id(0).to(tl.int64)       # 64-bit offsets: n may pass 2**31
+    programs = tl.num_programs(0).to(tl.int64)
     inf = float("inf")
     first = _as_float32(tl.load(x_ptr), BF16)
     shift = tl.where((first == first) & (tl.abs(first) != inf), first, 0.0)
@@ -77,7 +79,7 @@ def _summary_kernel(x_ptr, n, parts_ptr, hist_ptr, BLOCK: tl.constexpr, RAW: tl.
         code = tl.where(v == 0.0, RAW + (bits < 0).to(tl.int32), code)
         code = tl.where(v == inf, RAW + 2, code)
         code = tl.where(v == -inf, RAW + 3, code)
-        tl.atomic_add(hist_ptr + pid * WIDTH + code, 1, mask=inside)
+        tl.atomic_add(hist_ptr + pid * WIDTH + code, 1, mask=inside, sem="relaxed")
     tl.store(parts_ptr + pid * 4 + 0, tl.sum(acc_s, axis=0))
     tl.store(parts_ptr + pid * 4 + 1, tl.sum(acc_q, axis=0))
     tl.store(parts_ptr + pid * 4 + 2, tl.min(acc_lo, axis=0).to(tl.float64))
@@ -116,8 +118,11 @@ class TritonEngine(DeviceEngine):
         parts = torch.empty((grid, 4), dtype=torch.float64, device=x.device)
         hist = torch.zeros((grid, _WIDTH), dtype=torch.int32, device=x.device)
         bf16 = x.dtype == torch.bfloat16
-        _summary_kernel[(grid,)](x.view(torch.int16) if bf16 else x, n, parts, hist,
-                                 BLOCK=self.BLOCK, RAW=_RAW, WIDTH=_WIDTH, SHIFT=_SHIFT, BF16=bf16)
+        where = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+        with where:                     # launch on the tensor's device, not the current one
+            _summary_kernel[(grid,)](x.view(torch.int16) if bf16 else x, n, parts, hist,
+                                     BLOCK=self.BLOCK, RAW=_RAW, WIDTH=_WIDTH, SHIFT=_SHIFT,
+                                     BF16=bf16)
         first = x.reshape(-1)[0].to(torch.float64)
         shift = torch.where(torch.isfinite(first), first, 0.0)
         head = torch.stack([torch.full((), n, dtype=torch.float64, device=x.device), shift,

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_exported_names_are_exactly_the_documented_ones():
     assert recorder.__all__ == sorted([
-        "Recorder", "select_layers", "RecorderError", "LayerNotFoundError", "InspectionError",
+        "Recorder", "select_layers", "RecorderError", "ConfigError", "LayerNotFoundError", "InspectionError",
         "NonFiniteError", "StoreExistsError", "StoreNotFoundError", "StoreFormatError"])
     assert analysis.__all__ == sorted([
         "open_run", "Run", "NonFiniteEvent", "FirstNonFinite", "compare_runs",

@@ -92,7 +92,7 @@ def test_watch_follows_a_live_run_until_it_closes(tmp_path):
     lines = p.stdout.splitlines()
     assert any(line.startswith("status recording") and "steps/s" in line for line in lines)
     alerts = [line for line in lines if line.startswith("ALERT")]
-    assert [a.split(":")[1].split()[0] for a in alerts] == ["fc1", "fc2"]   # each once
+    assert [a.split()[1] for a in alerts] == ["fc1", "fc2"]   # each once
     assert all("step 12" in a and "4 NaN" in alerts[0] for a in alerts)
     assert lines[-1] == f"run complete: {store}"
     assert any(line.startswith("fc2 ") for line in lines)       # the final table
