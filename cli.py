@@ -341,9 +341,11 @@ def nan(run, around, fmt):
 @click.option("--step", type=int, default=None,
               help="step for --type histogram (default: the last with finite values)")
 @steps_option
+@click.option("--density", is_flag=True,
+              help="--type histogram: counts per unit of value instead of counts per bin")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, writable=True),
               help="PNG file to write")
-def plot(run, layer, kind, plot_type, stat, step, steps, output):
+def plot(run, layer, kind, plot_type, stat, step, steps, density, output):
     """Plot a layer of RUN into a PNG file."""
     r = _open(run)
     if plot_type != "evolution" and any(ch in layer for ch in "*?["):
@@ -357,7 +359,7 @@ def plot(run, layer, kind, plot_type, stat, step, steps, output):
             from analysis._run import steps_text
             raise click.BadParameter(f"step {step} has no statistics; the run has "
                                      f"{steps_text(r.steps(kind))}", param_hint="--step")
-        fig = r.plot_histogram(layer, kind=kind, steps=step)
+        fig = r.plot_histogram(layer, kind=kind, steps=step, density=density)
     elif plot_type == "evolution":
         fig = r.plot_evolution(layers=layer, kind=kind, stat=stat, steps=span)
     else:

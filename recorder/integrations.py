@@ -70,6 +70,12 @@ class _Holder:
     """What both callbacks share: the store, the Recorder keywords, the session."""
 
     def __init__(self, store, **recorder_kwargs):
+        """store: the run's path or URL.  recorder_kwargs: any ``Recorder`` keyword
+        (``layers``, ``capture``, ``tensors_every``, ``stats_every``, ``ring``,
+        ``on_nonfinite``, ``mode``, ...; ``outside_step`` defaults to ``"ignore"``,
+        since trainers run evaluation outside the steps).  The Recorder attaches
+        when training starts and closes when it ends (``interrupted`` after an
+        exception)."""
         self.session = _Session(store, recorder_kwargs)
 
     @property

@@ -176,6 +176,10 @@ def test_histogram_is_drawn_over_values_with_a_zero_tick_and_nonfinite_bars(tmp_
     heights = [p.get_height() for p in side.patches]
     assert heights == [int(np.isnan(v).sum()), int((v == np.inf).sum()), int((v == -np.inf).sum())]
     assert heights[0] > 0
+    dense = open_run(store).plot_histogram("(root)", steps=1, density=True).axes[0]
+    area = sum(p.get_height() * p.get_width() for p in dense.patches if p.get_width() > 0)
+    point = sum(p.get_height() for p in ax.patches if p.get_width() == 0)   # one-value bins
+    assert np.isclose(area, 1 - point / finite.size, rtol=1e-6)
 
 
 def test_evolution_past_six_layers_is_small_multiples_naming_the_run(tmp_path):
