@@ -44,6 +44,16 @@ class _Rate:
         return self.value
 
 
+def _has_root(path) -> bool:
+    """Whether the store's root metadata file exists (so it is not being created)."""
+    import fsspec
+    try:
+        fs, root = fsspec.core.url_to_fs(str(path))
+        return fs.exists(root.rstrip("/") + "/zarr.json")
+    except Exception:
+        return True
+
+
 def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations",
               sleep: Callable[[float], None] = time.sleep) -> Iterator[dict]:
     """One view of the run per ``interval`` until it stops recording: its status,
@@ -60,9 +70,9 @@ def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations
             yield {"waiting": str(e)}
             sleep(interval)
             continue
-        except StoreFormatError as e:          # being created (its folder before its root
-            if opened or time.monotonic() - since > CREATING:   # file); else damaged
-                raise
+        except StoreFormatError as e:          # being created (its folder, no root file
+            if opened or _has_root(path) or time.monotonic() - since > CREATING:   # yet);
+                raise                          # a store with a root file is damaged
             yield {"waiting": str(e)}
             sleep(interval)
             continue
