@@ -119,26 +119,18 @@ def _step_range(text):
                                  f"A: or :B", param_hint="--steps") from None
 
 
-def _select_steps(ds, step, steps, what="statistics"):
-    """``ds`` at ``--step N`` or within ``--steps A:B``; one line naming the run's
-    steps when none is there."""
+def _check_step(step, have) -> None:
+    """``--step N`` must be one of ``have``; else one line naming the run's steps."""
     from analysis._run import steps_text
-    have = ds.step.values
-    if step is not None:
-        if step not in have:
-            raise click.BadParameter(f"step {step} has no {what}; the run has {steps_text(have)}",
-                                     param_hint="--step")
-        return ds.sel(step=[step])
+    if step is not None and step not in have:
+        raise click.BadParameter(f"step {step} has no statistics; the run has "
+                                 f"{steps_text(have)}", param_hint="--step")
+
+
+def _span(steps):
+    """``--steps A:B`` as a slice of step numbers (None: all)."""
     rng = _step_range(steps)
-    if rng is None:
-        return ds
-    lo, hi = rng
-    keep = (have >= (lo if lo is not None else have.min(initial=0))) & \
-        (have < (hi if hi is not None else have.max(initial=0) + 1))
-    if not keep.any():
-        raise click.BadParameter(f"no {what} in steps {steps}; the run has {steps_text(have)}",
-                                 param_hint="--steps")
-    return ds.isel(step=keep)
+    return None if rng is None else slice(*rng)
 
 
 steps_option = click.option("--steps", default=None, metavar="A:B",
@@ -282,7 +274,10 @@ def info(run, fmt):
               show_default=True, help="csv and json: for scripts (counts are integers)")
 def stats(run, kind, pattern, step, steps, fmt):
     """Per-step statistics of RUN: a row per (step, layer); counts are integers."""
-    ds = _select_steps(_open(run).stats(kind, pattern), step, steps)
+    from analysis._run import within
+    ds = _open(run).stats(kind, pattern)
+    _check_step(step, ds.step.values)
+    ds = ds.sel(step=[step]) if step is not None else within(ds, _span(steps))
     df = ds.compute().to_dataframe().reset_index()
     for c in COUNTS:
         df[c] = df[c].astype("Int64")
@@ -352,13 +347,9 @@ def plot(run, layer, kind, plot_type, stat, step, steps, density, output):
         raise click.BadParameter(f"a {plot_type} shows one layer; {layer!r} is a pattern (use "
                                  f"--type evolution for many, or name one layer)",
                                  param_hint="--layer")
-    rng = _step_range(steps)
-    span = None if rng is None else slice(*rng)
+    span = _span(steps)
     if plot_type == "histogram":
-        if step is not None and step not in r.steps(kind):
-            from analysis._run import steps_text
-            raise click.BadParameter(f"step {step} has no statistics; the run has "
-                                     f"{steps_text(r.steps(kind))}", param_hint="--step")
+        _check_step(step, r.steps(kind))
         fig = r.plot_histogram(layer, kind=kind, steps=step, density=density)
     elif plot_type == "evolution":
         fig = r.plot_evolution(layers=layer, kind=kind, stat=stat, steps=span)
@@ -427,7 +418,8 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output):
         click.echo(frame.to_string(float_format=lambda v: f"{v:.4g}"))
     if output:
         layer = first[1] if first else str(ds.layer.values[0])
-        plot_comparison(a, b, layer, kind=kind, rtol=rtol).savefig(output, dpi=120)
+        plot_comparison(a, b, layer, kind=kind, rtol=rtol, ds=ds, first=first).savefig(output,
+                                                                                 dpi=120)
         if fmt != "json":
             click.echo(output)
     sys.exit(0 if first is None else 1)

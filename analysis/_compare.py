@@ -125,12 +125,6 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None) ->
     return out
 
 
-def _stat_differs(x: float, y: float, rtol: float) -> bool:
-    if np.isnan(x) and np.isnan(y):
-        return False
-    return not abs(x - y) <= rtol * max(abs(x), abs(y), 1e-30)
-
-
 def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None) -> tuple[int, str] | None:
     """The first (step, layer) where the runs differ, or None.
 
@@ -142,18 +136,19 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None) -> tuple
     """
     a, b = open_run(a), open_run(b)
     order = {n: i for i, n in enumerate(a.layers)}
-    kinds_asked = kinds or fmt.FORWARD_KINDS + fmt.BACKWARD_KINDS
-    kinds = [k for k in (kinds or fmt.FORWARD_KINDS + fmt.BACKWARD_KINDS) if k in a.kinds and k in b.kinds]
+    asked = list(kinds or fmt.FORWARD_KINDS + fmt.BACKWARD_KINDS)
+    kinds = [k for k in asked if k in a.kinds and k in b.kinds]
     per_kind = {}
     for kind in kinds:
         names, steps = _common(a, b, kind, layers)
         if names and len(steps):
             sa = a.stats(kind, names).sel(step=steps).compute()
             sb = b.stats(kind, names).sel(step=steps).compute()
-            per_kind[kind] = (sorted(names, key=lambda n: order.get(n, 1 << 30)), steps, sa, sb,
-                              set(a.tensor_layers(kind)), set(b.tensor_layers(kind)))
+            per_kind[kind] = (sorted(names, key=lambda n: order.get(n, 1 << 30)), steps,
+                              _relative(sa, sb), set(a.tensor_layers(kind)),
+                              set(b.tensor_layers(kind)))
     if not per_kind:
-        raise _no_common(a, b, kinds or list(kinds_asked), layers)
+        raise _no_common(a, b, kinds or asked, layers)
     all_steps = sorted({int(s) for v in per_kind.values() for s in v[1]})
     tensor_steps: dict = {}
 
@@ -167,7 +162,7 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None) -> tuple
         for kind in kinds:
             if kind not in per_kind:
                 continue
-            names, steps, sa, sb, ta, tb = per_kind[kind]
+            names, steps, rel, ta, tb = per_kind[kind]
             if step not in steps:
                 continue
             for layer in names:
@@ -178,8 +173,7 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None) -> tuple
                     if not m["rel_l2"] <= rtol:
                         return step, layer
                     continue
-                xa, xb = sa.sel(step=step, layer=layer), sb.sel(step=step, layer=layer)
-                if any(_stat_differs(float(xa[s]), float(xb[s]), rtol) for s in fmt.STATS):
+                if float(rel.sel(step=step, layer=layer)) > rtol:   # compare_runs' stat_rel
                     return step, layer
     return None
 
@@ -228,7 +222,8 @@ def difference_map(a, b, kind: str = "activations", layers=None,
     return ds[metric].transpose("layer", "step").rename(metric)
 
 
-def plot_comparison(a, b, layer, kind="activations", stat="std", rtol: float = 1e-3):
+def plot_comparison(a, b, layer, kind="activations", stat="std", rtol: float = 1e-3, *,
+                    ds: xr.Dataset | None = None, first=False):
     """Where two runs part -> Figure: a layer x step map of their difference (the
     table's metric: ``rel_l2`` where both hold every full tensor, else
     ``stat_rel``), NaN/Inf cells marked, the first divergence circled; beside it
@@ -236,17 +231,18 @@ def plot_comparison(a, b, layer, kind="activations", stat="std", rtol: float = 1
 
     a, b: run paths or ``Run`` objects.  layer: the layer whose lines are drawn.
     kind: the kind compared.  stat: the statistic of the lines.  rtol: as in
-    ``first_divergence``."""
+    ``first_divergence``.  ds, first: ``compare_runs``' and ``first_divergence``'s
+    answers when the caller has them already (they scan full tensors)."""
     import os
     from . import _plots
     a, b = open_run(a), open_run(b)
-    ds = compare_runs(a, b, kind)
+    ds = compare_runs(a, b, kind) if ds is None else ds
     lines = []
     for r in (a, b):
         st = r.stats(kind, [layer]).isel(layer=0).compute()
         bad = sum(st[k] for k in fmt.COUNT_STATS[1:])
         lines.append(st[stat].assign_coords(nonfinite=bad).assign_attrs(layer=layer, kind=kind))
-    first = first_divergence(a, b, rtol=rtol, kinds=[kind])
+    first = first_divergence(a, b, rtol=rtol, kinds=[kind]) if first is False else first
     names = [os.path.basename(r.path.rstrip("/")) or r.path for r in (a, b)]
     if names[0] == names[1]:
         names = [_short_path(r.path) for r in (a, b)]

@@ -72,7 +72,7 @@ def _with_range(h, st):
                            max=("step", st["max"].values.astype(float)))
 
 
-def _within(obj, steps: slice | None):
+def within(obj, steps: slice | None):
     """``obj`` at the steps of the half-open slice ``steps`` (None: all)."""
     if steps is None:
         return obj
@@ -463,7 +463,7 @@ class Run:
         default all), a line per layer (small multiples past 6 layers), each layer's
         NaN/Inf steps marked with their counts -> Figure."""
         from . import _plots
-        ds = _within(self.stats(kind, layers, rank=rank), steps)
+        ds = within(self.stats(kind, layers, rank=rank), steps)
         if stat not in ds:
             raise ConfigError(f"stat {stat!r} is not recorded; use one of {', '.join(ds.data_vars)}")
         return _plots.evolution(ds.compute().assign_attrs(run=self.name), stat, ax)
@@ -474,8 +474,8 @@ class Run:
         step numbers; default all): bands from the true min and max and the
         percentiles, the median, NaN/Inf counts below -> Figure."""
         from . import _plots
-        h = _within(self.histogram(layer, kind, rank=rank), steps).compute()
-        st = _within(self.stats(kind, [layer], rank=rank), steps).isel(layer=0)
+        h = within(self.histogram(layer, kind, rank=rank), steps).compute()
+        st = within(self.stats(kind, [layer], rank=rank), steps).isel(layer=0)
         return _plots.distribution(_with_range(h, st), ax)
 
     @property

@@ -16,7 +16,7 @@ from recorder.errors import StoreFormatError, StoreNotFoundError
 
 from ._run import open_run
 
-__all__ = ["watch"]
+__all__ = ["render", "snapshots"]
 
 COLUMNS = ("mean", "std", "abs_max", "zero_frac", "nan", "posinf", "neginf")
 

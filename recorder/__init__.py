@@ -6,8 +6,8 @@ modules, which readers use) does not import torch: ``Recorder`` and
 ``select_layers`` load on first use (PEP 562).
 """
 
-from .errors import (ConfigError, InspectionError, LayerNotFoundError, NonFiniteError, RecorderError,
-                     StoreExistsError, StoreFormatError, StoreNotFoundError)
+from .errors import (ConfigError, InspectionError, LayerNotFoundError, NonFiniteError,
+                     RecorderError, StoreExistsError, StoreFormatError, StoreNotFoundError)
 
 __all__ = [
     "ConfigError",

@@ -36,20 +36,17 @@ import threading
 import types
 import warnings
 
-import numpy as np
 import torch
 
 from . import format as fmt
 from ._summary import (FIELDS, LANES, Summaries, codes, empty_summary, exp_bits_of, finalize,
-                       lane_codes,
-                       memory_order, nonfinite_counts, reductions, segment_reductions, widened)
+                       lane_codes, memory_order, nonfinite_counts, reductions,
+                       segment_reductions, widened)
 
 __all__ = ["Engine", "Engines", "summarize"]
 
 SMALL = 1 << 13                # elements below which a tensor waits for the step's batch
 _PARALLEL_MIN = 1 << 18        # elements from which CPU work is split across threads
-
-
 
 _told = False
 
@@ -58,7 +55,6 @@ _told = False
 def _told_after(seconds: float, message: str):
     """Print ``message`` on stderr once per process if the block takes longer
     than ``seconds`` (a timer, so a fast block says nothing)."""
-    global _told
     if _told:
         yield
         return
@@ -75,6 +71,7 @@ def _told_after(seconds: float, message: str):
         yield
     finally:
         timer.cancel()
+
 
 class Engine:
     """Runs the summary kernels on one device type."""

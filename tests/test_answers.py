@@ -157,7 +157,7 @@ def test_histogram_is_drawn_over_values_with_a_zero_tick_and_nonfinite_bars(tmp_
     x = torch.randn(32, 4)
     with Recorder(model, store, layers="", capture="activations") as rec:
         with rec.step(0):
-            y = model(x)
+            model(x)
         bad = x.clone()
         bad[0, 0], bad[1, 0] = float("nan"), float("inf")
         with rec.step(1):

@@ -82,10 +82,18 @@ def test_no_step_reads_back_from_the_device(tmp_path, patched, kw):
                 assert watch.seen == [] and patched == [], (i, watch.seen, patched)
 
 
-def test_raise_may_wait_only_to_raise(tmp_path, patched):
+def test_raise_waits_only_at_the_step_end(tmp_path, patched):
+    """on_nonfinite="raise" reads the step's counts back at its end, to raise; its
+    forward and backward still read nothing back."""
     m = model()
     with pytest.raises(NonFiniteError):
         with Recorder(m, str(tmp_path / "r.zarr"), on_nonfinite="raise") as rec:
-            for i in range(3):
+            for i in range(4):
+                x = torch.randn(32, 64) if i < 3 else torch.full((32, 64), float("nan"))
                 with rec.step(i):
-                    m(torch.randn(8, 64) if i < 2 else torch.full((8, 64), float("nan"))).sum()
+                    watch = Watch()
+                    patched.clear()
+                    with watch:                     # forward and backward only
+                        m(x).sum().backward()
+                    if i >= 1:
+                        assert watch.seen == [] and patched == [], (i, watch.seen, patched)

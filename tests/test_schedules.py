@@ -17,14 +17,12 @@ oracle's: names, statistics (sums to 1e-9), histograms, events, full tensors
 CI runs a fixed seed (``derandomize``); ``TENSORTAPE_SCHEDULES=N`` runs N random
 examples by hand, e.g. ``TENSORTAPE_SCHEDULES=500 pytest tests/test_schedules.py``.
 """
-import copy
 import os
 import shutil
 import tempfile
 import warnings
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
