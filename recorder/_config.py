@@ -46,6 +46,8 @@ class RecorderConfig:
     mode: str = "w-"
     flush_interval: float = 5.0
     max_pending_bytes: int = 1 << 30
+    max_device_bytes: int = 1 << 30
+    max_pinned_bytes: int = 2 << 30
     compression: str | int | None = "auto"
     outside_step: str = "warn"
     max_bytes: int | None = None
@@ -54,8 +56,8 @@ class RecorderConfig:
     @classmethod
     def build(cls, *, capture=("activations", "gradients"), tensors_every=1, stats_every=1,
               ring=0, on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
-              flush_interval=5.0, max_pending_bytes=1 << 30,
-              compression="auto", outside_step="warn", max_bytes=None,
+              flush_interval=5.0, max_pending_bytes=1 << 30, max_device_bytes=1 << 30,
+              max_pinned_bytes=2 << 30, compression="auto", outside_step="warn", max_bytes=None,
               on_error="warn") -> "RecorderConfig":
         if isinstance(capture, str):
             capture = (capture,)
@@ -79,8 +81,10 @@ class RecorderConfig:
         _choice("mode", mode, MODES)
         if not flush_interval > 0:
             raise ConfigError(f"flush_interval={flush_interval!r} is not valid; use seconds > 0")
-        if not isinstance(max_pending_bytes, int) or max_pending_bytes < 1:
-            raise ConfigError(f"max_pending_bytes={max_pending_bytes!r} is not valid; use a positive integer")
+        for name, value in (("max_pending_bytes", max_pending_bytes),
+                            ("max_device_bytes", max_device_bytes),
+                            ("max_pinned_bytes", max_pinned_bytes)):
+            _every(name, value, allow_none=False)
         if compression not in ("auto", None) and (
                 not isinstance(compression, int) or isinstance(compression, bool)
                 or compression not in ZSTD_LEVELS):
@@ -90,7 +94,8 @@ class RecorderConfig:
         _every("max_bytes", max_bytes, allow_none=True)
         _choice("on_error", on_error, ERROR_POLICIES)
         return cls(capture, tensors_every, stats_every, ring, on_nonfinite, max_samples,
-                   tensor_dtype, mode, float(flush_interval), max_pending_bytes, compression,
+                   tensor_dtype, mode, float(flush_interval), max_pending_bytes,
+                   max_device_bytes, max_pinned_bytes, compression,
                    outside_step, max_bytes, on_error)
 
     def persists(self, step: int) -> bool:

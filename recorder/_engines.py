@@ -49,6 +49,8 @@ SMALL = 1 << 13                # elements below which a tensor waits for the ste
 _PARALLEL_MIN = 1 << 18        # elements from which CPU work is split across threads
 
 _told = False
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -71,6 +73,16 @@ def _told_after(seconds: float, message: str):
         yield
     finally:
         timer.cancel()
+
+
+def _compiler() -> concurrent.futures.ThreadPoolExecutor:
+    """The one background thread that compiles Triton kernels before they are
+    needed (Triton's compiler, unlike ``torch.compile``, sets no process-wide flag)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensortape-compile")
+    return _pool
 
 
 class Engine:
@@ -162,9 +174,13 @@ class Engine:
     def _run(self, fn, x: torch.Tensor) -> torch.Tensor:
         """``fn(x)`` as one fused kernel, compiled once per (kernel, dtype, threading).
 
-        The kernels ignore element order, so a contiguous tensor goes in flat (one
-        compiled shape for every rank); a tensor that is not contiguous runs the
-        eager kernel (no recompile per stride pattern)."""
+        A kernel compiles on the thread of its first use, the training thread:
+        a ``torch.compile`` session sets the process-wide ``is_compiling()`` flag,
+        which optimizers and models read, so compiling on another thread would
+        change the user's code paths while it runs.  The kernels ignore element
+        order, so a contiguous tensor goes in flat (one compiled shape for every
+        rank); a tensor that is not contiguous runs the eager kernel (no
+        recompile per stride pattern)."""
         if not self.compile or not x.is_contiguous():
             return fn(x)
         x = x.reshape(-1)
@@ -172,9 +188,9 @@ class Engine:
         compiled = self._compiled.get(key)
         if compiled is None:
             with self._lock:
-                compiled = self._compiled.get(key)
-                if compiled is None:
-                    compiled = self._compiled[key] = self._compile(fn, x, key[2])
+                if key not in self._compiled:
+                    self._compile(key, x.device)
+                compiled = self._compiled[key]
         if compiled is not False:
             try:
                 with torch.no_grad():  # one grad mode: no recompiles between forward and backward
@@ -184,27 +200,32 @@ class Engine:
                 self._warn(fn, e)
         return fn(x)
 
-    def _compile(self, fn, x: torch.Tensor, parallel: bool):
-        with _told_after(1.0, "tensortape: compiling the statistics kernels, once per dtype "
-                              "(a few seconds, the first steps only)"):
-            return self._compile_now(fn, x, parallel)
+    def warm(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Prepare what a tensor of ``dtype`` on ``device`` takes, before the first
+        step (the Triton engine compiles its kernel in the background; the torch
+        kernels compile at their first use, see ``_run``)."""
 
-    def _compile_now(self, fn, x: torch.Tensor, parallel: bool):
+    def _compile(self, key: tuple, device: torch.device) -> None:
+        """Compile one key and check it on a probe; a failure leaves that key to
+        the eager kernel, with one warning."""
+        fn, dtype, parallel = key
         try:
-            probe = torch.tensor([1.0, float("nan"), 0.0, -float("inf")], device=x.device,
-                                 dtype=x.dtype)
-            options = {"cpp.dynamic_threads": parallel} if self.device_type == "cpu" else {}
-            # a code object of its own: Dynamo's recompile limit counts per code object,
-            # and each (kernel, dtype, threading) is one compiled function
-            own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                                     fn.__defaults__, fn.__closure__)
-            compiled = torch.compile(own, dynamic=True, options=options)
-            with torch.no_grad():
-                torch.testing.assert_close(compiled(probe), fn(probe), equal_nan=True)
-            return compiled
+            with _told_after(1.0, "tensortape: compiling the statistics kernels, once per dtype "
+                                  "(a few seconds, the first steps only)"):
+                probe = torch.tensor([1.0, float("nan"), 0.0, -float("inf")], device=device,
+                                     dtype=dtype)
+                options = {"cpp.dynamic_threads": parallel} if self.device_type == "cpu" else {}
+                # a code object of its own: Dynamo's recompile limit counts per code object,
+                # and each (kernel, dtype, threading) is one compiled function
+                own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                         fn.__defaults__, fn.__closure__)
+                compiled = torch.compile(own, dynamic=True, options=options)
+                with torch.no_grad():
+                    torch.testing.assert_close(compiled(probe), fn(probe), equal_nan=True)
+            self._compiled[key] = compiled
         except Exception as e:
+            self._compiled[key] = False
             self._warn(fn, e)
-            return False
 
     def _warn(self, fn, e: Exception) -> None:
         if not self._warned:
@@ -308,6 +329,12 @@ class Engines:
             classes.append((base, False))
             chain = self._chains[device_type] = [_instance(c, device_type, k) for c, k in classes]
         return chain
+
+    def warm(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Start compiling, in the background, what a tensor of ``dtype`` on
+        ``device`` will take."""
+        for engine in self.chain(device.type):
+            engine.warm(dtype, device)
 
     def for_tensor(self, x: torch.Tensor) -> Engine:
         """The engine for ``x``'s device type and dtype."""

@@ -121,6 +121,11 @@ class Recorder:
     flush_interval: seconds between commits (a crash loses at most this much).
     max_pending_bytes: snapshot bytes queued for the writer before the training
         thread waits (nothing is dropped).
+    max_device_bytes: on an accelerator, device memory for the clones of full
+        tensors whose copies to the host are still in flight; past it a full
+        tensor is not taken (counted in ``dropped``, its statistics kept).
+    max_pinned_bytes: on an accelerator, pinned host memory for full tensors on
+        their way to the writer; past it, the same.
     compression: full tensors: ``"auto"`` (zstd level 1 where it shrinks an
         array's first step by 10% or more, else zstd's fast mode), a zstd level,
         or ``None``.
@@ -137,7 +142,8 @@ class Recorder:
                  capture=("activations", "gradients"), tensors_every=1, stats_every=1, ring=0,
                  on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
                  metadata=None, outside_step="warn", max_bytes=None, flush_interval=5.0,
-                 max_pending_bytes=1 << 30, compression="auto", on_error="warn"):
+                 max_pending_bytes=1 << 30, max_device_bytes=1 << 30, max_pinned_bytes=2 << 30,
+                 compression="auto", on_error="warn"):
         if isinstance(model, torch.jit.ScriptModule):
             raise ConfigError(f"{type(model).__name__} is a TorchScript module, whose calls run no "
                               f"Python hooks; record the eager module instead, or compile it "
@@ -146,7 +152,7 @@ class Recorder:
             capture=capture, tensors_every=tensors_every, stats_every=stats_every, ring=ring,
             on_nonfinite=on_nonfinite, max_samples=max_samples, tensor_dtype=tensor_dtype,
             mode=mode, flush_interval=flush_interval, max_pending_bytes=max_pending_bytes,
-            compression=compression, outside_step=outside_step, max_bytes=max_bytes,
+            max_device_bytes=max_device_bytes, max_pinned_bytes=max_pinned_bytes, compression=compression, outside_step=outside_step, max_bytes=max_bytes,
             on_error=on_error)
         self.metadata = fmt.to_json(metadata or {})
         self.store_location = os.fspath(store)
@@ -203,6 +209,7 @@ class Recorder:
         self._last_step, self._dropped_before = state.last_step, state.dropped
         self._outside_before = state.outside_steps
         self._buffer = StepBuffer(cfg, state.layers)
+        self._buffer.warm(self._model)
         self._writer = Writer(store, state, root_base, cfg)
         self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
         self._model = None

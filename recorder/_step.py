@@ -26,7 +26,7 @@ import torch
 from . import format as fmt
 from ._config import RecorderConfig
 from ._engines import Engines
-from ._snapshot import Snapshot, unstorable
+from ._snapshot import Snapshot, Stager, unstorable
 from ._summary import combine, empty_summary, exp_bits_of, moments, widened
 from .errors import InspectionError
 
@@ -113,17 +113,14 @@ class TensorRow:
 class Packed:
     """A step's summary vectors, packed per device, on their way to the host."""
 
-    def __init__(self, parts: list[tuple[torch.Tensor, object]]):
-        self._parts = parts            # (host float64 tensor, event or None) per device
+    def __init__(self, parts: list[Snapshot]):
+        self._parts = parts            # a float64 host copy per device
 
     def host(self) -> np.ndarray:
         """Every vector, on the host (waits for the copies: the writer thread does)."""
-        arrays = []
-        for t, event in self._parts:
-            if event is not None:
-                event.synchronize()
-            arrays.append(t.numpy())
-        self._parts = [(torch.from_numpy(a), None) for a in arrays]
+        for part in self._parts:
+            part.unpin()
+        arrays = [part.host().numpy() for part in self._parts]
         return np.concatenate(arrays) if arrays else np.zeros(0)
 
 
@@ -215,6 +212,7 @@ class StepBuffer:
     def __init__(self, config: RecorderConfig, known_layers: list[str]):
         self.config = config
         self.engines = Engines()
+        self.stager = Stager(config.max_device_bytes, config.max_pinned_bytes)
         self.step: int | None = None
         self.plan: Plan | None = None
         self.token: object | None = None
@@ -232,6 +230,18 @@ class StepBuffer:
         self._outside = 0
         self.outside_total = 0
         self._engine_tensor: torch.Tensor | None = None     # the tensor an engine works on
+
+    def warm(self, model: torch.nn.Module) -> None:
+        """Start compiling the statistics kernels, in the background, for the
+        float dtypes and devices of the model's parameters and buffers (the
+        first captures of any other dtype start theirs)."""
+        try:
+            seen = {(t.dtype, t.device) for t in (*model.parameters(), *model.buffers())
+                    if t.is_floating_point() and t.device.type != "meta"}
+            for dtype, device in seen:
+                self.engines.warm(dtype, device)
+        except Exception:               # only a head start: the captures compile what they need
+            pass
 
     def begin(self, step: int) -> None:
         self.step, self.token = step, object()
@@ -288,8 +298,10 @@ class StepBuffer:
         if plan.keep:
             reason = unstorable(tensor)
             if reason is None:
-                snap = Snapshot(tensor, cfg.max_samples, cfg.tensor_dtype)
-            else:
+                snap = self.stager.take(tensor, cfg.max_samples, cfg.tensor_dtype)
+                reason = snap if isinstance(snap, str) else None
+            if reason is not None:
+                snap = None
                 self.drop(reason)
         exp_bits = exp_bits_of(tensor)
         numel = tensor.numel()
@@ -401,7 +413,7 @@ class StepBuffer:
                 blocks.append(Block(form, mat.shape[0], mat.shape[1], start))
                 start += mat.numel()
             mats = [mat.reshape(-1) for _, mat, *_ in mine]
-            parts.append(_to_host(mats[0] if len(mats) == 1 else torch.cat(mats)))
+            parts.append(self._to_host(mats[0] if len(mats) == 1 else torch.cat(mats)))
         for c in caps:
             c.vec = None
         return metas, blocks, Packed(parts) if parts else None
@@ -417,18 +429,12 @@ class StepBuffer:
     def clear(self) -> None:
         self._captures = []
 
-
-def _to_host(flat: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """A float64 vector's host copy, started now: on CUDA into pinned memory on the
-    current stream, with an event to wait for (the vector's memory is reused only
-    after the copy, on the same stream); elsewhere, a copy (none on the CPU)."""
-    flat = flat.to(torch.float64)
-    if flat.device.type == "cpu":
-        return flat, None
-    if flat.device.type == "cuda":
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(flat.device))
-        return host, event
-    return flat.to("cpu"), None
+    def _to_host(self, flat: torch.Tensor) -> Snapshot:
+        """A float64 vector's host copy, started now: on CUDA into a pinned slot on
+        the current stream, with an event that the writer waits for (the vector's
+        memory is reused only after the copy, on the same stream); elsewhere, a copy
+        (none on the CPU)."""
+        flat = flat.to(torch.float64)
+        if flat.device.type == "cuda":
+            return self.stager.pinned_copy(flat)
+        return Snapshot(flat if flat.device.type == "cpu" else flat.to("cpu"))

@@ -8,14 +8,16 @@ needs (``_summary``'s layout, the same numbers as the CPU engine):
   zero; the pass stays memory-bound, so float64 costs nothing measurable on an
   H100, an estimate still to be measured),
   minimum and maximum of the finite values;
-- the histogram codes of ``format.encode``, counted with atomics into a slice
-  private to each program (so atomics never contend across the GPU, and a
-  run of equal codes, the zeros of a ReLU, only contends within one program);
-  the slices are summed at the end.
+- the histogram codes of ``format.encode``, counted with relaxed atomics into
+  one of ``SLICES`` slices (program ``p`` counts into slice ``p % SLICES``,
+  so a run of equal codes, the zeros of a ReLU, contends within a few
+  programs, never across the GPU); the slices are summed at the end.
 
-A fixed grid of programs strides over the tensor, so the private slices take
-``programs x codes`` counters whatever the tensor's size.  Nothing is read
-back to the host: the vector stays on the device until the step's one copy.
+A fixed grid of programs strides over the tensor.  The slices (``SLICES x
+codes`` int32, 263 KB) and the programs' partial sums are a scratch kept per
+device and stream and zeroed by one memset per tensor, so a tensor costs its
+own read, not a histogram buffer's.  Nothing is read back to the host: the
+vector stays on the device until the step's one copy.
 
 float64 tensors take the torch kernels (``DeviceEngine``); so do a step's tiny
 tensors (batched, ``reduce_many``).  Triton runs on CPU tensors too under
@@ -25,13 +27,14 @@ tensors (batched, ``reduce_many``).  Triton runs on CPU tensors too under
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import triton
 import triton.language as tl
 
 from . import format as fmt
-from ._engines import DeviceEngine
+from ._engines import DeviceEngine, _compiler
 from ._summary import exp_bits_of, memory_order, widened
 
 __all__ = ["TritonEngine"]
@@ -52,7 +55,8 @@ def _as_float32(raw, BF16: tl.constexpr):
 
 @triton.jit
 def _summary_kernel(x_ptr, n, parts_ptr, hist_ptr, BLOCK: tl.constexpr, RAW: tl.constexpr,
-                    WIDTH: tl.constexpr, SHIFT: tl.constexpr, BF16: tl.constexpr):
+                    WIDTH: tl.constexpr, SHIFT: tl.constexpr, BF16: tl.constexpr,
+                    SLICES: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)       # 64-bit offsets: n may pass 2**31
     programs = tl.num_programs(0).to(tl.int64)
     inf = float("inf")
@@ -79,7 +83,7 @@ def _summary_kernel(x_ptr, n, parts_ptr, hist_ptr, BLOCK: tl.constexpr, RAW: tl.
         code = tl.where(v == 0.0, RAW + (bits < 0).to(tl.int32), code)
         code = tl.where(v == inf, RAW + 2, code)
         code = tl.where(v == -inf, RAW + 3, code)
-        tl.atomic_add(hist_ptr + pid * WIDTH + code, 1, mask=inside, sem="relaxed")
+        tl.atomic_add(hist_ptr + (pid % SLICES) * WIDTH + code, 1, mask=inside, sem="relaxed")
     tl.store(parts_ptr + pid * 4 + 0, tl.sum(acc_s, axis=0))
     tl.store(parts_ptr + pid * 4 + 1, tl.sum(acc_q, axis=0))
     tl.store(parts_ptr + pid * 4 + 2, tl.min(acc_lo, axis=0).to(tl.float64))
@@ -91,12 +95,46 @@ class TritonEngine(DeviceEngine):
     for float64 and for a step's tiny tensors)."""
 
     BLOCK = 1024
+    SLICES = 32
 
     def __init__(self, device_type: str, compile: bool):
         super().__init__(device_type, compile)
         self._programs: dict = {}
+        self._scratch: dict = {}
+
+    def warm(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Also compile the Triton kernel for ``dtype`` in the background: one
+        launch on a small tensor there."""
+        super().warm(dtype, device)
+        if device.type == "cuda" and dtype in (torch.float32, torch.float16, torch.bfloat16):
+            _compiler().submit(self._launch_once, dtype, device)
+
+    def _launch_once(self, dtype: torch.dtype, device: torch.device) -> None:
+        try:
+            self.reduce(torch.zeros(2 * self.BLOCK, dtype=dtype, device=device))
+        except Exception:                # the first capture will meet it, under the guard
+            pass
+
+    def _buffers(self, x: torch.Tensor, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The partial sums and the zeroed histogram slices, kept per device, stream
+        and thread (stream order makes a reuse safe: the last tensor's sums were
+        read by kernels queued before this one's; backward may run on another
+        thread)."""
+        stream = torch.cuda.current_stream(x.device) if x.device.type == "cuda" else None
+        key = (x.device, stream, threading.get_ident())
+        scratch = self._scratch.get(key)
+        if scratch is None:
+            scratch = self._scratch[key] = (
+                torch.empty((self._grid_cap(x), 4), dtype=torch.float64, device=x.device),
+                torch.empty((self.SLICES, _WIDTH), dtype=torch.int32, device=x.device))
+        parts, hist = scratch
+        hist.zero_()
+        return parts[:grid], hist
 
     def _grid(self, x: torch.Tensor) -> int:
+        return max(1, min(self._grid_cap(x), triton.cdiv(x.numel(), self.BLOCK)))
+
+    def _grid_cap(self, x: torch.Tensor) -> int:
         cap = self._programs.get(x.device)
         if cap is None:
             if x.device.type == "cuda":
@@ -105,7 +143,7 @@ class TritonEngine(DeviceEngine):
             else:                       # the interpreter: few programs, it runs them one by one
                 cap = 8
             self._programs[x.device] = cap
-        return max(1, min(cap, triton.cdiv(x.numel(), self.BLOCK)))
+        return cap
 
     @torch.compiler.disable
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,14 +153,13 @@ class TritonEngine(DeviceEngine):
         if not x.is_contiguous():
             x = x.contiguous()
         n, grid = x.numel(), self._grid(x)
-        parts = torch.empty((grid, 4), dtype=torch.float64, device=x.device)
-        hist = torch.zeros((grid, _WIDTH), dtype=torch.int32, device=x.device)
+        parts, hist = self._buffers(x, grid)
         bf16 = x.dtype == torch.bfloat16
         where = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
         with where:                     # launch on the tensor's device, not the current one
             _summary_kernel[(grid,)](x.view(torch.int16) if bf16 else x, n, parts, hist,
                                      BLOCK=self.BLOCK, RAW=_RAW, WIDTH=_WIDTH, SHIFT=_SHIFT,
-                                     BF16=bf16)
+                                     BF16=bf16, SLICES=self.SLICES)
         first = x.reshape(-1)[0].to(torch.float64)
         shift = torch.where(torch.isfinite(first), first, 0.0)
         head = torch.stack([torch.full((), n, dtype=torch.float64, device=x.device), shift,

@@ -251,6 +251,9 @@ class Writer:
             if plan.persist and not self.state.bytes_raw:
                 self._estimate(record)
         if cfg.ring:
+            if not stored:
+                for row in record.tensors:        # the ring lives in ordinary host memory
+                    row.snap.unpin()
             self._ring.append((record.step, None if stored else record.tensors))
         return out
 
@@ -277,6 +280,7 @@ class Writer:
                     mine.append(row)
                 else:
                     over += 1
+                    row.snap.release()
                     self._warn_once("budget", (
                         f"tensortape: max_bytes={limit} of full tensors reached at step {step}; "
                         f"from now on only statistics are recorded (tensors not stored are "
@@ -369,6 +373,7 @@ class Writer:
     def _write_tensor(self, step: int, row: TensorRow) -> None:
         st = self.state
         path = fmt.tensor_group(st.rank, row.kind, row.layer)
+        row.snap.unpin()                 # the store may write it later: the slot goes back now
         host = row.snap.host()
         n = self.store.append_tensor(row.kind, row.layer, step, row.micro, host,
                                      st.committed.get(path, 0))

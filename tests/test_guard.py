@@ -61,7 +61,7 @@ PLACES = {
     "eager kernels": (_engines.CpuEngine, "reduce", {}, {"TENSORTAPE_COMPILE": "0"}),
     "batched tiny tensors": (_engines.CpuEngine, "reduce_many", {}, {}),
     "NaN/Inf counter": (_engines.CpuEngine, "count_nonfinite", {"stats_every": 2}, {}),
-    "snapshot": (_snapshot.Snapshot, "__init__", {"tensors_every": 1}, {}),
+    "snapshot": (_snapshot.Stager, "take", {"tensors_every": 1}, {}),
     "hook walk": (_hooks, "leaves", {}, {}),
 }
 
