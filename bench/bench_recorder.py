@@ -1,6 +1,6 @@
 """Recorder overhead, side by side in one run (ratios, never absolute claims).
 
-    python bench/bench_recorder.py [--only MODE ...] [--rounds N]     (MODE: many stats full kernel)
+    python bench/bench_recorder.py [--only MODE ...] [--rounds N]   (MODE: many stats full kernel first)
 
 Workloads, on the CPU:
 
@@ -30,6 +30,9 @@ steps: what a long run pays).
           added time per captured tensor
   kernel  the statistics engine per tensor    vs one read of it (x.sum()): MB/s and
           the ratio to that floor
+  first   the first steps of a fresh process (the kernels compile at their first
+          use), recorded                      vs bare, each in its own process: steps
+          0, 1 and the median of steps 2-5
 """
 
 from __future__ import annotations
@@ -234,18 +237,62 @@ def bench_kernel(tmp, rounds, block):
     return rows, engine
 
 
+def first_steps(recorded: bool, tmp: str) -> list[float]:
+    """Steps 0-5 of the TransformerEncoder in this process (a fresh one)."""
+    m, x, layers = transformer()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    rec = Recorder(m, os.path.join(tmp, "first"), layers=layers, tensors_every=None,
+                   mode="w").attach() if recorded else None
+    times = []
+    for i in range(6):
+        t0 = time.perf_counter()
+        with (rec.step(i) if rec else contextlib.nullcontext()):
+            m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    if rec:
+        rec.close()
+    return times
+
+
+def bench_first(tmp: str) -> dict:
+    import json
+    import subprocess
+    import sys
+    out = {}
+    for name, flag in (("bare", "0"), ("tensortape stats", "1")):
+        p = subprocess.run([sys.executable, __file__, "--first-child", flag, tmp],
+                           capture_output=True, text=True, check=True)
+        out[name] = json.loads(p.stdout.strip().splitlines()[-1])
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", nargs="+", choices=["full", "stats", "many", "kernel"], default=None)
+    ap.add_argument("--only", nargs="+", choices=["full", "stats", "many", "kernel", "first"],
+                    default=None)
     ap.add_argument("--rounds", type=int, default=None, help="rounds of blocks (default per mode)")
+    ap.add_argument("--first-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.first_child:
+        import json
+        print(json.dumps(first_steps(args.first_child[0] == "1", args.first_child[1])))
+        return
     tmp = tempfile.mkdtemp(prefix="tt-bench-")
     print(f"threads={torch.get_num_threads()}")
     modes = (("many", bench_many, 6, 10), ("stats", bench_stats, 6, 5),
-             ("full", bench_full, 3, 20), ("kernel", bench_kernel, 0, 0))
+             ("full", bench_full, 3, 20), ("kernel", bench_kernel, 0, 0), ("first", None, 0, 0))
     try:
         for mode, fn, rounds, block in modes:
             if args.only and mode not in args.only:
+                continue
+            if mode == "first":
+                res = bench_first(tmp)
+                print("\n[first] a fresh process each: step 0, step 1, median of steps 2-5")
+                for k, t in res.items():
+                    print(f"  {k:30s} {t[0] * 1e3:8.0f} ms {t[1] * 1e3:8.0f} ms "
+                          f"{statistics.median(t[2:]) * 1e3:8.0f} ms")
                 continue
             res, extra = fn(tmp, args.rounds or rounds, block)
             if mode == "kernel":
