@@ -255,9 +255,17 @@ def info(run, fmt):
                else "") or "-" for k in s["kinds"]] for layer, m in s["layers"].items()])
     click.echo("(S = statistics, T = full tensors, with their size decoded)")
     ev = s["events"]
+    several = s["per_rank"] is not None
+    where = f" on rank {ev[0]['rank']}" if ev and several else ""
     click.echo(f"\nnon-finite events: {s['events_total']}" + (
-        f"; first at step {ev[0]['step']} in {ev[0]['layer']} ({ev[0]['kind']})" if ev else ""))
-    for key, what in (("dropped", "late gradients dropped"),
+        f"; first at step {ev[0]['step']}{where} in {ev[0]['layer']} ({ev[0]['kind']})"
+        if ev else ""))
+    if several:
+        click.echo(f"(layers and steps above: rank {s['rank']}; every rank below)")
+        _table(["rank", "last step", "events", "dropped"],
+               [[p["rank"], p["last_step"], p["events_total"], p["dropped"]]
+                for p in s["per_rank"]])
+    for key, what in (("dropped", "captures dropped (see drop_reasons in --format json)"),
                       ("outside_steps", "forward passes outside a step"),
                       ("over_budget", "full tensors not stored (max_bytes)")):
         if s[key]:
@@ -296,14 +304,18 @@ def stats(run, kind, pattern, step, steps, fmt):
               help="steps of history to show")
 @format_option
 def nan(run, around, fmt):
-    """Post-mortem: the first non-finite (step, layer, kind); exit 1 if any, 0 if clean."""
-    first = _open(run).first_nonfinite(history=around)
+    """Post-mortem: the first non-finite (step, layer, kind), across every rank; exit 1
+    if any, 0 if clean."""
+    r = _open(run)
+    first = r.first_nonfinite(history=around)
     if fmt == "json":
         _json(None if first is None else first.to_json())
     elif first is None:
         click.echo("clean: no NaN or Inf recorded")
     else:
-        click.echo(f"first non-finite: step {first.step}, layer {first.layer}, {first.kind} "
+        ranks = len(r.ranks) > 1
+        where = f" on rank {first.rank}" if ranks else ""
+        click.echo(f"first non-finite: step {first.step}{where}, layer {first.layer}, {first.kind} "
                    f"({first.phase}, micro-batch {first.micro}): {first.nan} NaN, "
                    f"{first.posinf} +Inf, {first.neginf} -Inf")
         if first.history is not None:
@@ -316,8 +328,8 @@ def nan(run, around, fmt):
         if first.same_step:
             click.echo(f"\nalso non-finite at step {first.step}:")
             for e in first.same_step[:20]:
-                click.echo(f"  {e.layer} ({e.kind}): {e.nan} NaN, {e.posinf} +Inf, "
-                           f"{e.neginf} -Inf")
+                click.echo(f"  {f'rank {e.rank}: ' if ranks else ''}{e.layer} ({e.kind}): "
+                           f"{e.nan} NaN, {e.posinf} +Inf, {e.neginf} -Inf")
             if len(first.same_step) > 20:
                 click.echo(f"  ... and {len(first.same_step) - 20} more")
     sys.exit(0 if first is None else 1)
@@ -370,7 +382,9 @@ def plot(run, layer, kind, plot_type, stat, step, steps, density, output):
 @format_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="PNG: where the runs differ (layer x step) and the first diverging layer")
-def compare(run_a, run_b, kind, pattern, rtol, fmt, output):
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="which rank of each run to compare (default: each run's first)")
+def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank):
     """Compare two runs layer by layer; exit 1 when they diverge, 0 when they agree.
 
     It says which steps and layers each metric covers, where the runs first
@@ -378,7 +392,8 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output):
     metric at its worst step. Runs that share no layer of KIND: exit 2."""
     from analysis import compare_runs, first_divergence, plot_comparison
     from analysis._compare import summarize
-    a, b = _open(run_a), _open(run_b)
+    from analysis._compare import _runs
+    a, b = _runs(_open(run_a), _open(run_b), rank)
     ds = compare_runs(a, b, kind=kind, layers=pattern, progress=_progress("comparing tensors"))
     first = first_divergence(a, b, rtol=rtol, kinds=[kind], layers=pattern)
     table = summarize(ds)

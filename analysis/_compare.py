@@ -16,12 +16,22 @@ _METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
 
 
 def tensor_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
-    """rel_l2, cosine, max_abs and SQNR (dB) of ``b`` against ``a`` (NaN-padding ignored)."""
+    """rel_l2, cosine, max_abs and SQNR (dB) of ``b`` against ``a``, over the
+    elements finite in both.  The same NaN or Inf in both (NaN padding too) is
+    the same; a non-finite element the other run does not share makes them as
+    different as can be, as does another shape."""
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
-    if a.shape != b.shape:                 # not the same tensor: as different as can be
-        return {"rel_l2": np.inf, "cosine": np.nan, "max_abs": np.inf, "sqnr_db": -np.inf}
+    apart = {"rel_l2": np.inf, "cosine": np.nan, "max_abs": np.inf, "sqnr_db": -np.inf}
+    if a.shape != b.shape:                 # not the same tensor
+        return apart
     a, b = a.ravel(), b.ravel()
+    finite = np.isfinite(a) & np.isfinite(b)
+    if not finite.all():
+        same = (np.isnan(a) & np.isnan(b)) | (np.isinf(a) & (a == b))
+        if not (same | finite).all():
+            return apart
+        a, b = a[finite], b[finite]
     na, nd = np.linalg.norm(a), np.linalg.norm(b - a)
     nb = np.linalg.norm(b)
     return {
@@ -67,7 +77,17 @@ def _relative(sa: xr.Dataset, sb: xr.Dataset) -> xr.DataArray:
     return out
 
 
-def compare_runs(a, b, kind: str = "activations", layers=None, progress=None) -> xr.Dataset:
+def _runs(a, b, rank: int | None) -> tuple[Run, Run]:
+    """The two runs, each narrowed to one rank: ``rank``, or each run's first."""
+    out = []
+    for r in (open_run(a), open_run(b)):
+        out.append(r.only(rank if rank is not None else r.ranks[0]) if len(r.ranks) > 1
+                   or rank is not None else r)
+    return out[0], out[1]
+
+
+def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
+                 rank: int | None = None) -> xr.Dataset:
     """An ``xr.Dataset`` (step, layer) over the steps and layers both runs hold.
 
     Where both hold full tensors: ``rel_l2``, ``cosine``, ``max_abs``,
@@ -80,10 +100,11 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None) ->
     a, b: run paths, URLs or ``Run`` objects.  kind: the kind compared.
     layers: glob pattern(s) narrowing the layers (default: all both runs hold).
     progress: wraps the iterable of layers whose full tensors are scanned
-    (for example ``tqdm.tqdm``).  Raises ``ConfigError`` when the runs share no
-    (layer, kind) with common steps.
+    (for example ``tqdm.tqdm``).  rank: which rank of each run (default: each
+    run's first).  Raises ``ConfigError`` when the runs share no (layer, kind)
+    with common steps.
     """
-    a, b = open_run(a), open_run(b)
+    a, b = _runs(a, b, rank)
     names, steps = _common(a, b, kind, layers)
     if not names or not len(steps):
         raise _no_common(a, b, [kind], layers)
@@ -125,16 +146,18 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None) ->
     return out
 
 
-def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None) -> tuple[int, str] | None:
+def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
+                     rank: int | None = None) -> tuple[int, str] | None:
     """The first (step, layer) where the runs differ, or None.
 
     Steps in order; within a step, forward kinds before gradients, each in
     execution order.  ``rel_l2 > rtol`` decides where both runs hold the full
     tensor; otherwise any statistic differing by more than ``rtol`` relatively.
-    ``kinds`` and ``layers`` (glob patterns) narrow the search.  Raises
-    ``ConfigError`` when the runs share no (layer, kind) with common steps.
+    ``kinds`` and ``layers`` (glob patterns) narrow the search; ``rank`` picks
+    the rank of each run (default: each run's first).  Raises ``ConfigError``
+    when the runs share no (layer, kind) with common steps.
     """
-    a, b = open_run(a), open_run(b)
+    a, b = _runs(a, b, rank)
     order = {n: i for i, n in enumerate(a.layers)}
     asked = list(kinds or fmt.FORWARD_KINDS + fmt.BACKWARD_KINDS)
     kinds = [k for k in asked if k in a.kinds and k in b.kinds]
@@ -223,7 +246,7 @@ def difference_map(a, b, kind: str = "activations", layers=None,
 
 
 def plot_comparison(a, b, layer, kind="activations", stat="std", rtol: float = 1e-3, *,
-                    ds: xr.Dataset | None = None, first=False):
+                    ds: xr.Dataset | None = None, first=False, rank: int | None = None):
     """Where two runs part -> Figure: a layer x step map of their difference (the
     table's metric: ``rel_l2`` where both hold every full tensor, else
     ``stat_rel``), NaN/Inf cells marked, the first divergence circled; beside it
@@ -232,10 +255,11 @@ def plot_comparison(a, b, layer, kind="activations", stat="std", rtol: float = 1
     a, b: run paths or ``Run`` objects.  layer: the layer whose lines are drawn.
     kind: the kind compared.  stat: the statistic of the lines.  rtol: as in
     ``first_divergence``.  ds, first: ``compare_runs``' and ``first_divergence``'s
-    answers when the caller has them already (they scan full tensors)."""
+    answers when the caller has them already (they scan full tensors).  rank:
+    as in ``compare_runs``."""
     import os
     from . import _plots
-    a, b = open_run(a), open_run(b)
+    a, b = _runs(a, b, rank)
     ds = compare_runs(a, b, kind) if ds is None else ds
     lines = []
     for r in (a, b):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import html
 import itertools
 from dataclasses import dataclass, field
@@ -134,8 +136,18 @@ class Run:
         self.ranks = sorted(int(g[4:]) for g in self.source.groups() if g.startswith("rank") and g[4:].isdigit())
         self._states = {r: fmt.RankState.from_json(self.source.attrs(fmt.rank_group(r)),
                                                    f"{self.path!r} rank {r}") for r in self.ranks}
+        for r, st in self._states.items():          # the group says which rank an event is
+            st.events = [dataclasses.replace(e, rank=r) for e in st.events]
 
     # --- what is in the run -----------------------------------------------------
+    def only(self, rank: int) -> "Run":
+        """The run as ``rank`` recorded it: a view with that one rank (what the
+        comparisons and the pictures read)."""
+        rank = self._rank(rank)
+        view = copy.copy(self)
+        view.ranks, view._states = [rank], {rank: self._states[rank]}
+        return view
+
     def _rank(self, rank: int | None) -> int:
         if rank is None:
             if not self.ranks:           # killed while attaching: an empty run, not an error
@@ -233,7 +245,10 @@ class Run:
 
     @property
     def dropped(self) -> int:
-        return int(self.attrs.get("dropped", 0))
+        """Captures dropped (counted with their reasons), every rank's."""
+        if not self._states:
+            return int(self.attrs.get("dropped", 0))
+        return sum(st.dropped for st in self._states.values())
 
     def layers_of(self, rank: int | None = None) -> list[str]:
         return list(self.state(rank).layers)
@@ -319,13 +334,36 @@ class Run:
         chosen = set(fmt.match_layers(names, layers, what="layer with statistics"))
         return [i for i, n in enumerate(names) if n in chosen]
 
+    def _across(self, rank: int | None, one, kind: str):
+        """``one(rank)`` for the rank asked, or, for a run of several ranks and no
+        rank asked, every rank's (those that have ``kind``) joined along a ``rank``
+        dimension: steps and layers are the union; what a rank did not record is
+        NaN, and -1 for counts."""
+        if rank is not None or len(self.ranks) < 2:
+            return one(rank)
+        ranks = [r for r in self.ranks if kind in self.kinds_of(r)]
+        if not ranks:
+            self._kind(kind, self.ranks[0])
+        parts = [one(r) for r in ranks]
+        fill = {s: -1 for s in fmt.COUNT_STATS} if isinstance(parts[0], xr.Dataset) else -1
+        out = xr.concat([p.drop_attrs() if hasattr(p, "drop_attrs") else p for p in parts],
+                        dim=xr.DataArray(ranks, dims="rank", name="rank"), join="outer",
+                        fill_value=fill, coords="minimal", compat="override")
+        out.attrs.update(parts[0].attrs)
+        out.attrs.pop("rank", None)
+        return out
+
     def stats(self, kind: str = "activations", layers=None, rank: int | None = None) -> xr.Dataset:
         """Per-step statistics: an ``xr.Dataset`` with dims (step, layer), one
         variable per statistic (lazy; counts are int64).
 
         kind: one of ``run.kinds``.  layers: a glob pattern or list of them
-        (default: every layer with statistics).  rank: which rank's group
-        (default: the only one, or 0)."""
+        (default: every layer with statistics).  rank: one rank's; by default,
+        in a run of several ranks, every rank's along a ``rank`` dimension
+        (each read only when its values are)."""
+        return self._across(rank, lambda r: self._stats(kind, layers, r), kind)
+
+    def _stats(self, kind: str, layers, rank: int | None) -> xr.Dataset:
         rank = self._rank(rank)
         self._kind(kind, rank)
         path, rows, steps = self._stats_rows(kind, rank)
@@ -347,7 +385,11 @@ class Run:
                   rank: int | None = None) -> xr.DataArray:
         """Counts in the shared bins: dims (step, bin); ``bin`` holds each bin's centre
         (what ``.plot()`` uses), ``bin_lo``/``bin_hi`` its edges; ``nan``, ``posinf``
-        and ``neginf`` per step."""
+        and ``neginf`` per step.  In a run of several ranks and no ``rank`` asked,
+        every rank's along a ``rank`` dimension (-1: not recorded there)."""
+        return self._across(rank, lambda r: self._histogram(layer, kind, step, r), kind)
+
+    def _histogram(self, layer: str, kind: str, step, rank: int | None) -> xr.DataArray:
         rank = self._rank(rank)
         self._kind(kind, rank)
         path = fmt.stats_group(rank, kind)
@@ -424,19 +466,25 @@ class Run:
 
     # --- non-finite values -----------------------------------------------------------
     def events_of(self, rank: int | None = None) -> list[NonFiniteEvent]:
-        return sorted(self.state(rank).events, key=lambda e: e.sort_key)
+        """One rank's events, or with ``rank=None`` every rank's, ordered by step, then
+        forward before backward, then execution order (then rank)."""
+        ranks = self.ranks if rank is None else [self._rank(rank)]
+        return sorted((e for r in ranks for e in self._states[r].events), key=lambda e: e.sort_key)
 
     @property
     def events(self) -> list[NonFiniteEvent]:
+        """Every rank's events (each names its ``rank``), in order."""
         return self.events_of()
 
     def first_nonfinite(self, rank: int | None = None, history: int = 5) -> FirstNonFinite | None:
-        """The earliest non-finite capture (forward before backward, then execution order)."""
-        rank = self._rank(rank)
+        """The earliest non-finite capture across every rank (or of ``rank``): by
+        step, then forward before backward, then execution order; it names its
+        rank, and ``same_step`` holds the other events of that step."""
         evs = self.events_of(rank)
         if not evs:
             return None
         first = evs[0]
+        rank = first.rank
         hist = None
         if first.kind in self.kinds_of(rank) and first.layer in self._stats_layers(first.kind, rank):
             ds = self.stats(first.kind, layers=[first.layer], rank=rank).isel(layer=0)
@@ -452,6 +500,7 @@ class Run:
         with finite values) over values: bars of the bins' true widths on a
         symmetric-log axis, NaN/+Inf/-Inf as their own bars -> Figure.
         ``density``: counts per unit of value instead of counts per bin."""
+        rank = self._rank(rank)                  # one rank's picture (default: the first)
         from . import _plots
         h = self.histogram(layer, kind, rank=rank).compute()
         st = self.stats(kind, [layer], rank=rank).isel(layer=0).compute()
@@ -462,6 +511,7 @@ class Run:
         """One statistic over the steps (``steps``: a slice of step numbers, half-open;
         default all), a line per layer (small multiples past 6 layers), each layer's
         NaN/Inf steps marked with their counts -> Figure."""
+        rank = self._rank(rank)                  # one rank's picture (default: the first)
         from . import _plots
         ds = within(self.stats(kind, layers, rank=rank), steps)
         if stat not in ds:
@@ -473,6 +523,7 @@ class Run:
         """Step x value picture of ``layer``'s histogram (``steps``: a half-open slice of
         step numbers; default all): bands from the true min and max and the
         percentiles, the median, NaN/Inf counts below -> Figure."""
+        rank = self._rank(rank)                  # one rank's picture (default: the first)
         from . import _plots
         h = within(self.histogram(layer, kind, rank=rank), steps).compute()
         st = within(self.stats(kind, [layer], rank=rank), steps).isel(layer=0)
@@ -500,7 +551,10 @@ class Run:
 
     # --- display -------------------------------------------------------------------
     def summary(self, rank: int | None = None) -> dict:
-        """What the run holds, as plain JSON-able values (``tensortape info``)."""
+        """What the run holds, as plain JSON-able values (``tensortape info``): the
+        layers and steps of ``rank`` (default: the first), and, with no rank
+        asked, the events and counters of every rank, with a line per rank."""
+        every = rank is None and len(self.ranks) > 1
         rank = self._rank(rank)
         st = self._states[rank]
         kinds = self.kinds_of(rank)
@@ -521,10 +575,14 @@ class Run:
                 "model_class": self.attrs.get("model_class"),
                 "torch_version": self.attrs.get("torch_version"), "ranks": self.ranks,
                 "rank": rank, "kinds": kinds, "steps": steps, "layers": layers,
-                "events": [e.to_json() for e in self.events_of(rank)],
-                "events_total": st.events_total, "dropped": st.dropped,
-                "outside_steps": st.outside_steps, "over_budget": st.over_budget,
-                "bytes_raw": st.bytes_raw}
+                "events": [e.to_json() for e in self.events_of(None if every else rank)],
+                **self._counters([r for r in self.ranks if every or r == rank]),
+                "per_rank": [{"rank": r, "last_step": self._states[r].last_step,
+                              **self._counters([r])} for r in self.ranks] if every else None}
+
+    def _counters(self, ranks: list[int]) -> dict:
+        return {k: sum(getattr(self._states[r], k) for r in ranks)
+                for k in ("events_total", "dropped", "outside_steps", "over_budget", "bytes_raw")}
 
     def __repr__(self) -> str:
         s = self.summary()

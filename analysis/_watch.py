@@ -87,7 +87,7 @@ def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations
             view["last_event"] = max(view["last_event"] or e.step, e.step)
         view["nonfinite_layers"] = len(alerted)
         if kind in run.kinds:
-            ds = run.stats(kind, layers)
+            ds = run.stats(kind, layers, rank=run.ranks[0])    # the first rank's rows
             if ds.sizes["step"]:
                 row = ds.isel(step=-1).compute()
                 view["step"] = int(row.step)

@@ -22,6 +22,7 @@ warns once.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import threading
 import time
@@ -356,7 +357,8 @@ class Writer:
         st.outside_steps += rec.outside
         st.over_budget += unsaved.over_budget
         st.events_total += len(res.events)
-        st.events.extend(res.events[:max(fmt.MAX_EVENTS - len(st.events), 0)])
+        st.events.extend(dataclasses.replace(e, rank=st.rank)
+                         for e in res.events[:max(fmt.MAX_EVENTS - len(st.events), 0)])
         if rec.step >= 0:
             st.last_step = rec.step if st.last_step is None else max(st.last_step, rec.step)
         for kind, rows in res.stats.items():

@@ -236,6 +236,7 @@ class NonFiniteEvent:
     order: int = 0
     phase: str = "forward"
     micro: int = 0
+    rank: int = 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -245,14 +246,16 @@ class NonFiniteEvent:
         try:
             ev = cls(_int(d["step"]), str(d["layer"]), str(d["kind"]), _int(d["nan"]),
                      _int(d["posinf"]), _int(d["neginf"]), _int(d.get("order", 0)),
-                     str(d.get("phase", "forward")), _int(d.get("micro", 0)))
+                     str(d.get("phase", "forward")), _int(d.get("micro", 0)),
+                     _int(d.get("rank", 0)))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise StoreFormatError(f"a non-finite event in the store is malformed ({d!r:.80})") from e
         return ev
 
     @property
     def sort_key(self):
-        return (self.step, self.phase != "forward", self.order)
+        """Step, then forward before backward, then execution order, then rank."""
+        return (self.step, self.phase != "forward", self.order, self.rank)
 
 
 def _int(v) -> int:
