@@ -456,6 +456,16 @@ def export(run, out, force):
     click.echo(_open(run).to_hdf5(out, progress=_progress("exporting")))
 
 
+@cli.command()
+@click.argument("old")
+@click.argument("new")
+def migrate(old, new):
+    """Convert OLD, a store of an older tensortape format, into NEW in the current one
+    (OLD is not changed; NEW must not exist)."""
+    from analysis._migrate import migrate as convert
+    click.echo(convert(old, new, progress=_progress("converting")))
+
+
 class _Stdout:
     """stdout that a closed pipe (``tensortape nan RUN | head -1``) silences instead
     of failing: the command's exit status stays its own."""

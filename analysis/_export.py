@@ -50,7 +50,7 @@ def _write(run, h5py, path: str, tables, progress) -> None:
             group = f.require_group(path_)
             group.attrs[JSON_ATTR] = json.dumps(run.source.attrs(path_))
             table = fmt.parse_path(path_)
-            for name in table.columns + (fmt.BIN_COLUMNS if table.section == "stats" else ()):
+            for name in run.columns(path_) + (fmt.BIN_COLUMNS if table.section == "stats" else ()):
                 src = run.source.array(f"{path_}/{name}")
                 rows = n if src.ndim and name not in fmt.BIN_COLUMNS else src.shape[0]
                 shape = (rows, *src.shape[1:]) if src.ndim else ()

@@ -165,6 +165,13 @@ class Run:
     def _committed(self, rank: int) -> dict[str, int]:
         return self._states[rank].committed
 
+    def columns(self, path: str) -> tuple[str, ...]:
+        """The arrays of the table at ``path`` as its format wrote them."""
+        table = fmt.parse_path(path)
+        if table.section == "stats" and not self.source.has(f"{path}/stats"):
+            return fmt.STATS_COLUMNS_V2            # formats 1 and 2: an array per statistic
+        return table.columns
+
     def checked_rows(self, path: str, rank: int) -> int:
         """A table's committed rows, once its arrays are checked against them: each
         array is there, holds the committed rows, and a row has a sane size."""
@@ -174,7 +181,7 @@ class Run:
         table = fmt.parse_path(path)
         try:
             arrays = {}
-            for name in table.columns:
+            for name in self.columns(path):
                 if name in fmt.OPTIONAL_COLUMNS and not self.source.has(f"{path}/{name}"):
                     continue
                 arr = arrays[name] = self.source.array(f"{path}/{name}")
@@ -191,7 +198,7 @@ class Run:
                     raise StoreFormatError(f"{self.path!r}: {path}/{name} claims {row} bytes a "
                                            f"row; refusing to read it")
             if table.section == "stats":
-                width = int(arrays["mean"].shape[1])
+                width = int(arrays["stats" if "stats" in arrays else "mean"].shape[1])
                 if width < len(self._states[rank].stats_layers.get(table.kind, [])):
                     raise StoreFormatError(f"{self.path!r}: {path} has {width} layer columns, "
                                            f"fewer than its layer names")
@@ -219,7 +226,8 @@ class Run:
         if not self.source.attrs(path).get(fmt.EVERY_CHUNK):
             return
         for name, arr in arrays.items():
-            chunks = tuple(int(c) for c in arr.chunks)
+            # the objects of a sharded array are its shards
+            chunks = tuple(int(c) for c in (getattr(arr, "shards", None) or arr.chunks))
             if name == "data" and extent is not None:
                 need = _data_chunks(extent, chunks, arr.shape, n)
             else:                        # the first chunk across of each block of rows
@@ -375,7 +383,7 @@ class Run:
             if not len(rows):                  # full tensors of this kind, no statistics yet
                 data[s] = (("step", "layer"), np.zeros((0, len(idx)), dtype))
                 continue
-            arr = self._take(self._lazy(path + "/" + s), rows)[:, : len(names)]
+            arr = self._stat(path, s, rows)[:, : len(names)]
             data[s] = (("step", "layer"), arr[:, idx].astype(dtype))
         ds = xr.Dataset(data, coords={"step": steps, "layer": [names[i] for i in idx]})
         ds.attrs.update(kind=kind, rank=rank)
@@ -405,13 +413,20 @@ class Run:
                                    "bin_lo": ("bin", lo), "bin_hi": ("bin", hi)},
                            name=f"{layer} {kind}", attrs={"layer": layer, "kind": kind})
         for s in ("nan", "posinf", "neginf"):
-            out.coords[s] = ("step", self._take(self._lazy(path + "/" + s), rows)[:, i])
+            out.coords[s] = ("step", self._stat(path, s, rows)[:, i])
         if step is not None:
             if step not in set(steps.tolist()):
                 raise ConfigError(f"step {step} has no statistics for {layer!r}; it has "
                                   f"{steps_text(steps)}")
             out = out.sel(step=step)
         return out
+
+    def _stat(self, path: str, stat: str, rows: np.ndarray):
+        """One statistic of a stats table, (step, layer), lazy: a slice of the packed
+        array (format 3), or its own array (formats 1 and 2)."""
+        if self.source.has(f"{path}/stats"):
+            return self._take(self._lazy(f"{path}/stats"), rows)[:, :, fmt.STATS.index(stat)]
+        return self._take(self._lazy(f"{path}/{stat}"), rows)
 
     # --- full tensors --------------------------------------------------------------
     def _lazy(self, path: str):

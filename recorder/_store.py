@@ -25,15 +25,16 @@ from numcodecs import Zstd
 from zarr.codecs import ZstdCodec
 
 from . import format as fmt
-from .errors import StoreExistsError, StoreFormatError, StoreNotFoundError
+from .errors import ConfigError, StoreExistsError, StoreFormatError, StoreNotFoundError
 
 __all__ = ["RunStore", "check_mode", "open_root"]
 
 CHUNK_BYTES = 8 << 20          # target size of one data chunk, uncompressed
 SMALL_CHUNK_ROWS = 1024        # rows per chunk of small columns (step, extent)
-STATS_CHUNK_ROWS = 256
+STATS_CHUNK_ROWS = 1024      # format 3: statistics (step, layer, stat) in chunks of 1024
+LAYER_CHUNK = 256            # steps x 256 layers; histograms in shards of 512 steps x 256
+HIST_SHARD_ROWS = 512        # layers, whose inner chunks are 16 steps x 8 layers
 HIST_CHUNK_ROWS = 16
-LAYER_CHUNK = 64
 HIST_LAYER_CHUNK = 8
 SAMPLE_BYTES = 1 << 20         # how much of a tensor's first step picks its zstd level
 PAYS = 0.9                     # level 1 if it makes that sample at least 10% smaller
@@ -174,7 +175,13 @@ def open_root(location, mode: str, rank: int = 0, attributes: dict | None = None
         return zarr.open_group(location, mode="r+")
     found = check_mode(location, mode)
     if mode == "a":
-        return zarr.open_group(location, mode="a")
+        root = zarr.open_group(location, mode="a")
+        version = root.attrs.get("tensortape_format")
+        if isinstance(version, int) and version < fmt.FORMAT_VERSION:
+            raise ConfigError(f"{location!r} is a format-{version} store; appending needs format "
+                              f"{fmt.FORMAT_VERSION}: convert it first with `tensortape migrate "
+                              f"{location} NEW` and append to NEW")
+        return root
     if found.what == "run":
         _clear(location, found.own)
     # locally "w-": zarr's "w" would delete the folder itself (a link's target too); an
@@ -304,12 +311,13 @@ class Table:
 
 
 def _array(group: zarr.Group, name: str, shape, chunks, dtype, fill, dims, attrs=None,
-           level: int | None = 1) -> zarr.Array:
-    """A new array, zstd-compressed at ``level`` (``None``: uncompressed)."""
+           level: int | None = 1, shards=None) -> zarr.Array:
+    """A new array, zstd-compressed at ``level`` (``None``: uncompressed), its
+    chunks packed into ``shards`` when given."""
     return group.create_array(
-        name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill, dimension_names=dims,
-        compressors=None if level is None else ZstdCodec(level=level), attributes=attrs or {},
-        overwrite=True, config={"write_empty_chunks": True})
+        name, shape=shape, chunks=chunks, shards=shards, dtype=dtype, fill_value=fill,
+        dimension_names=dims, compressors=None if level is None else ZstdCodec(level=level),
+        attributes=attrs or {}, overwrite=True, config={"write_empty_chunks": True})
 
 
 def zstd_level(sample: np.ndarray) -> int:
@@ -376,14 +384,15 @@ class RunStore:
         lo, hi = fmt.bin_edges()
         _array(g, "bin_lo", lo.shape, lo.shape, "float64", np.nan, ["bin"])[:] = lo
         _array(g, "bin_hi", hi.shape, hi.shape, "float64", np.nan, ["bin"])[:] = hi
-        cols = {"step": _array(g, "step", (0,), (STATS_CHUNK_ROWS,), "int64", -1, ["step"])}
-        for s in fmt.STATS:
-            cols[s] = _array(g, s, (0, n_layers), (STATS_CHUNK_ROWS, LAYER_CHUNK), "float64",
-                             np.nan, ["step", "layer"])
-        cols["hist"] = _array(g, "hist", (0, n_layers, fmt.NBINS),
-                              (HIST_CHUNK_ROWS, HIST_LAYER_CHUNK, fmt.NBINS), "int64", 0,
-                              ["step", "layer", "bin"])
-        g.update_attributes({"kind": kind, fmt.EVERY_CHUNK: True})
+        cols = {"step": _array(g, "step", (0,), (SMALL_CHUNK_ROWS,), "int64", -1, ["step"]),
+                "stats": _array(g, "stats", (0, n_layers, len(fmt.STATS)),
+                                (STATS_CHUNK_ROWS, LAYER_CHUNK, len(fmt.STATS)), "float64",
+                                np.nan, ["step", "layer", fmt.STAT_AXIS]),
+                "hist": _array(g, "hist", (0, n_layers, fmt.NBINS),
+                               (HIST_CHUNK_ROWS, HIST_LAYER_CHUNK, fmt.NBINS), "int64", 0,
+                               ["step", "layer", "bin"],
+                               shards=(HIST_SHARD_ROWS, LAYER_CHUNK, fmt.NBINS))}
+        g.update_attributes({"kind": kind, fmt.EVERY_CHUNK: True, "stats": list(fmt.STATS)})
         return cols
 
     def _new_tensor(self, g: zarr.Group, kind: str, layer: str, sample: np.ndarray,
@@ -415,15 +424,13 @@ class RunStore:
                             lambda g: self._new_stats(g, kind, n))
         index = {name: i for i, name in enumerate(names)}
         rows = [index[layer] for layer in layers]
-        row = {s: np.full(n, np.nan) for s in fmt.STATS}
+        row = np.full((n, len(fmt.STATS)), np.nan)
         full = np.zeros((n, fmt.NBINS), dtype=np.int64)
-        for s in fmt.STATS:
-            row[s][rows] = stats[s]
+        row[rows] = np.stack([np.asarray(stats[s], np.float64) for s in fmt.STATS], axis=1)
         full[rows] = hist
-        for s in fmt.STATS:
-            table.columns[s].grow_inner((n,))
+        table.columns["stats"].grow_inner((n, len(fmt.STATS)))
         table.columns["hist"].grow_inner((n, fmt.NBINS))
-        table.append({"step": np.int64(step), "hist": full, **row})
+        table.append({"step": np.int64(step), "stats": row, "hist": full})
 
     def append_tensor(self, kind: str, layer: str, step: int, micro: int, t, committed: int) -> int:
         """One step's full tensor (a host torch tensor) as a row of its table; the

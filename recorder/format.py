@@ -7,10 +7,18 @@ Layout of a store (Zarr v3)::
 
     run.zarr/                       root attrs: tensortape_format, status, ... (``root_attrs``)
       rank0/                        attrs: the rank's durable state (``RankState``)
-        stats/<kind>/               step (step), <stat> (step, layer),
-                                    hist (step, layer, bin), bin_lo/bin_hi (bin)
+        stats/<kind>/               step (step), stats (step, layer, stat),
+                                    hist (step, layer, bin) in shards of 512 steps x 256
+                                    layers, bin_lo/bin_hi (bin); attrs: stats (the names
+                                    along ``stat``)
         tensors/<kind>/<node>/      data (step, dim_0, ...), step (step), micro (step),
                                     extent (step, axis); attrs: name, kind
+
+Format 3 packs a kind's statistics into one array and writes its histograms
+as shards, so a rank's files grow with its flushes and steps / 512, not with
+arrays x steps.  Format 2 had an array per statistic (``<stat>`` (step,
+layer)) and histogram chunks of 16 steps x 8 layers; format 1 no ``micro``.
+Readers read all three; ``tensortape migrate`` converts a store to format 3.
 
 A step's statistics are one row (over all its micro-batches); its full
 tensors are a row per micro-batch.  A step recorded again (a job resumed
@@ -38,8 +46,8 @@ import numpy as np
 
 from .errors import LayerNotFoundError, StoreFormatError
 
-FORMAT_VERSION = 2          # 2: tensor tables have a ``micro`` column (1: no micro-batches)
-READS_VERSIONS = (1, 2)
+FORMAT_VERSION = 3          # 3: packed statistics, sharded histograms (2: an array per
+READS_VERSIONS = (1, 2, 3)  # statistic; 1: no ``micro`` column)
 
 KINDS = ("activations", "gradients", "inputs", "weights", "weight_grads")
 FORWARD_KINDS = ("inputs", "activations", "weights")
@@ -64,7 +72,9 @@ BITS_DTYPES = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "u
 MAX_EVENTS = 1000          # events kept in the attributes; ``events_total`` counts them all
 
 # --- tables and their columns ----------------------------------------------
-STATS_COLUMNS = ("step", "hist", *STATS)      # rows keyed by step
+STATS_COLUMNS = ("step", "stats", "hist")     # rows keyed by step (format 3)
+STATS_COLUMNS_V2 = ("step", "hist", *STATS)   # formats 1 and 2: an array per statistic
+STAT_AXIS = "stat"
 BIN_COLUMNS = ("bin_lo", "bin_hi")            # fixed: one value per bin
 TENSOR_COLUMNS = ("data", "step", "micro", "extent")
 OPTIONAL_COLUMNS = {"micro": 0}               # absent in format 1: every row is micro-batch 0

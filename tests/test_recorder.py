@@ -458,7 +458,11 @@ def test_plain_xarray_opens_the_store_without_tensortape(tmp_store):
                 model(torch.randn(2, 3, 32)).sum().backward()
     tree = xr.open_datatree(tmp_store, engine="zarr", consolidated=False)
     stats = tree["rank0/stats/activations"].to_dataset()
-    assert stats["std"].dims == ("step", "layer") and stats["hist"].dims == ("step", "layer", "bin")
+    assert stats["stats"].dims == ("step", "layer", "stat")
+    assert stats["hist"].dims == ("step", "layer", "bin")
+    names = stats.attrs["stats"]                            # the names along "stat"
+    np.testing.assert_array_equal(stats["stats"].isel(stat=names.index("std")).values,
+                                  open_run(tmp_store).stats()["std"].values)
     data = tree["rank0/tensors/activations/layers.0.linear1"].to_dataset()["data"]
     assert data.dims[0] == "step"
     np.testing.assert_array_equal(data.values[:2], open_run(tmp_store).tensor("layers.0.linear1").values)

@@ -1,0 +1,134 @@
+"""Store format 3, and the older formats it replaces.
+
+``tests/data/format2.zarr`` was recorded by tensortape's format-2 writer (the
+commit before format 3): an MLP's layers 0 and 2, five steps of two
+micro-batches each, full tensors every second step, a NaN fed at step 3.
+``format2_activations.npz`` holds what plain forward hooks saw then (the
+oracle).  The tests check that the old store still reads true, that
+``tensortape migrate`` keeps every number, and that a format-3 rank's files
+grow with steps / 512, not with arrays x steps.
+"""
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from analysis import open_run
+from cli import cli
+from oracle import STATS, histogram, statistics
+from recorder import ConfigError, Recorder
+from recorder import format as fmt
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+OLD = os.path.join(DATA, "format2.zarr")
+
+
+@pytest.fixture
+def seen():
+    npz = np.load(os.path.join(DATA, "format2_activations.npz"))
+    return {tuple(k.split("_")): npz[k] for k in npz.files}      # (layer, step) -> (micro, ...)
+
+
+def same(got, want):
+    if np.isnan(want):
+        assert np.isnan(got)
+    else:
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-300)
+
+
+def check_against_hooks(run, seen):
+    """The statistics, histograms, full tensors and events of the old recording
+    against the plain hooks' tensors."""
+    assert run.layers == ["0", "2"]
+    ds = run.stats().compute()
+    for (layer, step), parts in seen.items():
+        want = statistics([torch.from_numpy(p) for p in parts])
+        for s in STATS:
+            same(float(ds[s].sel(step=int(step), layer=layer)), want[s])
+        np.testing.assert_array_equal(
+            run.histogram(layer, step=int(step)).values,
+            histogram(np.concatenate([p.reshape(-1) for p in parts]).astype(np.float64)))
+        if int(step) % 2 == 0:
+            for k, part in enumerate(parts):
+                np.testing.assert_array_equal(run.tensor(layer, step=int(step), micro=k).values,
+                                              part)
+    first = run.first_nonfinite()
+    assert (first.step, first.layer, first.kind, first.micro) == (3, "0", "activations", 1)
+
+
+def test_a_format2_store_still_reads_true(seen):
+    run = open_run(OLD)
+    assert run.attrs["tensortape_format"] == 2
+    check_against_hooks(run, seen)
+
+
+def test_migrate_keeps_every_number_and_the_old_store(tmp_path, seen):
+    before = sorted(os.path.relpath(os.path.join(d, f), OLD)
+                    for d, _, files in os.walk(OLD) for f in files)
+    new = str(tmp_path / "new.zarr")
+    out = CliRunner().invoke(cli, ["migrate", OLD, new])
+    assert out.exit_code == 0, out.output
+    old_run, run = open_run(OLD), open_run(new)
+    assert run.attrs["tensortape_format"] == fmt.FORMAT_VERSION == 3
+    assert os.path.exists(os.path.join(new, "rank0/stats/activations/stats/zarr.json"))
+    check_against_hooks(run, seen)
+    for kind in old_run.kinds:
+        assert run.stats(kind).compute().identical(old_run.stats(kind).compute())
+        for layer in old_run.layers:
+            assert run.histogram(layer, kind).compute().identical(
+                old_run.histogram(layer, kind).compute())
+    assert run.events == old_run.events
+    assert sorted(os.path.relpath(os.path.join(d, f), OLD)
+                  for d, _, files in os.walk(OLD) for f in files) == before
+    # NEW must not exist: migrate writes over nothing
+    again = CliRunner().invoke(cli, ["migrate", OLD, new])
+    assert again.exit_code == 2 and "exists" in again.output
+
+
+def test_appending_needs_the_current_format(tmp_path):
+    old = str(tmp_path / "old.zarr")
+    shutil.copytree(OLD, old)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(ConfigError, match="tensortape migrate"):
+        Recorder(m, old, layers=["0", "2"], mode="a").attach()
+    new = str(tmp_path / "new.zarr")
+    CliRunner().invoke(cli, ["migrate", old, new])
+    with Recorder(m, new, layers=["0", "2"], mode="a") as rec:
+        with rec.step():
+            m(torch.ones(3, 4)).sum().backward()
+    run = open_run(new)
+    assert run.steps().tolist() == [0, 1, 2, 3, 4, 5]
+    same(float(run.stats().sel(step=5, layer="2")["mean"]),
+         float(m(torch.ones(3, 4)).detach().double().mean()))
+
+
+def files_under(path):
+    return sum(len(files) for _, _, files in os.walk(path))
+
+
+def test_a_ranks_files_grow_with_steps_over_512_not_with_arrays(tmp_path):
+    layers, steps = 40, 1100
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    with Recorder(m, str(tmp_path / "run.zarr"), layers=[str(i) for i in range(layers)],
+                  tensors_every=None, flush_interval=0.2) as rec:
+        x = torch.randn(2, 4)
+        for i in range(steps):
+            with rec.step(i):
+                m(x).sum().backward()
+    run = open_run(str(tmp_path / "run.zarr"))
+    assert run.steps().tolist() == list(range(steps))
+    for kind in ("activations", "gradients"):
+        group = tmp_path / "run.zarr" / "rank0" / "stats" / kind
+        # zarr.json of the group and its 5 arrays; bin_lo, bin_hi: a chunk each; step: 2
+        # chunks of 1024; stats: 2 chunks of 1024 steps x 256 layers; hist: 3 shards of 512
+        # steps x 256 layers (format 2: 11 x 5 + 69 x 5 + 5 for the same)
+        assert files_under(group) == 6 + 2 + 2 + 2 + 3, sorted(
+            os.path.relpath(os.path.join(d, f), group) for d, _, fs in os.walk(group) for f in fs)
+    ds = run.stats("gradients").compute()
+    assert ds.sizes == {"step": steps, "layer": layers}
+    assert (ds["count"] == 8).all()
