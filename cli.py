@@ -318,6 +318,8 @@ def nan(run, around, fmt):
         click.echo(f"first non-finite: step {first.step}{where}, layer {first.layer}, {first.kind} "
                    f"({first.phase}, micro-batch {first.micro}): {first.nan} NaN, "
                    f"{first.posinf} +Inf, {first.neginf} -Inf")
+        if first.replay:
+            _say_replay(first.replay)
         if first.history is not None:
             click.echo(f"\n{first.layer} ({first.kind}) in the steps before:")
             h = first.history[["mean", "std", "abs_max", "norm", "nan", "posinf", "neginf"]]
@@ -369,6 +371,21 @@ def plot(run, layer, kind, plot_type, stat, step, steps, density, output):
         fig = r.plot_distribution(layer, kind=kind, steps=span)
     fig.savefig(output, dpi=120)
     click.echo(output)
+
+
+def _say_replay(found: dict) -> None:
+    """What ``on_nonfinite="replay"`` found: the op, its line and its inputs."""
+    where = f"{found.get('module') or '(root)'} ({found.get('module_class')})"
+    if not found.get("op"):
+        click.echo(f"replay of {where}: {found.get('note')}")
+        return
+    click.echo(f"made by {found['op']} in {where}, at {found.get('source')}")
+    if found.get("code"):
+        click.echo(f"    {found['code']}")
+    for i, t in enumerate(found.get("inputs", [])):
+        stats = ", ".join(f"{k} {t[k]:.4g}" if isinstance(t[k], float) else f"{k} {t[k]}"
+                          for k in ("min", "max", "abs_max", "nan", "posinf", "neginf") if k in t)
+        click.echo(f"  input {i}: {t['dtype']}{t['shape']}  {stats}")
 
 
 @cli.command()

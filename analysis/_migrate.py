@@ -50,7 +50,7 @@ def migrate(old, new, progress=None) -> str:
                 cols["step"][lo:hi] = np.asarray(run.source.array(f"{path}/step")[lo:hi])
                 cols["hist"][lo:hi] = np.asarray(run.source.array(f"{path}/hist")[lo:hi])
                 cols["stats"][lo:hi] = np.stack(
-                    [np.asarray(run._stat(path, s, rows)) for s in fmt.STATS], axis=2)
+                    [np.asarray(run._stat(path, s, rows, slice(None))) for s in fmt.STATS], axis=2)
         else:
             g.update_attributes(run.source.attrs(path))
             for name in fmt.TENSOR_COLUMNS:

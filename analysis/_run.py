@@ -50,6 +50,17 @@ def _missing(layer: str, names: list[str], what: str) -> str:
     return f"layer {layer!r} has no {what} in this run; closest: {fmt.closest(layer, names)}"
 
 
+def _as_slice(index):
+    """A list of ascending consecutive indices as a slice (an int, a slice or any
+    other list as it is)."""
+    if isinstance(index, (int, np.integer, slice)):
+        return index
+    index = np.asarray(index, dtype=np.int64)
+    if len(index) and np.array_equal(index, np.arange(index[0], index[0] + len(index))):
+        return slice(int(index[0]), int(index[0]) + len(index))
+    return index
+
+
 def _data_chunks(extent: np.ndarray, chunks: tuple[int, ...], shape, n: int):
     """The chunk indices a data array's first ``n`` rows fill: in each block of
     rows, the chunks that its rows' extents reach (never beyond the array)."""
@@ -383,8 +394,7 @@ class Run:
             if not len(rows):                  # full tensors of this kind, no statistics yet
                 data[s] = (("step", "layer"), np.zeros((0, len(idx)), dtype))
                 continue
-            arr = self._stat(path, s, rows)[:, : len(names)]
-            data[s] = (("step", "layer"), arr[:, idx].astype(dtype))
+            data[s] = (("step", "layer"), self._stat(path, s, rows, idx).astype(dtype))
         ds = xr.Dataset(data, coords={"step": steps, "layer": [names[i] for i in idx]})
         ds.attrs.update(kind=kind, rank=rank)
         return ds
@@ -407,13 +417,13 @@ class Run:
         i = names.index(layer)
         path, rows, steps = self._stats_rows(kind, rank)
         lo, hi = fmt.bin_edges()
-        counts = self._take(self._lazy(path + "/hist"), rows)[:, i]
+        counts = self._lazy(path + "/hist")[_as_slice(rows), i]     # one indexing: one read
         out = xr.DataArray(counts, dims=("step", "bin"),
                            coords={"step": steps, "bin": fmt.bin_centers(),
                                    "bin_lo": ("bin", lo), "bin_hi": ("bin", hi)},
                            name=f"{layer} {kind}", attrs={"layer": layer, "kind": kind})
         for s in ("nan", "posinf", "neginf"):
-            out.coords[s] = ("step", self._stat(path, s, rows)[:, i])
+            out.coords[s] = ("step", self._stat(path, s, rows, i))
         if step is not None:
             if step not in set(steps.tolist()):
                 raise ConfigError(f"step {step} has no statistics for {layer!r}; it has "
@@ -421,12 +431,18 @@ class Run:
             out = out.sel(step=step)
         return out
 
-    def _stat(self, path: str, stat: str, rows: np.ndarray):
-        """One statistic of a stats table, (step, layer), lazy: a slice of the packed
-        array (format 3), or its own array (formats 1 and 2)."""
-        if self.source.has(f"{path}/stats"):
-            return self._take(self._lazy(f"{path}/stats"), rows)[:, :, fmt.STATS.index(stat)]
-        return self._take(self._lazy(f"{path}/{stat}"), rows)
+    def _stat(self, path: str, stat: str, rows: np.ndarray, cols):
+        """One statistic of a stats table at ``rows`` and layer columns ``cols`` (a
+        list of column indices, or one), lazy: from the packed array (format 3), or
+        its own array (formats 1 and 2).  Ranges are sliced in one indexing, which
+        dask folds into the read: only the chunks they touch are read."""
+        rows, cols = _as_slice(rows), _as_slice(cols)
+        packed = self.source.has(f"{path}/stats")
+        arr = self._lazy(f"{path}/stats" if packed else f"{path}/{stat}")
+        at = (fmt.STATS.index(stat),) if packed else ()
+        if isinstance(rows, slice) or isinstance(cols, (slice, int)):
+            return arr[(rows, cols, *at)]
+        return arr[rows][(slice(None), cols, *at)]
 
     # --- full tensors --------------------------------------------------------------
     def _lazy(self, path: str):
@@ -434,7 +450,12 @@ class Run:
         commands that only read attributes start faster)."""
         import dask.array as da
         arr = self.source.array(path)
+        # a sharded array: a task spans a shard's steps and an inner chunk across (the
+        # graph of a long run stays small; a task reads at most a column of inner chunks)
         chunks = getattr(arr, "chunks", None) or arr.shape
+        shards = getattr(arr, "shards", None)
+        if shards:
+            chunks = (shards[0], *chunks[1:])
         return da.from_array(arr, chunks=chunks, lock=self.source.lock, name=f"{self.path}:{path}")
 
     def tensor(self, layer: str, kind: str = "activations", step=None, micro: int | None = None,
@@ -571,7 +592,6 @@ class Run:
         asked, the events and counters of every rank, with a line per rank."""
         every = rank is None and len(self.ranks) > 1
         rank = self._rank(rank)
-        st = self._states[rank]
         kinds = self.kinds_of(rank)
         stats_layers = {k: set(self._stats_layers(k, rank)) for k in kinds}
         tensor_paths = {k: self._tensor_paths(k, rank) for k in kinds}

@@ -9,7 +9,7 @@ import torch
 from .errors import ConfigError
 from .format import KINDS
 
-NONFINITE_POLICIES = ("record", "dump", "raise")
+NONFINITE_POLICIES = ("record", "dump", "raise", "replay")
 OUTSIDE_POLICIES = ("warn", "ignore", "raise")
 ERROR_POLICIES = ("warn", "raise")
 MODES = ("w-", "w", "a")
@@ -48,6 +48,7 @@ class RecorderConfig:
     max_pending_bytes: int = 1 << 30
     max_device_bytes: int = 1 << 30
     max_pinned_bytes: int = 2 << 30
+    max_replay_bytes: int = 1 << 30
     compression: str | int | None = "auto"
     outside_step: str = "warn"
     max_bytes: int | None = None
@@ -57,7 +58,7 @@ class RecorderConfig:
     def build(cls, *, capture=("activations", "gradients"), tensors_every=1, stats_every=1,
               ring=0, on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
               flush_interval=5.0, max_pending_bytes=1 << 30, max_device_bytes=1 << 30,
-              max_pinned_bytes=2 << 30, compression="auto", outside_step="warn", max_bytes=None,
+              max_pinned_bytes=2 << 30, max_replay_bytes=1 << 30, compression="auto", outside_step="warn", max_bytes=None,
               on_error="warn") -> "RecorderConfig":
         if isinstance(capture, str):
             capture = (capture,)
@@ -83,7 +84,8 @@ class RecorderConfig:
             raise ConfigError(f"flush_interval={flush_interval!r} is not valid; use seconds > 0")
         for name, value in (("max_pending_bytes", max_pending_bytes),
                             ("max_device_bytes", max_device_bytes),
-                            ("max_pinned_bytes", max_pinned_bytes)):
+                            ("max_pinned_bytes", max_pinned_bytes),
+                            ("max_replay_bytes", max_replay_bytes)):
             _every(name, value, allow_none=False)
         if compression not in ("auto", None) and (
                 not isinstance(compression, int) or isinstance(compression, bool)
@@ -95,7 +97,7 @@ class RecorderConfig:
         _choice("on_error", on_error, ERROR_POLICIES)
         return cls(capture, tensors_every, stats_every, ring, on_nonfinite, max_samples,
                    tensor_dtype, mode, float(flush_interval), max_pending_bytes,
-                   max_device_bytes, max_pinned_bytes, compression,
+                   max_device_bytes, max_pinned_bytes, max_replay_bytes, compression,
                    outside_step, max_bytes, on_error)
 
     def persists(self, step: int) -> bool:

@@ -94,6 +94,12 @@ class HookSet:
                     _PreHook(self.id, name, pre), with_kwargs=True))
             if post:
                 self._handles.append(module.register_forward_hook(_PostHook(self.id, name, post)))
+        if getattr(self._sink, "keeper", None) is not None:     # on_nonfinite="replay"
+            for name, module in self._modules:
+                self._handles.append(module.register_forward_pre_hook(
+                    _KeepHook(self.id, name, frozenset(), True), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(
+                    _KeepHook(self.id, name, frozenset(), False), always_call=True))
         self._handles.append(self._root.register_forward_hook(_PassHook(self.id, False),
                                                               always_call=True))
         _see_hooks(self._model)
@@ -157,6 +163,23 @@ class HookSet:
         except Exception as e:
             self._sink.fault(e, what.split("+")[0], join(self._label(module), path))
             return -1
+
+    def on_keep(self, module: str, mod: nn.Module, args, kwargs, output=None,
+                enter: bool = True) -> None:
+        """A recorded module's call begins or ends (``on_nonfinite="replay"``): the
+        keeper holds its inputs and outputs until the step ends."""
+        try:
+            if self._sink.current_token() is None:       # outside a step, or paused
+                return
+            if enter:
+                k = self._calls.get(("keep", module), 0)
+                self._calls[("keep", module)] = k + 1
+                name = self._label(module) + (f"#{k}" if k else "")
+                self._sink.keeper.enter(name, self._sink.micro, mod, args, kwargs)
+            else:
+                self._sink.keeper.leave(mod, output)
+        except Exception as e:
+            self._sink.fault(e, "replay inputs", self._label(module))
 
     def on_fault(self, error: BaseException, module: str) -> None:
         """An eager hook of ``module`` raised outside the methods above."""
@@ -272,6 +295,28 @@ class _PostHook(_Hook):
             first = False
             if wants_grad:
                 t.register_hook(functools.partial(_grad_hook, serial=serial, hookset=self.hookset))
+        return None
+
+
+class _KeepHook(_Hook):
+    """``on_nonfinite="replay"``: hands a call's inputs (``enter``) or outputs to the
+    keeper; it runs eagerly, even in a compiled model (a graph break per call)."""
+
+    def __init__(self, hookset: int, module: str, kinds: frozenset, enter: bool):
+        super().__init__(hookset, module, kinds)
+        self.enter = enter
+
+    @torch.compiler.disable
+    def __call__(self, *args):
+        return super().__call__(*args)
+
+    def run(self, module, args, last):
+        hs = _ops.hookset(self.hookset)
+        if hs is not None:
+            if self.enter:
+                hs.on_keep(self.module, module, args, last)
+            else:
+                hs.on_keep(self.module, module, None, None, last, enter=False)
         return None
 
 

@@ -28,7 +28,8 @@ import weakref
 
 import torch
 
-__all__ = ["capture", "capture_grad", "fault", "forward_pass", "register", "unregister"]
+__all__ = ["capture", "capture_grad", "fault", "forward_pass", "hookset", "register",
+           "unregister"]
 
 _hooksets: dict[int, weakref.ref] = {}
 _ids = itertools.count(1)
@@ -45,6 +46,11 @@ def register(hookset) -> int:
 def unregister(i: int) -> None:
     with _lock:
         _hooksets.pop(i, None)
+
+
+def hookset(i: int):
+    """The HookSet registered as ``i`` (None once it is gone)."""
+    return _hookset(i)
 
 
 def _hookset(i: int):

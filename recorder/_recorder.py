@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import threading
 import warnings
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import _replay
 from . import format as fmt
 from ._config import RecorderConfig
 from ._hooks import HookSet
@@ -108,7 +110,9 @@ class Recorder:
         memory, for ``on_nonfinite="dump"``.
     on_nonfinite: ``"record"`` (an event), ``"dump"`` (also store the ring and
         the current step's full tensors), ``"raise"`` (dump, then raise
-        ``NonFiniteError`` at the step's end).
+        ``NonFiniteError`` at the step's end), ``"replay"`` (dump, and name the
+        aten op and the line that made the step's first NaN/Inf in forward:
+        docs/GUIDE.md).
     max_samples: full tensors keep only their first k entries along dim 0.
     tensor_dtype: storage dtype of full tensors (``None``: their own).
     mode: ``"w-"`` (refuse an existing run), ``"w"`` (replace a tensortape run;
@@ -126,6 +130,8 @@ class Recorder:
         tensor is not taken (counted in ``dropped``, its statistics kept).
     max_pinned_bytes: on an accelerator, pinned host memory for full tensors on
         their way to the writer; past it, the same.
+    max_replay_bytes: ``on_nonfinite="replay"``: bytes of module inputs kept by
+        reference until the step ends; past it calls are not kept (counted).
     compression: full tensors: ``"auto"`` (zstd level 1 where it shrinks an
         array's first step by 10% or more, else zstd's fast mode), a zstd level,
         or ``None``.
@@ -143,7 +149,7 @@ class Recorder:
                  on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
                  metadata=None, outside_step="warn", max_bytes=None, flush_interval=5.0,
                  max_pending_bytes=1 << 30, max_device_bytes=1 << 30, max_pinned_bytes=2 << 30,
-                 compression="auto", on_error="warn"):
+                 max_replay_bytes=1 << 30, compression="auto", on_error="warn"):
         if isinstance(model, torch.jit.ScriptModule):
             raise ConfigError(f"{type(model).__name__} is a TorchScript module, whose calls run no "
                               f"Python hooks; record the eager module instead, or compile it "
@@ -152,7 +158,8 @@ class Recorder:
             capture=capture, tensors_every=tensors_every, stats_every=stats_every, ring=ring,
             on_nonfinite=on_nonfinite, max_samples=max_samples, tensor_dtype=tensor_dtype,
             mode=mode, flush_interval=flush_interval, max_pending_bytes=max_pending_bytes,
-            max_device_bytes=max_device_bytes, max_pinned_bytes=max_pinned_bytes, compression=compression, outside_step=outside_step, max_bytes=max_bytes,
+            max_device_bytes=max_device_bytes, max_pinned_bytes=max_pinned_bytes,
+            max_replay_bytes=max_replay_bytes, compression=compression, outside_step=outside_step, max_bytes=max_bytes,
             on_error=on_error)
         self.metadata = fmt.to_json(metadata or {})
         self.store_location = os.fspath(store)
@@ -317,6 +324,32 @@ class Recorder:
         if self._writer is not None:
             self._writer.flush()
 
+    def _replay(self, record) -> None:
+        """``on_nonfinite="replay"``: at a step with a NaN/Inf, replay the call that
+        made it and attach what it found to that call's event (``_replay``).  It
+        waits for the step's summaries; it never raises into training."""
+        buffer = self._buffer
+        calls = buffer.keeper.take()
+        dropped, buffer.keeper.dropped = buffer.keeper.dropped, 0
+        if dropped:
+            record.drops[_replay.REPLAY_CAP] = record.drops.get(_replay.REPLAY_CAP, 0) + dropped
+        if not calls:
+            return
+        try:
+            events = record.resolve().events
+            if not any(e.phase == "forward" for e in events):
+                return
+            call = _replay.find(calls)
+            if call is None:
+                return
+            found = _replay.replay(call, self.pause)
+            mine = [i for i, e in enumerate(events) if e.phase == "forward" and e.micro == call.micro
+                    and (e.layer == call.name or e.layer.startswith(call.name + "."))]
+            i = mine[0] if mine else 0
+            events[i] = dataclasses.replace(events[i], replay=found)
+        except Exception as e:                  # the guard: a failed replay is counted
+            buffer.fault(e, "replay", "(the step's producer)")
+
     def _end_step(self, raise_nonfinite: bool) -> None:
         buffer, cfg = self._buffer, self.config
         step = buffer.step
@@ -339,6 +372,8 @@ class Recorder:
                           f"them may be in use (a torch.compile'd function that calls the model); "
                           f"attach the Recorder before compiling, or call torch.compiler.reset()",
                           RuntimeWarning, stacklevel=3)
+        if buffer.keeper is not None:
+            self._replay(record)
         events = []
         if cfg.on_nonfinite == "raise":         # the one policy that waits for the device
             try:

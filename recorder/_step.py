@@ -26,6 +26,7 @@ import torch
 from . import format as fmt
 from ._config import RecorderConfig
 from ._engines import Engines
+from ._replay import Keeper
 from ._snapshot import Snapshot, Stager, unstorable
 from ._summary import combine, empty_summary, exp_bits_of, moments, widened
 from .errors import InspectionError
@@ -213,6 +214,7 @@ class StepBuffer:
         self.config = config
         self.engines = Engines()
         self.stager = Stager(config.max_device_bytes, config.max_pinned_bytes)
+        self.keeper = Keeper(config.max_replay_bytes) if config.on_nonfinite == "replay" else None
         self.step: int | None = None
         self.plan: Plan | None = None
         self.token: object | None = None

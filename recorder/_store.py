@@ -31,9 +31,11 @@ __all__ = ["RunStore", "check_mode", "open_root"]
 
 CHUNK_BYTES = 8 << 20          # target size of one data chunk, uncompressed
 SMALL_CHUNK_ROWS = 1024        # rows per chunk of small columns (step, extent)
-STATS_CHUNK_ROWS = 1024      # format 3: statistics (step, layer, stat) in chunks of 1024
-LAYER_CHUNK = 256            # steps x 256 layers; histograms in shards of 512 steps x 256
-HIST_SHARD_ROWS = 512        # layers, whose inner chunks are 16 steps x 8 layers
+STATS_CHUNK_ROWS = 1024      # format 3: statistics (step, layer, stat) in shards of 1024
+LAYER_CHUNK = 256            # steps x 256 layers x every statistic, whose inner chunks are
+STATS_LAYER_CHUNK = 16       # one statistic of 16 layers (a layer's evolution reads little);
+HIST_SHARD_ROWS = 256        # histograms in shards of 512 steps x 256 layers, whose inner
+                             # chunks are 16 steps x 8 layers
 HIST_CHUNK_ROWS = 16
 HIST_LAYER_CHUNK = 8
 SAMPLE_BYTES = 1 << 20         # how much of a tensor's first step picks its zstd level
@@ -386,8 +388,9 @@ class RunStore:
         _array(g, "bin_hi", hi.shape, hi.shape, "float64", np.nan, ["bin"])[:] = hi
         cols = {"step": _array(g, "step", (0,), (SMALL_CHUNK_ROWS,), "int64", -1, ["step"]),
                 "stats": _array(g, "stats", (0, n_layers, len(fmt.STATS)),
-                                (STATS_CHUNK_ROWS, LAYER_CHUNK, len(fmt.STATS)), "float64",
-                                np.nan, ["step", "layer", fmt.STAT_AXIS]),
+                                (STATS_CHUNK_ROWS, STATS_LAYER_CHUNK, 1), "float64",
+                                np.nan, ["step", "layer", fmt.STAT_AXIS],
+                                shards=(STATS_CHUNK_ROWS, LAYER_CHUNK, len(fmt.STATS))),
                 "hist": _array(g, "hist", (0, n_layers, fmt.NBINS),
                                (HIST_CHUNK_ROWS, HIST_LAYER_CHUNK, fmt.NBINS), "int64", 0,
                                ["step", "layer", "bin"],

@@ -240,7 +240,7 @@ class Writer:
         plan, cfg = record.plan, self.config
         if plan is None:
             return []
-        dump = bool(resolved.events) and cfg.on_nonfinite in ("dump", "raise")
+        dump = bool(resolved.events) and cfg.on_nonfinite in ("dump", "raise", "replay")
         out = []
         if dump:
             out = [(s, rows) for s, rows in self._ring if rows]

@@ -7,10 +7,10 @@ Layout of a store (Zarr v3)::
 
     run.zarr/                       root attrs: tensortape_format, status, ... (``root_attrs``)
       rank0/                        attrs: the rank's durable state (``RankState``)
-        stats/<kind>/               step (step), stats (step, layer, stat),
-                                    hist (step, layer, bin) in shards of 512 steps x 256
-                                    layers, bin_lo/bin_hi (bin); attrs: stats (the names
-                                    along ``stat``)
+        stats/<kind>/               step (step), stats (step, layer, stat) in shards of
+                                    1024 steps x 256 layers, hist (step, layer, bin) in
+                                    shards of 512 steps x 256 layers, bin_lo/bin_hi (bin);
+                                    attrs: stats (the names along ``stat``)
         tensors/<kind>/<node>/      data (step, dim_0, ...), step (step), micro (step),
                                     extent (step, axis); attrs: name, kind
 
@@ -247,9 +247,14 @@ class NonFiniteEvent:
     phase: str = "forward"
     micro: int = 0
     rank: int = 0
+    # on_nonfinite="replay": the op that made it (op, source, code, inputs, module, ...)
+    replay: dict | None = field(default=None, compare=False, hash=False)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if out["replay"] is None:
+            del out["replay"]
+        return out
 
     @classmethod
     def from_json(cls, d) -> "NonFiniteEvent":
@@ -257,7 +262,7 @@ class NonFiniteEvent:
             ev = cls(_int(d["step"]), str(d["layer"]), str(d["kind"]), _int(d["nan"]),
                      _int(d["posinf"]), _int(d["neginf"]), _int(d.get("order", 0)),
                      str(d.get("phase", "forward")), _int(d.get("micro", 0)),
-                     _int(d.get("rank", 0)))
+                     _int(d.get("rank", 0)), _replay(d.get("replay")))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise StoreFormatError(f"a non-finite event in the store is malformed ({d!r:.80})") from e
         return ev
@@ -266,6 +271,12 @@ class NonFiniteEvent:
     def sort_key(self):
         """Step, then forward before backward, then execution order, then rank."""
         return (self.step, self.phase != "forward", self.order, self.rank)
+
+
+def _replay(v) -> dict | None:
+    if v is not None and not isinstance(v, dict):
+        raise TypeError(f"{v!r:.40} is not an object")
+    return v
 
 
 def _int(v) -> int:

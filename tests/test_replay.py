@@ -1,0 +1,267 @@
+"""on_nonfinite="replay": the aten op and the line that made a step's first NaN/Inf.
+
+Each test makes a real fault at a known step, in a known line of this file, and
+checks through the public API (``run.first_nonfinite().replay`` and
+``tensortape nan``) that the replay names that op, that line, the producer
+module (not a module that only passed the NaN on), and the op's inputs; and
+that training is untouched (parameters bit-identical to a run without the
+recorder, with dropout and BatchNorm in the producer).
+"""
+import inspect
+import math
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from analysis import open_run
+from cli import cli
+from recorder import Recorder
+
+HERE = __file__
+
+
+def line_of(fn, text):
+    """``file:line`` of the line of ``fn`` holding ``text``."""
+    lines, start = inspect.getsourcelines(fn)
+    hits = [start + i for i, line in enumerate(lines) if text in line]
+    assert len(hits) == 1, (text, hits)
+    return f"{HERE}:{hits[0]}"
+
+
+class LayerNorm(nn.Module):
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        return (x - mu) / var.sqrt()
+
+
+class Softmax(nn.Module):
+    def forward(self, x):
+        e = torch.exp(x)
+        return e / e.sum(-1, keepdim=True)
+
+
+class LogAttention(nn.TransformerEncoderLayer):
+    def _sa_block(self, x, attn_mask, key_padding_mask, is_causal):
+        x = super()._sa_block(x, attn_mask, key_padding_mask, is_causal)
+        return torch.log(x)
+
+
+class Scale(nn.Module):
+    """A layer that turns its input into 0 at a step the test picks: 0 * log(0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.broken = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.broken:
+            y = y * 0
+            return y * torch.log(y)
+        return y
+
+
+def train(model, steps, batch, rec=None, fault=None, lr=0.05):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for i in range(steps):
+        x = batch(i)
+        if fault is not None:
+            fault(model, i)
+        ctx = rec.step(i) if rec is not None else _null()
+        with ctx:
+            out = model(x)
+            loss = out.float().nan_to_num().square().mean()
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def replayed(tmp_path, model, steps, batch, fault=None, **kw):
+    path = str(tmp_path / "run.zarr")
+    with Recorder(model, path, on_nonfinite="replay", tensors_every=None, **kw) as rec:
+        train(model, steps, batch, rec, fault)
+    return open_run(path)
+
+
+def test_a_layernorm_dividing_by_a_zero_variance(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 6), LayerNorm(), nn.Linear(6, 3))
+
+    def batch(i):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+        if i == 2:
+            x[1] = 0.0                          # with a zero Linear: a constant row
+        return x
+
+    def fault(model, i):
+        if i == 2:
+            with torch.no_grad():
+                model[0].weight.zero_()
+                model[0].bias.fill_(0.5)
+    run = replayed(tmp_path, m, 4, batch, fault)
+    first = run.first_nonfinite()
+    assert (first.step, first.layer, first.kind) == (2, "1", "activations")
+    r = first.replay
+    assert r["op"] == "aten::div.Tensor" and r["module"] == "1" and r["module_class"] == "LayerNorm"
+    assert r["source"] == line_of(LayerNorm.forward, "/ var.sqrt()")
+    numerator, denominator = r["inputs"]
+    assert denominator["shape"] == [4, 1] and denominator["max"] == 0.0
+    assert numerator["abs_max"] == 0.0 and numerator["nan"] == 0
+    out = CliRunner().invoke(cli, ["nan", str(tmp_path / "run.zarr")])
+    assert out.exit_code == 1
+    assert f"made by aten::div.Tensor in 1 (LayerNorm), at {r['source']}" in out.output
+    assert "return (x - mu) / var.sqrt()" in out.output
+
+
+def test_a_softmax_whose_exp_overflows_in_float16(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), Softmax()).half()
+
+    def batch(i):
+        g = torch.Generator().manual_seed(i)
+        return (torch.randn(4, 8, generator=g) * (40.0 if i == 3 else 0.1)).half()
+
+    run = replayed(tmp_path, m, 5, batch)
+    first = run.first_nonfinite()
+    assert first.step == 3
+    r = first.replay
+    assert r["op"] == "aten::exp" and r["module_class"] == "Softmax"
+    assert r["source"] == line_of(Softmax.forward, "torch.exp(x)")
+    (x,) = r["inputs"]
+    assert x["dtype"] == "float16" and x["max"] > math.log(65504)
+
+
+def test_log_of_a_negative_inside_a_transformer_layers_attention(tmp_path):
+    torch.manual_seed(0)
+    layer = LogAttention(16, 2, 32, dropout=0.0, batch_first=True)
+    m = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def batch(i):
+        return torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(i))
+
+    run = replayed(tmp_path, m, 1, batch)
+    first = run.first_nonfinite()
+    r = first.replay
+    # the attention block's own children (self_attn, its out_proj) are finite: the
+    # producer is the layer, the deepest recorded module whose inputs were finite
+    assert r["module"] == "layers.0" and r["module_class"] == "LogAttention"
+    assert r["op"] == "aten::log"
+    assert r["source"] == line_of(LogAttention._sa_block, "torch.log(x)")
+    assert r["inputs"][0]["min"] < 0
+
+
+def test_the_producer_is_the_layer_that_made_it_not_those_that_passed_it_on(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), Scale(), nn.Linear(8, 8), nn.Tanh(),
+                      nn.Linear(8, 8))
+
+    def fault(model, i):
+        model[2].broken = i == 2
+
+    def batch(i):
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+
+    run = replayed(tmp_path, m, 3, batch, fault)
+    nan_layers = [e.layer for e in run.events if e.step == 2 and e.kind == "activations"]
+    assert nan_layers[:4] == ["2", "3", "4", "5"]          # made in 2, passed through 3-5
+    r = run.first_nonfinite().replay
+    # log(0) is the first op whose inputs are finite and output is not (-inf); 0 * -inf
+    # then makes the NaN
+    assert r["module"] == "2" and r["op"] == "aten::log"
+    assert r["source"] == line_of(Scale.forward, "return y * torch.log(y)")
+    assert r["inputs"][0]["abs_max"] == 0.0
+
+
+def test_a_compiled_model_is_replayed_eagerly(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 6), LayerNorm(), nn.Linear(6, 3))
+    compiled = torch.compile(m, backend="eager")
+
+    def batch(i):
+        return torch.zeros(4, 6) if i == 1 else torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+
+    def fault(model, i):
+        if i == 1:
+            with torch.no_grad():
+                m[0].weight.zero_()
+                m[0].bias.zero_()
+    run = replayed(tmp_path, compiled, 2, batch, fault)
+    r = run.first_nonfinite().replay
+    assert r["op"] == "aten::div.Tensor" and r["module"] == "1"
+    assert r["source"] == line_of(LayerNorm.forward, "/ var.sqrt()")
+
+
+class Noisy(nn.Module):
+    """Dropout and BatchNorm before a log: the replay must restore RNG and stats."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.3)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.log(self.lin(self.drop(self.bn(x))))
+
+
+def bits(ts):
+    return [t.detach().view(torch.int32) if t.dtype == torch.float32 else t.detach() for t in ts]
+
+
+def test_training_is_untouched_by_a_replay(tmp_path):
+    def batch(i):
+        return torch.randn(16, 8, generator=torch.Generator().manual_seed(i))
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), Noisy(), nn.Linear(8, 2))
+
+    ref = model()
+    torch.manual_seed(1)
+    want = train(ref, 4, batch)
+    rng_want = torch.get_rng_state()
+    m = model()
+    torch.manual_seed(1)
+    run = replayed(tmp_path, m, 4, batch)
+    assert torch.equal(torch.get_rng_state(), rng_want)         # dropout's RNG restored
+    for a, b in zip(bits(m.parameters()), bits(want)):          # bit-identical, NaN included
+        assert torch.equal(a, b)
+    for a, b in zip(bits(m.buffers()), bits(ref.buffers())):    # BatchNorm's statistics too
+        assert torch.equal(a, b)
+    r = run.first_nonfinite().replay
+    assert r["op"] == "aten::log" and r["module"] == "1"
+
+
+def test_off_by_default_and_capped(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 6), LayerNorm(), nn.Linear(6, 3))
+
+    def batch(i):
+        return torch.zeros(4, 6)
+
+    def fault(model, i):
+        with torch.no_grad():
+            m[0].weight.zero_()
+            m[0].bias.zero_()
+    path = str(tmp_path / "plain.zarr")
+    with Recorder(m, path, tensors_every=None) as rec:
+        train(m, 1, batch, rec, fault)
+    assert open_run(path).first_nonfinite().replay is None       # "record": no replay
+    run = replayed(tmp_path, m, 2, batch, fault, max_replay_bytes=64)
+    assert run.first_nonfinite().replay is None
+    assert run.attrs["drop_reasons"]["replay inputs past max_replay_bytes"] > 0
+    np.testing.assert_array_equal(run.steps(), [0, 1])
