@@ -22,7 +22,9 @@ steps: what a long run pays).
 
   full    tensortape full tensors every step  vs torch.save of the same tensors
           (twice: the default compression="auto", and compression=None)
-  stats   tensortape statistics only          vs TensorBoard add_histogram of the
+  stats   tensortape statistics only (and in on_nonfinite="replay" mode, which keeps
+          every recorded call's inputs and snapshots the step's tensors)
+                                              vs TensorBoard add_histogram of the
           same tensors (hooks wired by hand)  vs wandb.watch(log="all") offline
           (parameters and their gradients only: wandb cannot see activations)
   many    tensortape statistics only, and full tensors (the default
@@ -173,6 +175,9 @@ def bench_stats(tmp, rounds, block):
     c = {"bare": Contender(base, x)}
     rec = recorder(c.setdefault("tensortape stats", Contender(base, x)),
                    os.path.join(tmp, "stats.zarr"), layers, tensors_every=None)
+    replay = recorder(c.setdefault("tensortape stats, replay mode", Contender(base, x)),
+                      os.path.join(tmp, "replay.zarr"), layers, tensors_every=None,
+                      on_nonfinite="replay")
     w = tensorboard(c.setdefault("tensorboard add_histogram", Contender(base, x)), tmp, layers)
     wb_run = None
     try:
@@ -186,6 +191,7 @@ def bench_stats(tmp, rounds, block):
         print(f"wandb skipped: {e}")
     res = run(c, rounds, block)
     rec.close()
+    replay.close()
     w.close()
     if wb_run is not None:
         wb_run.finish()

@@ -34,7 +34,7 @@ SMALL_CHUNK_ROWS = 1024        # rows per chunk of small columns (step, extent)
 STATS_CHUNK_ROWS = 1024      # format 3: statistics (step, layer, stat) in shards of 1024
 LAYER_CHUNK = 256            # steps x 256 layers x every statistic, whose inner chunks are
 STATS_LAYER_CHUNK = 16       # one statistic of 16 layers (a layer's evolution reads little);
-HIST_SHARD_ROWS = 256        # histograms in shards of 512 steps x 256 layers, whose inner
+HIST_SHARD_ROWS = 256        # histograms in shards of 256 steps x 256 layers, whose inner
                              # chunks are 16 steps x 8 layers
 HIST_CHUNK_ROWS = 16
 HIST_LAYER_CHUNK = 8

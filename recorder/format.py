@@ -9,13 +9,13 @@ Layout of a store (Zarr v3)::
       rank0/                        attrs: the rank's durable state (``RankState``)
         stats/<kind>/               step (step), stats (step, layer, stat) in shards of
                                     1024 steps x 256 layers, hist (step, layer, bin) in
-                                    shards of 512 steps x 256 layers, bin_lo/bin_hi (bin);
+                                    shards of 256 steps x 256 layers, bin_lo/bin_hi (bin);
                                     attrs: stats (the names along ``stat``)
         tensors/<kind>/<node>/      data (step, dim_0, ...), step (step), micro (step),
                                     extent (step, axis); attrs: name, kind
 
 Format 3 packs a kind's statistics into one array and writes its histograms
-as shards, so a rank's files grow with its flushes and steps / 512, not with
+as shards, so a rank's files grow with its flushes and steps / 256, not with
 arrays x steps.  Format 2 had an array per statistic (``<stat>`` (step,
 layer)) and histogram chunks of 16 steps x 8 layers; format 1 no ``micro``.
 Readers read all three; ``tensortape migrate`` converts a store to format 3.

@@ -46,12 +46,16 @@ def reference_capture(model, names, run_steps):
     return got
 
 
-def train(model, steps, batches, rec=None, step_box=None, lr=0.05):
+def train(model, steps, batches, rec=None, step_box=None, lr=0.05, fault=None):
+    """SGD steps on ``batches(i)``, in ``rec``'s steps if given; ``fault(model, i)``
+    runs before each; the parameters after."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for i in range(steps):
         x = batches(i)
         if step_box is not None:
             step_box["i"] = i
+        if fault is not None:
+            fault(model, i)
         ctx = rec.step(i) if rec is not None else _null()
         with ctx:
             out = model(x)
@@ -59,6 +63,7 @@ def train(model, steps, batches, rec=None, step_box=None, lr=0.05):
             loss.backward()
         opt.step()
         opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
 
 
 class _null:

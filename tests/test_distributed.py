@@ -70,16 +70,20 @@ def test_two_ranks_record_into_one_store(tmp_path):
     assert open_run(store).ranks == [0, 1]
 
 
-FSDP_WORKER = textwrap.dedent("""
-    import sys
+# a worker's first lines: joins the gloo group of the test's ranks
+PREAMBLE = textwrap.dedent("""
+    import os, sys, json
     import numpy as np, torch, torch.distributed as dist
     from torch import nn
-    from torch.distributed.fsdp import fully_shard
     from recorder import Recorder
     store, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()
     torch.manual_seed(0)
+""")
+
+FSDP_WORKER = PREAMBLE + textwrap.dedent("""
+    from torch.distributed.fsdp import fully_shard
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     fully_shard(model[0]); fully_shard(model[2]); fully_shard(model)
     xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
@@ -115,15 +119,7 @@ def test_fsdp2_ranks_record_activations_and_their_shards(tmp_path):
         assert run.tensor("0", step=0, rank=r).shape == (3, 8)
 
 
-NAN_WORKER = textwrap.dedent("""
-    import os, sys, json
-    import numpy as np, torch, torch.distributed as dist
-    from torch import nn
-    from recorder import Recorder
-    store, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo", init_method="env://")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
+NAN_WORKER = PREAMBLE + textwrap.dedent("""
     inner = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     model = nn.parallel.DistributedDataParallel(inner)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -6,7 +6,7 @@ micro-batches each, full tensors every second step, a NaN fed at step 3.
 ``format2_activations.npz`` holds what plain forward hooks saw then (the
 oracle).  The tests check that the old store still reads true, that
 ``tensortape migrate`` keeps every number, and that a format-3 rank's files
-grow with steps / 512, not with arrays x steps.
+grow with steps / 256, not with arrays x steps.
 """
 import os
 import shutil
@@ -110,7 +110,7 @@ def files_under(path):
     return sum(len(files) for _, _, files in os.walk(path))
 
 
-def test_a_ranks_files_grow_with_steps_over_512_not_with_arrays(tmp_path):
+def test_a_ranks_files_grow_with_steps_over_256_not_with_arrays(tmp_path):
     layers, steps = 40, 1100
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
@@ -125,9 +125,9 @@ def test_a_ranks_files_grow_with_steps_over_512_not_with_arrays(tmp_path):
     for kind in ("activations", "gradients"):
         group = tmp_path / "run.zarr" / "rank0" / "stats" / kind
         # zarr.json of the group and its 5 arrays; bin_lo, bin_hi: a chunk each; step: 2
-        # chunks of 1024; stats: 2 chunks of 1024 steps x 256 layers; hist: 3 shards of 512
+        # chunks of 1024; stats: 2 shards of 1024 steps x 256 layers; hist: 5 shards of 256
         # steps x 256 layers (format 2: 11 x 5 + 69 x 5 + 5 for the same)
-        assert files_under(group) == 6 + 2 + 2 + 2 + 3, sorted(
+        assert files_under(group) == 6 + 2 + 2 + 2 + 5, sorted(
             os.path.relpath(os.path.join(d, f), group) for d, _, fs in os.walk(group) for f in fs)
     ds = run.stats("gradients").compute()
     assert ds.sizes == {"step": steps, "layer": layers}

@@ -11,13 +11,13 @@ import inspect
 import math
 
 import numpy as np
-import pytest
 import torch
 from click.testing import CliRunner
 from torch import nn
 
 from analysis import open_run
 from cli import cli
+from conftest import train
 from recorder import Recorder
 
 HERE = __file__
@@ -66,34 +66,10 @@ class Scale(nn.Module):
         return y
 
 
-def train(model, steps, batch, rec=None, fault=None, lr=0.05):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for i in range(steps):
-        x = batch(i)
-        if fault is not None:
-            fault(model, i)
-        ctx = rec.step(i) if rec is not None else _null()
-        with ctx:
-            out = model(x)
-            loss = out.float().nan_to_num().square().mean()
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
 def replayed(tmp_path, model, steps, batch, fault=None, **kw):
     path = str(tmp_path / "run.zarr")
     with Recorder(model, path, on_nonfinite="replay", tensors_every=None, **kw) as rec:
-        train(model, steps, batch, rec, fault)
+        train(model, steps, batch, rec, fault=fault)
     return open_run(path)
 
 
@@ -259,7 +235,7 @@ def test_off_by_default_and_capped(tmp_path):
             m[0].bias.zero_()
     path = str(tmp_path / "plain.zarr")
     with Recorder(m, path, tensors_every=None) as rec:
-        train(m, 1, batch, rec, fault)
+        train(m, 1, batch, rec, fault=fault)
     assert open_run(path).first_nonfinite().replay is None       # "record": no replay
     run = replayed(tmp_path, m, 2, batch, fault, max_replay_bytes=64)
     assert run.first_nonfinite().replay is None
