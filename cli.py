@@ -379,9 +379,16 @@ def _say_replay(found: dict) -> None:
     if not found.get("op"):
         click.echo(f"replay of {where}: {found.get('note')}")
         return
-    click.echo(f"made by {found['op']} in {where}, at {found.get('source')}")
-    if found.get("code"):
-        click.echo(f"    {found['code']}")
+    if found.get("phase") == "backward":
+        click.echo(f"made by {found['op']} in {found.get('node', '?')}, in the backward of "
+                   f"{where}; the forward op that made that node, at "
+                   f"{found.get('forward_source', '?')}")
+        if found.get("forward_code"):
+            click.echo(f"    {found['forward_code']}")
+    else:
+        click.echo(f"made by {found['op']} in {where}, at {found.get('source')}")
+        if found.get("code"):
+            click.echo(f"    {found['code']}")
     for i, t in enumerate(found.get("inputs", [])):
         stats = ", ".join(f"{k} {t[k]:.4g}" if isinstance(t[k], float) else f"{k} {t[k]}"
                           for k in ("min", "max", "abs_max", "nan", "posinf", "neginf") if k in t)

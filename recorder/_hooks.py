@@ -175,9 +175,9 @@ class HookSet:
                 k = self._calls.get(("keep", module), 0)
                 self._calls[("keep", module)] = k + 1
                 name = self._label(module) + (f"#{k}" if k else "")
-                self._sink.keeper.enter(name, self._sink.micro, mod, args, kwargs)
+                self._sink.keeper.enter(module, name, self._sink.micro, mod, args, kwargs)
             else:
-                self._sink.keeper.leave(mod, output)
+                self._sink.keeper.leave(module, output)
         except Exception as e:
             self._sink.fault(e, "replay inputs", self._label(module))
 
@@ -194,6 +194,9 @@ class HookSet:
             found = (_STALE, "an output of an earlier step", 0) if serial > 0 else (None, "?", 0)
         token, name, micro = found
         try:
+            keeper = getattr(self._sink, "keeper", None)
+            if keeper is not None and token is self._sink.current_token():
+                keeper.grad(serial, g)
             self._sink.add("gradients", name, g, token, micro)
         except _POLICY:
             raise
@@ -221,6 +224,9 @@ class HookSet:
             return -1
         self._serial += 1
         self._serials[self._serial] = (token, name, micro)
+        keeper = getattr(self._sink, "keeper", None)
+        if keeper is not None:                  # on_nonfinite="replay": its gradient is kept
+            keeper.bind(module, path, self._serial)
         return self._serial
 
 

@@ -337,15 +337,19 @@ class Recorder:
             return
         try:
             events = record.resolve().events
-            if not any(e.phase == "forward" for e in events):
+            if not events:
                 return
-            call = _replay.find(calls)
-            if call is None:
+            if events[0].phase == "forward":
+                call = _replay.find(calls)
+                found = None if call is None else _replay.replay(call, self.pause)
+            else:
+                hit = _replay.find_backward(calls, self.pause)
+                call, found = hit if hit is not None else (None, None)
+            if found is None:
                 return
-            found = _replay.replay(call, self.pause)
             mine = [i for i, e in enumerate(events) if e.phase == "forward" and e.micro == call.micro
                     and (e.layer == call.name or e.layer.startswith(call.name + "."))]
-            i = mine[0] if mine else 0
+            i = mine[0] if mine and events[0].phase == "forward" else 0
             events[i] = dataclasses.replace(events[i], replay=found)
         except Exception as e:                  # the guard: a failed replay is counted
             buffer.fault(e, "replay", "(the step's producer)")

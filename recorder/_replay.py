@@ -18,23 +18,34 @@ whose output is not is named, with the Python line that called it and its
 inputs' statistics.  The module's buffers (BatchNorm's running statistics),
 the RNG states and the grad mode are restored, so training is untouched.
 
+When the step's first NaN/Inf is in backward, the output gradients of the
+calls (kept by reference when backward hands them to the recorder) find the
+backward producer (``find_backward``): a call whose output gradients are
+finite and whose backward, replayed from them (its forward again under anomaly
+mode, which notes each autograd node's forward line, then ``autograd.grad``),
+makes a non-finite gradient, the deepest first.  The check then also names the
+autograd node (``SqrtBackward0``) and the forward line that made it.
+
 An input changed in place after the call (its version moved) is not replayed:
-the replay would not be faithful, and the event says so.  Backward replay is
-not built: a NaN first made in backward is found (the event), not named.
+the replay would not be faithful, and the event says so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import traceback
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["Keeper", "find", "replay"]
+from ._naming import leaves
+
+__all__ = ["Keeper", "find", "find_backward", "replay"]
 
 REPLAY_CAP = "replay inputs past max_replay_bytes"
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -67,6 +78,9 @@ class Call:
     cuda_rng: dict
     autocast: dict
     grad: bool
+    order: int = 0                      # when the call began and ended, in the step
+    end: int = 0
+    grads: dict | None = None           # output path -> its gradient, as backward gave it
 
 
 class Keeper:
@@ -75,12 +89,14 @@ class Keeper:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.calls: list[Call] = []
-        self._open: dict[int, list[Call]] = {}
+        self._open: dict[str, list[Call]] = {}
+        self._serials: dict[int, tuple[Call, str]] = {}
+        self._clock = 0
         self.nbytes = 0
         self.dropped = 0
         self._seen: set[int] = set()
 
-    def enter(self, name: str, micro: int, module, args, kwargs) -> None:
+    def enter(self, module_name: str, name: str, micro: int, module, args, kwargs) -> None:
         """A recorded module's call begins (its pre-hook)."""
         ts = _tensors((args, kwargs))
         new = [t for t in ts if t.untyped_storage().data_ptr() not in self._seen]
@@ -96,20 +112,39 @@ class Keeper:
                     {d: torch.cuda.get_rng_state(d) for d in devices},
                     {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                      for d in ("cpu", "cuda")},
-                    torch.is_grad_enabled())
-        self._open.setdefault(id(module), []).append(call)
+                    torch.is_grad_enabled(), order=self._tick())
+        self._open.setdefault(module_name, []).append(call)
 
-    def leave(self, module, output) -> None:
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def bind(self, module_name: str, path: str, serial: int) -> None:
+        """An output of the open call of ``module_name`` whose gradient will carry
+        ``serial`` (the recorder's gradient hook)."""
+        stack = self._open.get(module_name)
+        if stack:
+            self._serials[serial] = (stack[-1], path)
+
+    def grad(self, serial: int, g: torch.Tensor) -> None:
+        """The gradient of a kept call's output, kept by reference."""
+        found = self._serials.get(serial)
+        if found is not None:
+            call, path = found
+            call.grads = {**(call.grads or {}), path: g}
+
+    def leave(self, module_name: str, output) -> None:
         """The call ends (its post-hook): it is complete, in completion order."""
-        stack = self._open.get(id(module))
+        stack = self._open.get(module_name)
         if stack:
             call = stack.pop()
             call.outputs = _tensors(output)
+            call.end = self._tick()
             self.calls.append(call)
 
     def take(self) -> list[Call]:
-        calls, self.calls, self._open = self.calls, [], {}
-        self.nbytes, self._seen = 0, set()
+        calls, self.calls, self._open, self._serials = self.calls, [], {}, {}
+        self.nbytes, self._seen, self._clock = 0, set(), 0
         return calls
 
 
@@ -120,6 +155,19 @@ def find(calls: list[Call]) -> Call | None:
         if call.outputs and not _all_finite(call.outputs) and _all_finite(
                 _tensors((call.args, call.kwargs))):
             return call
+    return None
+
+
+def find_backward(calls: list[Call], paused) -> tuple[Call, dict] | None:
+    """The backward producer: a call whose output gradients are finite and whose
+    replayed backward makes a non-finite gradient, the deepest first (calls with
+    the shortest span, then the latest); with what its replay found."""
+    tried = sorted((c for c in calls if c.grads and _all_finite(c.grads.values())),
+                   key=lambda c: (c.end - c.order, -c.end))
+    for call in tried:
+        found = replay(call, paused, backward=True)
+        if found.get("op"):
+            return call, found
     return None
 
 
@@ -142,13 +190,34 @@ def _statistics(t: torch.Tensor) -> dict:
     return out
 
 
-def _user_line() -> tuple[str, str]:
-    """The innermost frame of the user's code on the stack: ``file:line`` and its code."""
-    for frame in reversed(traceback.extract_stack()):
+def _user_line(frames=None) -> tuple[str, str]:
+    """The innermost frame of the user's code on the stack (or in ``frames``):
+    ``file:line`` and its code."""
+    for frame in reversed(frames if frames is not None else traceback.extract_stack()):
         f = os.path.abspath(frame.filename)
         if not (f.startswith(_TORCH) or f.startswith(_HERE) or "/contextlib.py" in f):
             return f"{frame.filename}:{frame.lineno}", (frame.line or "").strip()
     return "?", ""
+
+
+def _node() -> dict:
+    """In backward: the autograd node running, and the line of the forward op
+    that made it (recorded by anomaly mode during the replay's forward)."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return {}
+    out = {"node": node.name()}
+    trace = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+    if trace:
+        text = "".join(trace) if isinstance(trace, list) else str(trace)
+        frames = [traceback.FrameSummary(m.group(1), int(m.group(2)), m.group(3), line=m.group(4))
+                  for m in _FRAME.finditer(text)]
+        where, code = _user_line(frames)
+        out.update(forward_source=where, forward_code=code)
+    return out
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
 
 class _Check(TorchDispatchMode):
@@ -168,16 +237,19 @@ class _Check(TorchDispatchMode):
                 if _all_finite(ins):
                     where, code = _user_line()
                     self.found = {"op": func.name(), "source": where, "code": code,
-                                  "inputs": [_statistics(t) for t in ins]}
+                                  "inputs": [_statistics(t) for t in ins], **_node()}
                     raise _Found
         return out
 
 
-def replay(call: Call, paused) -> dict:
+def replay(call: Call, paused, backward: bool = False) -> dict:
     """Run ``call`` again and name the op that made its NaN/Inf (see the module);
-    ``paused`` silences the recorder's hooks meanwhile.  The answer as JSON."""
+    ``paused`` silences the recorder's hooks meanwhile.  With ``backward``, run its
+    forward and then its backward from the kept output gradients, checking the
+    backward's ops.  The answer as JSON."""
     where = {"module": call.name, "module_class": type(call.module).__qualname__,
-             "micro": call.micro, "torch_version": torch.__version__}
+             "micro": call.micro, "phase": "backward" if backward else "forward",
+             "torch_version": torch.__version__}
     if [t._version for t in _tensors((call.args, call.kwargs))] != call.versions:
         return {**where, "op": None, "note": "its inputs were changed in place after the call; "
                                              "not replayed"}
@@ -185,8 +257,9 @@ def replay(call: Call, paused) -> dict:
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     rng = torch.get_rng_state()
     cuda_rng = {d: torch.cuda.get_rng_state(d) for d in call.cuda_rng}
-    args, kwargs = tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x,
-                            (call.args, call.kwargs))
+    args, kwargs = tree_map(lambda x: x.detach().clone().requires_grad_(
+        backward and _floating(x) and x.requires_grad) if isinstance(x, torch.Tensor) else x,
+        (call.args, call.kwargs))
     check = _Check()
     try:
         torch.set_rng_state(call.rng)
@@ -197,9 +270,24 @@ def replay(call: Call, paused) -> dict:
             for device, (enabled, dtype) in call.autocast.items():
                 if enabled:
                     stack.enter_context(torch.autocast(device, dtype=dtype))
-            stack.enter_context(torch.set_grad_enabled(call.grad))
-            stack.enter_context(check)
-            module.forward(*args, **kwargs)
+            stack.enter_context(torch.set_grad_enabled(call.grad or backward))
+            if not backward:
+                stack.enter_context(check)
+                module.forward(*args, **kwargs)
+            else:           # anomaly mode keeps each node's forward line (no NaN check)
+                stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=False))
+                out = module.forward(*args, **kwargs)
+                pairs = [(t, call.grads[p]) for p, t in leaves(out)
+                         if p in call.grads and t.requires_grad]
+                wrt = [t for t in _tensors((args, kwargs)) if t.requires_grad] + [
+                    p for p in module.parameters() if p.requires_grad]
+                if pairs and wrt:
+                    # (anomaly mode warns when the check stops the backward: not news)
+                    stack.enter_context(warnings.catch_warnings())
+                    warnings.simplefilter("ignore")
+                    with check:
+                        torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs],
+                                            allow_unused=True)
     except _Found:
         pass
     finally:

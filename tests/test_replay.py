@@ -241,3 +241,68 @@ def test_off_by_default_and_capped(tmp_path):
     assert run.first_nonfinite().replay is None
     assert run.attrs["drop_reasons"]["replay inputs past max_replay_bytes"] > 0
     np.testing.assert_array_equal(run.steps(), [0, 1])
+
+
+class SqrtAt(nn.Module):
+    """sqrt of its input times 0 at a step the test picks: finite forward, and in
+    backward an infinite gradient at 0 that the product turns into NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.zero = False
+
+    def forward(self, x):
+        y = x * (0.0 if self.zero else 1.0)
+        return torch.sqrt(y.abs() + (0.0 if self.zero else 1.0))
+
+
+def test_backward_sqrt_at_zero_names_the_node_and_its_forward_line(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 6), SqrtAt(), nn.Linear(6, 3))
+
+    def fault(model, i):
+        model[1].zero = i == 1
+
+    def batch(i):
+        return torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+
+    run = replayed(tmp_path, m, 2, batch, fault)
+    first = run.first_nonfinite()
+    assert (first.step, first.phase) == (1, "backward")       # the forward was finite
+    r = first.replay
+    assert r["phase"] == "backward" and r["module"] == "1" and r["module_class"] == "SqrtAt"
+    assert r["node"] == "SqrtBackward0"
+    assert r["forward_source"] == line_of(SqrtAt.forward, "torch.sqrt(")
+    assert any(t.get("max") == 0.0 for t in r["inputs"])      # the sqrt's result, 0
+    out = CliRunner().invoke(cli, ["nan", str(tmp_path / "run.zarr")])
+    assert "SqrtBackward0" in out.output and r["forward_source"] in out.output
+
+
+class HandNorm(nn.Module):
+    """A norm written by hand: sqrt of a sum of squares, 0 for a zero row."""
+
+    def forward(self, x):
+        return x / (torch.sqrt((x * x).sum(-1, keepdim=True)) + 1e-6)
+
+
+def test_backward_of_a_hand_written_norm_of_a_zero_vector(tmp_path):
+    # (torch.linalg.vector_norm's own backward is 0 at a zero vector in torch 2.13:
+    # no NaN to name; written by hand, the sqrt at 0 makes one)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 5), HandNorm(), nn.Linear(5, 2))
+
+    def fault(model, i):
+        if i == 1:
+            with torch.no_grad():
+                model[0].weight.zero_()
+                model[0].bias.zero_()
+
+    def batch(i):
+        return torch.randn(3, 5, generator=torch.Generator().manual_seed(i))
+
+    run = replayed(tmp_path, m, 2, batch, fault)
+    first = run.first_nonfinite()
+    assert (first.step, first.phase) == (1, "backward")
+    r = first.replay
+    assert r["module"] == "1" and r["node"] == "SqrtBackward0"
+    assert r["forward_source"] == line_of(HandNorm.forward, "torch.sqrt(")
