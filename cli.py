@@ -179,10 +179,11 @@ def demo(out, steps, diverge):
 @click.option("--ring", type=click.IntRange(min=0), default=0, show_default=True,
               help="keep the full tensors of the K steps before the current one in memory, "
                    "written out when a NaN/Inf appears (with --on-nonfinite dump)")
-@click.option("--on-nonfinite", type=click.Choice(["record", "dump", "raise"]), default="record",
-              show_default=True,
+@click.option("--on-nonfinite", type=click.Choice(["record", "dump", "raise", "replay"]),
+              default="record", show_default=True,
               help="on a NaN/Inf: record the event; dump: also write the ring and the step's "
-                   "full tensors; raise: dump, then stop training with NonFiniteError")
+                   "full tensors; raise: dump, then stop training with NonFiniteError; replay: "
+                   "dump, and name the op and the line that made it (tensortape nan shows it)")
 @click.option("--keep-going", is_flag=True,
               help="when the run cannot be recorded (the store exists, a pattern matches "
                    "nothing), let the script train unrecorded instead of stopping it")
@@ -375,10 +376,12 @@ def plot(run, layer, kind, plot_type, stat, step, steps, density, output):
 
 def _say_replay(found: dict) -> None:
     """What ``on_nonfinite="replay"`` found: the op, its line and its inputs."""
-    where = f"{found.get('module') or '(root)'} ({found.get('module_class')})"
     if not found.get("op"):
-        click.echo(f"replay of {where}: {found.get('note')}")
+        module = found.get("module")
+        click.echo(f"replay{f' of {module or chr(34) * 2}' if 'module' in found else ''}: "
+                   f"{found.get('note')}")
         return
+    where = f"{found.get('module') or '(root)'} ({found.get('module_class')})"
     if found.get("phase") == "backward":
         click.echo(f"made by {found['op']} in {found.get('node', '?')}, in the backward of "
                    f"{where}; the forward op that made that node, at "

@@ -325,9 +325,10 @@ class Recorder:
             self._writer.flush()
 
     def _replay(self, record) -> None:
-        """``on_nonfinite="replay"``: at a step with a NaN/Inf, replay the call that
-        made it and attach what it found to that call's event (``_replay``).  It
-        waits for the step's summaries; it never raises into training."""
+        """``on_nonfinite="replay"``: at the run's first step with a NaN/Inf, replay
+        the call that made it and attach what it found to that call's event
+        (``_replay``); later steps keep nothing.  It waits for the step's
+        summaries; it never raises into training."""
         buffer = self._buffer
         calls = buffer.keeper.take()
         dropped, buffer.keeper.dropped = buffer.keeper.dropped, 0
@@ -339,16 +340,23 @@ class Recorder:
             events = record.resolve().events
             if not events:
                 return
+            buffer.keeper.done = True           # the run's first NaN/Inf: the one replayed
             if events[0].phase == "forward":
                 call = _replay.find(calls)
                 found = None if call is None else _replay.replay(call, self.pause)
             else:
                 hit = _replay.find_backward(calls, self.pause)
                 call, found = hit if hit is not None else (None, None)
-            if found is None:
-                return
-            mine = [i for i, e in enumerate(events) if e.phase == "forward" and e.micro == call.micro
-                    and (e.layer == call.name or e.layer.startswith(call.name + "."))]
+            if found is None:               # say so: the user knows where to look next
+                found = {"op": None, "phase": events[0].phase, "note": (
+                    "no recorded module made it from finite inputs" + (
+                        "" if events[0].phase == "forward" else " and output gradients") +
+                    ": it was made between recorded modules, or outside the model; record "
+                    "more of them (layers='*')")}
+                call = None
+            mine = [] if call is None else [
+                i for i, e in enumerate(events) if e.phase == "forward" and e.micro == call.micro
+                and (e.layer == call.name or e.layer.startswith(call.name + "."))]
             i = mine[0] if mine and events[0].phase == "forward" else 0
             events[i] = dataclasses.replace(events[i], replay=found)
         except Exception as e:                  # the guard: a failed replay is counted

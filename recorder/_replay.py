@@ -94,10 +94,13 @@ class Keeper:
         self._clock = 0
         self.nbytes = 0
         self.dropped = 0
+        self.done = False                 # the run's first NaN/Inf was replayed: keep nothing
         self._seen: set[int] = set()
 
     def enter(self, module_name: str, name: str, micro: int, module, args, kwargs) -> None:
         """A recorded module's call begins (its pre-hook)."""
+        if self.done:
+            return
         ts = _tensors((args, kwargs))
         new = [t for t in ts if t.untyped_storage().data_ptr() not in self._seen]
         n = sum(t.untyped_storage().nbytes() for t in new)
@@ -254,6 +257,10 @@ def replay(call: Call, paused, backward: bool = False) -> dict:
         return {**where, "op": None, "note": "its inputs were changed in place after the call; "
                                              "not replayed"}
     module = call.module
+    if not _all_finite(p.detach() for p in module.parameters()):
+        return {**where, "op": None, "note": "its parameters hold NaN/Inf: they were made so "
+                                             "outside the forward (the optimizer step before "
+                                             "this one?)"}
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     rng = torch.get_rng_state()
     cuda_rng = {d: torch.cuda.get_rng_state(d) for d in call.cuda_rng}
