@@ -493,6 +493,29 @@ def migrate(old, new):
     click.echo(convert(old, new, progress=_progress("converting")))
 
 
+@cli.command()
+@click.argument("run")
+@click.option("--model", "factory", required=True,
+              help="pkg.module:factory, a function of no arguments that builds the model "
+                   "(from the working directory or the Python path)")
+def replay(run, factory):
+    """Repeat RUN's replay (on_nonfinite="replay") in a model you build, and name the op
+    and the line again; exit 0 when it is named, 1 when not."""
+    import importlib
+    import os
+    module, _, name = factory.partition(":")
+    if not module or not name:
+        raise click.BadParameter(f"{factory!r} is not pkg.module:factory", param_hint="--model")
+    sys.path.insert(0, os.getcwd())
+    try:
+        build = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise click.BadParameter(f"cannot import {factory!r} ({e})", param_hint="--model")
+    found = _open(run).replay(build())
+    _say_replay(found)
+    sys.exit(0 if found.get("op") else 1)
+
+
 class _Stdout:
     """stdout that a closed pipe (``tensortape nan RUN | head -1``) silences instead
     of failing: the command's exit status stays its own."""

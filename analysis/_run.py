@@ -529,6 +529,38 @@ class Run:
         return FirstNonFinite(**{k: getattr(first, k) for k in first.__dataclass_fields__},
                               history=hist, same_step=same)
 
+    def replay(self, model, rank: int | None = None) -> dict:
+        """Repeat the recorded replay (``on_nonfinite="replay"``) in ``model``, a
+        model the user builds (the same architecture): its submodule at the
+        bundle's path gets the recorded parameters and buffers, and the call runs
+        again on the recorded inputs (and output gradients, for a NaN made in
+        backward) under the same op check.  What it found, as the event's
+        ``replay``.  Step through ``model`` in a debugger to see it happen."""
+        import contextlib
+
+        import torch
+
+        from recorder import _replay
+        hits = [e for e in self.events_of(rank) if e.replay and e.replay.get("bundle")]
+        if not hits:
+            raise ConfigError(f"{self.path!r} holds no replay bundle; record with "
+                              f"on_nonfinite='replay' (a bundle is stored when a replay names "
+                              f"an op)")
+        path = hits[0].replay["bundle"]
+        attrs = self.source.attrs(path)
+
+        def arrays(name: str):
+            arr = self.source.array(f"{path}/{fmt.node_name(name)}")
+            if np.dtype(arr.dtype).name not in fmt.STORED_DTYPES:
+                raise StoreFormatError(f"{self.path!r}: {path}/{name} holds {arr.dtype}")
+            data = np.asarray(arr[...])
+            logical = dict(arr.attrs).get(fmt.LOGICAL_ATTR)
+            t = torch.from_numpy(data.copy())
+            return t.view(getattr(torch, logical)) if logical in fmt.BITS_DTYPES else t
+        call = _replay.from_bundle(attrs, arrays, model)
+        return _replay.replay(call, contextlib.nullcontext,
+                              backward=attrs.get("phase") == "backward")
+
     # --- plots and export ------------------------------------------------------------
     def plot_histogram(self, layer, kind="activations", steps=None, rank=None, ax=None,
                        density: bool = False):

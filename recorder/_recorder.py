@@ -354,6 +354,11 @@ class Recorder:
                     ": it was made between recorded modules, or outside the model; record "
                     "more of them (layers='*')")}
                 call = None
+            if call is not None and found.get("op"):       # the bundle, for run.replay(model)
+                attrs, arrays = _replay.bundle(call)
+                path = fmt.replay_group(self.rank, record.step)
+                record.bundle = (path, {**attrs, "phase": found["phase"]}, arrays)
+                found = {**found, "bundle": path}
             mine = [] if call is None else [
                 i for i, e in enumerate(events) if e.phase == "forward" and e.micro == call.micro
                 and (e.layer == call.name or e.layer.startswith(call.name + "."))]

@@ -143,6 +143,7 @@ class StepRecord:
     tensors: list[TensorRow] = field(default_factory=list)
     drops: dict[str, int] = field(default_factory=dict)      # what was dropped, by reason
     outside: int = 0                                          # forward passes outside a step
+    bundle: tuple | None = None          # on_nonfinite="replay": (group path, attrs, arrays)
     _resolved: Resolved | None = None
 
     @property

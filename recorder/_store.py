@@ -449,6 +449,20 @@ class RunStore:
                       "extent": extent})
         return arr.nbytes
 
+    def write_bundle(self, path: str, attrs: dict, arrays: dict) -> None:
+        """A replay bundle (``format.replay_group``): each host tensor an array (its
+        node name encoded, bfloat16 and float8 as bits with ``logical_dtype``), the
+        JSON in the group's attributes.  Written whole; the event that names it is
+        committed after."""
+        g = self.root.require_group(path)
+        for name, t in arrays.items():
+            arr, logical = to_numpy(t)
+            a = _array(g, fmt.node_name(name), arr.shape, arr.shape or (), arr.dtype,
+                       _fill_for(arr.dtype), [f"dim_{i}" for i in range(arr.ndim)],
+                       {fmt.LOGICAL_ATTR: logical} if logical else None)
+            a[...] = arr
+        g.update_attributes(fmt.to_json(attrs))
+
     def _level(self, sample: np.ndarray) -> int | None:
         return zstd_level(sample) if self.compression == "auto" else self.compression
 

@@ -351,6 +351,8 @@ class Writer:
 
     def _write(self, unsaved: _Unsaved, tensors: list[tuple[int, list[TensorRow]]]) -> None:
         st, rec, res = self.state, unsaved.record, unsaved.resolved
+        if rec.bundle is not None:               # before the event that names it
+            self.store.write_bundle(*rec.bundle)
         st.layers.extend(rec.layers)
         for reason, n in rec.drops.items():
             self._drop(reason, n)

@@ -13,6 +13,8 @@ Layout of a store (Zarr v3)::
                                     attrs: stats (the names along ``stat``)
         tensors/<kind>/<node>/      data (step, dim_0, ...), step (step), micro (step),
                                     extent (step, axis); attrs: name, kind
+        replay/step<S>/             on_nonfinite="replay": the producer call's bundle
+                                    (``replay_group``), named by its event's replay
 
 Format 3 packs a kind's statistics into one array and writes its histograms
 as shards, so a rank's files grow with its flushes and steps / 256, not with
@@ -106,6 +108,14 @@ def is_own_entry(name: str) -> bool:
 
 def stats_group(rank: int, kind: str) -> str:
     return f"{rank_group(rank)}/stats/{kind}"
+
+
+def replay_group(rank: int, step: int) -> str:
+    """Where ``on_nonfinite="replay"`` stores its replay bundle (one a run): the
+    producer call's inputs, parameters, buffers and output gradients as arrays
+    (``input_<i>``, ``param_<name>``, ``buffer_<name>``, ``grad_<path>``), and its
+    structure, RNG and autocast state in the group's attributes."""
+    return f"{rank_group(rank)}/replay/step{int(step)}"
 
 
 def tensor_group(rank: int, kind: str, layer: str) -> str:

@@ -306,3 +306,101 @@ def test_backward_of_a_hand_written_norm_of_a_zero_vector(tmp_path):
     r = first.replay
     assert r["module"] == "1" and r["node"] == "SqrtBackward0"
     assert r["forward_source"] == line_of(HandNorm.forward, "torch.sqrt(")
+
+
+def layernorm_model():
+    """A fresh model of the LayerNorm test's architecture (for ``tensortape replay``)."""
+    return nn.Sequential(nn.Linear(6, 6), LayerNorm(), nn.Linear(6, 3))
+
+
+def sqrt_model():
+    m = nn.Sequential(nn.Linear(6, 6), SqrtAt(), nn.Linear(6, 3))
+    m[1].zero = True
+    return m
+
+
+def test_the_bundle_replays_offline_in_a_model_the_user_builds(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 6), LayerNorm(), nn.Linear(6, 3))
+
+    def fault(model, i):
+        if i == 2:
+            with torch.no_grad():
+                model[0].weight.zero_()
+                model[0].bias.fill_(0.5)
+
+    def batch(i):
+        return torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+
+    run = replayed(tmp_path, m, 3, batch, fault)
+    live = run.first_nonfinite().replay
+    assert live["bundle"] == "rank0/replay/step2"
+    fresh = layernorm_model()                  # other weights: the bundle brings the recorded
+    again = run.replay(fresh)
+    for k in ("op", "source", "code", "inputs", "module", "module_class"):
+        assert again[k] == live[k], k
+    out = CliRunner().invoke(cli, ["replay", str(tmp_path / "run.zarr"), "--model",
+                                   "test_replay:layernorm_model"])
+    assert out.exit_code == 0, out.output
+    assert f"made by aten::div.Tensor in 1 (LayerNorm), at {live['source']}" in out.output
+
+
+def test_a_backward_bundle_replays_offline(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 6), SqrtAt(), nn.Linear(6, 3))
+
+    def fault(model, i):
+        model[1].zero = i == 1
+
+    def batch(i):
+        return torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+
+    run = replayed(tmp_path, m, 2, batch, fault)
+    live = run.first_nonfinite().replay
+    again = run.replay(sqrt_model())
+    for k in ("op", "node", "forward_source", "inputs", "module", "phase"):
+        assert again[k] == live[k], k
+
+
+def test_no_bundle_is_a_one_line_error(tmp_path):
+    torch.manual_seed(0)
+    m = layernorm_model()
+    path = str(tmp_path / "plain.zarr")
+    with Recorder(m, path, tensors_every=None) as rec:
+        train(m, 1, lambda i: torch.randn(2, 6), rec)
+    out = CliRunner().invoke(cli, ["replay", path, "--model", "test_replay:layernorm_model"])
+    assert out.exit_code == 2 and "holds no replay bundle" in out.output
+    out = CliRunner().invoke(cli, ["replay", path, "--model", "nowhere"])
+    assert out.exit_code == 2 and "is not pkg.module:factory" in out.output
+
+
+class Divide(nn.Module):
+    """Divides by a learned scale, which the test sets to 0 at a step."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(6))
+
+    def forward(self, x):
+        return x / self.scale
+
+
+def test_the_bundle_brings_the_recorded_parameters(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 6), Divide(), nn.Linear(6, 3))
+
+    def fault(model, i):
+        if i == 1:
+            with torch.no_grad():
+                model[1].scale[2] = 0.0
+
+    def batch(i):
+        return torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+
+    run = replayed(tmp_path, m, 2, batch, fault)
+    live = run.first_nonfinite().replay
+    assert live["op"] == "aten::div.Tensor" and live["module"] == "1"
+    fresh = nn.Sequential(nn.Linear(6, 6), Divide(), nn.Linear(6, 3))     # scale all ones
+    again = run.replay(fresh)
+    assert again["op"] == live["op"] and again["source"] == live["source"]
+    assert fresh[1].scale[2].item() == 0.0                  # the recorded parameters, loaded
