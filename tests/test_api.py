@@ -75,7 +75,7 @@ def two_runs(tmp_path_factory):
 @pytest.mark.parametrize("args", [
     ["--help"], ["info", "A"], ["stats", "A", "--format", "json"], ["nan", "A"],
     ["plot", "A", "--layer", "fc1", "-o", "OUT/p.png"], ["compare", "A", "B"],
-    ["export", "A", "OUT/a.h5"], ["watch", "A", "--interval", "0.1"],
+    ["export", "A", "OUT/a.h5"], ["watch", "A", "--interval", "0.1"], ["migrate", "A", "OUT/m.zarr"],
 ])
 def test_reading_commands_never_import_torch(two_runs, args):
     (a, b), out = two_runs
