@@ -192,4 +192,9 @@ def open_source(location) -> ZarrSource | H5Source:
         if magic != b"\x89HDF\r\n\x1a\n":
             raise StoreFormatError(f"{location!r} is neither a Zarr store nor an HDF5 export of a run")
         return H5Source(location)
+    if local and os.path.isdir(location) and not os.path.exists(os.path.join(location, "zarr.json")) \
+            and all(fmt.is_partial(n) for n in os.listdir(location)):
+        # the folder a run makes first, killed before its root was written
+        raise StoreNotFoundError(f"no run at {location!r} yet: the folder is empty (a run "
+                                 f"stopped before it began?); check the path")
     return ZarrSource(location)

@@ -66,7 +66,7 @@ def _is_run(raw: bytes | None) -> bool:
 def _classify(entries: list[str], ours: set[str], root_json: bytes | None) -> Found:
     """A location's entries -> what it holds (``ours``: the entries tensortape may
     have written: ``zarr.json`` and rank groups that are real folders)."""
-    if not entries:
+    if all(fmt.is_partial(e) for e in entries):     # nothing, or a root killed half-written
         return Found("empty")
     if not _is_run(root_json):
         return Found("other", f"holds files that are not a tensortape run ({_shown(entries)})")
@@ -92,7 +92,7 @@ def _look_local(path: str) -> Found:
         return Found("other", "is your home directory")
     entries = sorted(os.listdir(path))
     ours = {e for e in entries if fmt.is_own_entry(e) and not os.path.islink(os.path.join(path, e))
-            and os.path.isdir(os.path.join(path, e)) == (e != "zarr.json")}
+            and os.path.isdir(os.path.join(path, e)) == (e != "zarr.json" and not fmt.is_partial(e))}
     root_json = None
     if "zarr.json" in ours:
         with open(os.path.join(path, "zarr.json"), "rb") as f:
@@ -118,7 +118,7 @@ def _look_url(location: str) -> Found:
     if not entries:
         return Found("missing")
     ours = {e for e in entries if fmt.is_own_entry(e)
-            and (kinds[e] == "directory") == (e != "zarr.json")}
+            and (kinds[e] == "directory") == (e != "zarr.json" and not fmt.is_partial(e))}
     root_json = fs.cat(f"{root}/zarr.json") if "zarr.json" in ours else None
     return _classify(entries, ours, root_json)
 
@@ -186,6 +186,10 @@ def open_root(location, mode: str, rank: int = 0, attributes: dict | None = None
         return root
     if found.what == "run":
         _clear(location, found.own)
+    elif found.what == "empty" and not fmt.is_url(location) and os.path.isdir(location):
+        for name in os.listdir(location):        # zarr's temporary file of a killed start
+            if fmt.is_partial(name):
+                os.remove(os.path.join(location, name))
     # locally "w-": zarr's "w" would delete the folder itself (a link's target too); an
     # object store keeps empty "folders" of what was cleared, which "w" removes
     create = "w" if fmt.is_url(location) else "w-"

@@ -102,8 +102,19 @@ def rank_group(rank: int) -> str:
 
 def is_own_entry(name: str) -> bool:
     """Whether ``name``, an entry at the root of a store, is one tensortape writes
-    (``zarr.json`` and the rank groups): ``mode="w"`` deletes these and nothing else."""
-    return name == "zarr.json" or (name.startswith("rank") and name[4:].isdigit())
+    (``zarr.json``, the rank groups, and a temporary file of zarr's that a kill left):
+    ``mode="w"`` deletes these and nothing else."""
+    return name == "zarr.json" or (name.startswith("rank") and name[4:].isdigit()) \
+        or is_partial(name)
+
+
+def is_partial(name: str) -> bool:
+    """A temporary file of zarr's atomic write (``zarr.<32 hex>.partial``), left by a
+    process killed while it wrote the root's ``zarr.json``."""
+    head, _, rest = name.partition(".")
+    hexpart, _, tail = rest.partition(".")
+    return head == "zarr" and tail == "partial" and len(hexpart) == 32 and all(
+        c in "0123456789abcdef" for c in hexpart)
 
 
 def stats_group(rank: int, kind: str) -> str:

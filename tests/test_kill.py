@@ -73,3 +73,25 @@ def test_kill_sweep(tmp_path):
                                        rtol=1e-6)
     print(outcomes)
     assert sum(outcomes.values()) == 12 and outcomes["recording"] >= 3
+
+
+def test_a_run_killed_while_writing_its_root_is_no_run_yet_and_can_start_again(tmp_path):
+    """SIGKILL between the folder and the root's zarr.json leaves the folder with
+    zarr's temporary file at most (the sweep met it): no run yet, and a new run
+    may start there."""
+    from recorder import Recorder
+    from recorder.errors import StoreNotFoundError
+    store = tmp_path / "k.zarr"
+    store.mkdir()
+    (store / ("zarr." + "0123456789abcdef" * 2 + ".partial")).write_bytes(b'{"zarr_fo')
+    try:
+        open_run(str(store))
+        raise AssertionError("an empty folder opened as a run")
+    except StoreNotFoundError as e:
+        assert "no run at" in str(e)
+    import torch
+    lin = torch.nn.Linear(2, 2)
+    with Recorder(lin, str(store)) as rec:
+        with rec.step():
+            lin(torch.ones(1, 2)).sum().backward()
+    assert open_run(str(store)).steps().tolist() == [0]

@@ -73,22 +73,36 @@ def replayed(tmp_path, model, steps, batch, fault=None, **kw):
     return open_run(path)
 
 
-def test_a_layernorm_dividing_by_a_zero_variance(tmp_path):
+def batch6(i):
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+
+
+def record_layernorm(tmp_path, steps):
+    """At step 2 the Linear before the LayerNorm is zeroed, its bias 0.5: every row
+    constant, a zero variance."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(6, 6), LayerNorm(), nn.Linear(6, 3))
-
-    def batch(i):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
-        if i == 2:
-            x[1] = 0.0                          # with a zero Linear: a constant row
-        return x
 
     def fault(model, i):
         if i == 2:
             with torch.no_grad():
                 model[0].weight.zero_()
                 model[0].bias.fill_(0.5)
-    run = replayed(tmp_path, m, 4, batch, fault)
+    return replayed(tmp_path, m, steps, batch6, fault)
+
+
+def record_sqrt(tmp_path):
+    """SqrtAt breaks at step 1: a finite forward, a NaN made in backward."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 6), SqrtAt(), nn.Linear(6, 3))
+
+    def fault(model, i):
+        model[1].zero = i == 1
+    return replayed(tmp_path, m, 2, batch6, fault)
+
+
+def test_a_layernorm_dividing_by_a_zero_variance(tmp_path):
+    run = record_layernorm(tmp_path, 4)
     first = run.first_nonfinite()
     assert (first.step, first.layer, first.kind) == (2, "1", "activations")
     r = first.replay
@@ -257,16 +271,7 @@ class SqrtAt(nn.Module):
 
 
 def test_backward_sqrt_at_zero_names_the_node_and_its_forward_line(tmp_path):
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(6, 6), SqrtAt(), nn.Linear(6, 3))
-
-    def fault(model, i):
-        model[1].zero = i == 1
-
-    def batch(i):
-        return torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
-
-    run = replayed(tmp_path, m, 2, batch, fault)
+    run = record_sqrt(tmp_path)
     first = run.first_nonfinite()
     assert (first.step, first.phase) == (1, "backward")       # the forward was finite
     r = first.replay
@@ -320,19 +325,7 @@ def sqrt_model():
 
 
 def test_the_bundle_replays_offline_in_a_model_the_user_builds(tmp_path):
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(6, 6), LayerNorm(), nn.Linear(6, 3))
-
-    def fault(model, i):
-        if i == 2:
-            with torch.no_grad():
-                model[0].weight.zero_()
-                model[0].bias.fill_(0.5)
-
-    def batch(i):
-        return torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
-
-    run = replayed(tmp_path, m, 3, batch, fault)
+    run = record_layernorm(tmp_path, 3)
     live = run.first_nonfinite().replay
     assert live["bundle"] == "rank0/replay/step2"
     fresh = layernorm_model()                  # other weights: the bundle brings the recorded
@@ -346,16 +339,7 @@ def test_the_bundle_replays_offline_in_a_model_the_user_builds(tmp_path):
 
 
 def test_a_backward_bundle_replays_offline(tmp_path):
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(6, 6), SqrtAt(), nn.Linear(6, 3))
-
-    def fault(model, i):
-        model[1].zero = i == 1
-
-    def batch(i):
-        return torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
-
-    run = replayed(tmp_path, m, 2, batch, fault)
+    run = record_sqrt(tmp_path)
     live = run.first_nonfinite().replay
     again = run.replay(sqrt_model())
     for k in ("op", "node", "forward_source", "inputs", "module", "phase"):
@@ -394,10 +378,7 @@ def test_the_bundle_brings_the_recorded_parameters(tmp_path):
             with torch.no_grad():
                 model[1].scale[2] = 0.0
 
-    def batch(i):
-        return torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
-
-    run = replayed(tmp_path, m, 2, batch, fault)
+    run = replayed(tmp_path, m, 2, batch6, fault)
     live = run.first_nonfinite().replay
     assert live["op"] == "aten::div.Tensor" and live["module"] == "1"
     fresh = nn.Sequential(nn.Linear(6, 6), Divide(), nn.Linear(6, 3))     # scale all ones
