@@ -87,7 +87,11 @@ def test_plots_render_to_png(tmp_path):
 
 
 def test_open_run_refuses_what_is_not_a_store(tmp_path):
+    (tmp_path / "empty").mkdir()                 # where a run may begin: none yet
+    with pytest.raises(FileNotFoundError, match="no run at .* yet: the folder is empty"):
+        open_run(tmp_path / "empty")
     (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("mine")
     with pytest.raises(RecorderError, match="not a"):
         open_run(tmp_path / "plain")
     with pytest.raises(FileNotFoundError, match="no run"):

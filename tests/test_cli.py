@@ -130,6 +130,7 @@ def test_version():
 ])
 def test_user_errors_are_one_line_exit_2(runs, tmp_path, args, needle):
     os.makedirs(tmp_path / "plain", exist_ok=True)
+    (tmp_path / "plain" / "notes.txt").write_text("not a run")
     args = [runs["stable"] if a == "STABLE" else str(tmp_path / "plain") if a == "NOTASTORE"
             else a.replace("OUT", str(tmp_path)) for a in args]
     r = invoke(*args)
