@@ -11,6 +11,7 @@ import json
 import math
 import os
 import stat
+import time
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from recorder.errors import StoreFormatError, StoreNotFoundError
 __all__ = ["open_source", "ZarrSource", "H5Source"]
 
 JSON_ATTR = "tensortape_json"
+RETRIES = 3               # reads again of a chunk that fails (a shard replaced mid-read)
 
 
 class Guarded:
@@ -43,14 +45,21 @@ class Guarded:
         return _reopen, (self._location, self._where)
 
     def __getitem__(self, key):
-        try:
-            return self._array[key]
-        except StoreFormatError:
-            raise                        # a chunk refused before it was read
-        except Exception as e:
-            raise StoreFormatError(f"{self._where}: a chunk cannot be read ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0] if str(e) else ''}); the store is "
-                                   f"damaged") from e
+        for attempt in range(RETRIES + 1):
+            try:
+                return self._array[key]
+            except StoreFormatError:
+                raise                        # a chunk refused before it was read
+            except Exception as e:
+                error = e
+                # a live run: a shard is read in two moves (its index, then its chunks),
+                # and the writer may replace it between them; the chunks' checksums
+                # catch that, and the read again sees the new shard whole
+                if attempt < RETRIES:
+                    time.sleep(0.05 * (attempt + 1))
+        raise StoreFormatError(f"{self._where}: a chunk cannot be read ({type(error).__name__}: "
+                               f"{str(error).splitlines()[0] if str(error) else ''}); the store "
+                               f"is damaged") from error
 
 
 _opened: dict = {}                        # this process's sources, by location (workers)

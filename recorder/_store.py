@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import zarr
 from numcodecs import Zstd
-from zarr.codecs import ZstdCodec
+from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from . import format as fmt
 from .errors import ConfigError, StoreExistsError, StoreFormatError, StoreNotFoundError
@@ -320,9 +320,12 @@ def _array(group: zarr.Group, name: str, shape, chunks, dtype, fill, dims, attrs
            level: int | None = 1, shards=None) -> zarr.Array:
     """A new array, zstd-compressed at ``level`` (``None``: uncompressed), its
     chunks packed into ``shards`` when given."""
+    compressors = [] if level is None else [ZstdCodec(level=level)]
+    if shards:              # a shard is read in two moves: a checksum per chunk catches a
+        compressors.append(Crc32cCodec())     # shard the writer replaced between them
     return group.create_array(
         name, shape=shape, chunks=chunks, shards=shards, dtype=dtype, fill_value=fill,
-        dimension_names=dims, compressors=None if level is None else ZstdCodec(level=level),
+        dimension_names=dims, compressors=compressors or None,
         attributes=attrs or {}, overwrite=True, config={"write_empty_chunks": True})
 
 

@@ -132,3 +132,36 @@ def test_a_ranks_files_grow_with_steps_over_256_not_with_arrays(tmp_path):
     ds = run.stats("gradients").compute()
     assert ds.sizes == {"step": steps, "layer": layers}
     assert (ds["count"] == 8).all()
+
+
+def test_a_shard_replaced_while_it_is_read_is_read_again(tmp_path, monkeypatch):
+    """A live run: a reader takes a shard's index, the writer replaces the shard, the
+    reader takes chunks at the old offsets.  The chunks' checksums catch it and the
+    read is made again (here the first chunk read returns the wrong bytes)."""
+    import zarr
+
+    from analysis import _source
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    path = str(tmp_path / "run.zarr")
+    with Recorder(m, path, tensors_every=None) as rec:
+        for i in range(5):
+            with rec.step(i):
+                m(torch.randn(3, 4)).sum().backward()
+    want = open_run(path).stats().compute()
+    real, spoiled = zarr.storage.LocalStore.get, []
+
+    async def get(self, key, prototype=None, byte_range=None):
+        got = await real(self, key, prototype, byte_range)
+        if "/stats/c/" in key and byte_range is not None and not spoiled and got is not None:
+            spoiled.append(key)                # the bytes of another shard at these offsets
+            raw = bytes(got.to_bytes())
+            return got.from_bytes(bytes(b ^ 0x5A for b in raw))
+        return got
+    monkeypatch.setattr(zarr.storage.LocalStore, "get", get)
+    got = open_run(path).stats().compute()
+    assert spoiled and got.identical(want)
+    spoiled.clear()
+    monkeypatch.setattr(_source, "RETRIES", 0)             # without reading again: refused
+    with pytest.raises(Exception, match="cannot be read"):
+        open_run(path).stats().compute()
