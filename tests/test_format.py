@@ -1,12 +1,14 @@
 """Store format 3, and the older formats it replaces.
 
-``tests/data/format2.zarr`` was recorded by tensortape's format-2 writer (the
-commit before format 3): an MLP's layers 0 and 2, five steps of two
-micro-batches each, full tensors every second step, a NaN fed at step 3.
-``format2_activations.npz`` holds what plain forward hooks saw then (the
-oracle).  The tests check that the old store still reads true, that
-``tensortape migrate`` keeps every number, and that a format-3 rank's files
-grow with steps / 256, not with arrays x steps.
+The older stores are generated here, not committed: an MLP's layers 0 and 2 are
+recorded for five steps of two micro-batches each (full tensors every second
+step, a NaN fed at step 3), and ``old_format`` rewrites that store in the
+layout formats 2 and 1 had, as the format-2 writer wrote it: an array per
+statistic in chunks of 256 steps x 64 layers, unsharded int64 histograms in
+chunks of 16 steps x 8 layers, and (format 1) no ``micro`` column.  What plain
+forward hooks saw is the oracle.  The tests check that old stores still read
+true, that ``tensortape migrate`` keeps every number, and that a format-3
+rank's files grow with steps / 256, not with arrays x steps.
 """
 import os
 import shutil
@@ -14,8 +16,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import zarr
 from click.testing import CliRunner
 from torch import nn
+from zarr.codecs import ZstdCodec
 
 from analysis import open_run
 from cli import cli
@@ -23,14 +27,59 @@ from oracle import STATS, histogram, statistics
 from recorder import ConfigError, Recorder
 from recorder import format as fmt
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-OLD = os.path.join(DATA, "format2.zarr")
+
+def old_format(src: str, dst: str, version: int) -> str:
+    """A copy of the format-3 store ``src`` in format ``version`` (2 or 1)."""
+    shutil.copytree(src, dst)
+    root = zarr.open_group(dst, mode="r+")
+
+    def array(g, name, data, chunks, fill, dims):
+        g.create_array(name, shape=data.shape, chunks=chunks, dtype=data.dtype, fill_value=fill,
+                       dimension_names=dims, compressors=ZstdCodec(level=1), overwrite=True,
+                       config={"write_empty_chunks": True})[...] = data
+    for kind in root["rank0/stats"].group_keys():
+        g = root[f"rank0/stats/{kind}"]
+        packed, hist = g["stats"][...], g["hist"][...]
+        del g["stats"]
+        for j, s in enumerate(g.attrs["stats"]):
+            array(g, s, packed[:, :, j], (256, 64), np.nan, ["step", "layer"])
+        array(g, "hist", hist, (16, 8, fmt.NBINS), 0, ["step", "layer", "bin"])
+    if version == 1:
+        for kind in root["rank0/tensors"].group_keys():
+            for node in root[f"rank0/tensors/{kind}"].group_keys():
+                del root[f"rank0/tensors/{kind}/{node}/micro"]
+    root.update_attributes({"tensortape_format": version})
+    return dst
 
 
-@pytest.fixture
-def seen():
-    npz = np.load(os.path.join(DATA, "format2_activations.npz"))
-    return {tuple(k.split("_")): npz[k] for k in npz.files}      # (layer, step) -> (micro, ...)
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """The format-3 recording and what plain hooks saw: (layer, step) -> (micro, ...)."""
+    path = str(tmp_path_factory.mktemp("old") / "run.zarr")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    seen, at = {}, {}
+    for name in ("0", "2"):
+        m.get_submodule(name).register_forward_hook(
+            lambda mod, a, o, name=name: seen.setdefault((name, at["step"]), []).append(
+                o.detach().numpy().copy()))
+    with Recorder(m, path, layers=["0", "2"], tensors_every=2) as rec:
+        for step in range(5):
+            at["step"] = step
+            with rec.step(step):
+                for k in range(2):                      # two micro-batches
+                    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + k))
+                    if step == 3 and k == 1:
+                        x[0, 1] = float("nan")
+                    m(x).sum().backward()
+    return path, {k: np.stack(v) for k, v in seen.items()}
+
+
+@pytest.fixture(params=[2, 1])
+def old(recorded, tmp_path, request):
+    """(the old store, the hooks' tensors)."""
+    path, seen = recorded
+    return old_format(path, str(tmp_path / f"format{request.param}.zarr"), request.param), seen
 
 
 def same(got, want):
@@ -40,19 +89,23 @@ def same(got, want):
         assert got == pytest.approx(want, rel=1e-12, abs=1e-300)
 
 
-def check_against_hooks(run, seen):
+def check_against_hooks(run, seen, micro=True):
     """The statistics, histograms, full tensors and events of the old recording
-    against the plain hooks' tensors."""
+    against the plain hooks' tensors (``micro``: its tables have a micro column)."""
     assert run.layers == ["0", "2"]
     ds = run.stats().compute()
     for (layer, step), parts in seen.items():
+        step = str(step)
         want = statistics([torch.from_numpy(p) for p in parts])
         for s in STATS:
             same(float(ds[s].sel(step=int(step), layer=layer)), want[s])
         np.testing.assert_array_equal(
             run.histogram(layer, step=int(step)).values,
             histogram(np.concatenate([p.reshape(-1) for p in parts]).astype(np.float64)))
-        if int(step) % 2 == 0:
+        if int(step) % 2 == 0 and not micro:
+            # format 1 has no micro column: every row is micro-batch 0, the last one read
+            np.testing.assert_array_equal(run.tensor(layer, step=int(step)).values, parts[-1])
+        elif int(step) % 2 == 0:
             for k, part in enumerate(parts):
                 np.testing.assert_array_equal(run.tensor(layer, step=int(step), micro=k).values,
                                               part)
@@ -60,13 +113,16 @@ def check_against_hooks(run, seen):
     assert (first.step, first.layer, first.kind, first.micro) == (3, "0", "activations", 1)
 
 
-def test_a_format2_store_still_reads_true(seen):
-    run = open_run(OLD)
-    assert run.attrs["tensortape_format"] == 2
-    check_against_hooks(run, seen)
+def test_an_old_store_still_reads_true(old):
+    path, seen = old
+    run = open_run(path)
+    assert run.attrs["tensortape_format"] in (1, 2)
+    assert not os.path.exists(os.path.join(path, "rank0/stats/activations/stats"))
+    check_against_hooks(run, seen, micro=run.attrs["tensortape_format"] == 2)
 
 
-def test_migrate_keeps_every_number_and_the_old_store(tmp_path, seen):
+def test_migrate_keeps_every_number_and_the_old_store(tmp_path, old):
+    OLD, seen = old
     before = sorted(os.path.relpath(os.path.join(d, f), OLD)
                     for d, _, files in os.walk(OLD) for f in files)
     new = str(tmp_path / "new.zarr")
@@ -75,7 +131,7 @@ def test_migrate_keeps_every_number_and_the_old_store(tmp_path, seen):
     old_run, run = open_run(OLD), open_run(new)
     assert run.attrs["tensortape_format"] == fmt.FORMAT_VERSION == 3
     assert os.path.exists(os.path.join(new, "rank0/stats/activations/stats/zarr.json"))
-    check_against_hooks(run, seen)
+    check_against_hooks(run, seen, micro=old_run.attrs["tensortape_format"] == 2)
     for kind in old_run.kinds:
         assert run.stats(kind).compute().identical(old_run.stats(kind).compute())
         for layer in old_run.layers:
@@ -89,9 +145,8 @@ def test_migrate_keeps_every_number_and_the_old_store(tmp_path, seen):
     assert again.exit_code == 2 and "exists" in again.output
 
 
-def test_appending_needs_the_current_format(tmp_path):
-    old = str(tmp_path / "old.zarr")
-    shutil.copytree(OLD, old)
+def test_appending_needs_the_current_format(tmp_path, old):
+    old, _ = old
     m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     with pytest.raises(ConfigError, match="tensortape migrate"):
         Recorder(m, old, layers=["0", "2"], mode="a").attach()
