@@ -58,8 +58,8 @@ class RecorderConfig:
     def build(cls, *, capture=("activations", "gradients"), tensors_every=1, stats_every=1,
               ring=0, on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
               flush_interval=5.0, max_pending_bytes=1 << 30, max_device_bytes=1 << 30,
-              max_pinned_bytes=2 << 30, max_replay_bytes=1 << 30, compression="auto", outside_step="warn", max_bytes=None,
-              on_error="warn") -> "RecorderConfig":
+              max_pinned_bytes=2 << 30, max_replay_bytes=1 << 30, compression="auto",
+              outside_step="warn", max_bytes=None, on_error="warn") -> "RecorderConfig":
         if isinstance(capture, str):
             capture = (capture,)
         capture = tuple(capture)

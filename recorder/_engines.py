@@ -49,8 +49,6 @@ SMALL = 1 << 13                # elements below which a tensor waits for the ste
 _PARALLEL_MIN = 1 << 18        # elements from which CPU work is split across threads
 
 _told = False
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -73,16 +71,6 @@ def _told_after(seconds: float, message: str):
         yield
     finally:
         timer.cancel()
-
-
-def _compiler() -> concurrent.futures.ThreadPoolExecutor:
-    """The one background thread that compiles Triton kernels before they are
-    needed (Triton's compiler, unlike ``torch.compile``, sets no process-wide flag)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensortape-compile")
-    return _pool
 
 
 class Engine:
@@ -331,8 +319,8 @@ class Engines:
         return chain
 
     def warm(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Start compiling, in the background, what a tensor of ``dtype`` on
-        ``device`` will take."""
+        """Prepare every engine a tensor of ``dtype`` on ``device`` may take
+        (``Engine.warm``)."""
         for engine in self.chain(device.type):
             engine.warm(dtype, device)
 

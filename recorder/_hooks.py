@@ -68,6 +68,7 @@ class HookSet:
         self._modules = [(n, table[n]) for n in names]
         self._kinds = set(kinds)
         self._sink = sink
+        self._keeper = getattr(sink, "keeper", None)          # on_nonfinite="replay"
         self._handles: list = []
         self._calls: dict[tuple[str, str], int] = {}          # calls in this forward pass
         self._weighed: set[str] = set()                       # weights captured this step
@@ -94,7 +95,7 @@ class HookSet:
                     _PreHook(self.id, name, pre), with_kwargs=True))
             if post:
                 self._handles.append(module.register_forward_hook(_PostHook(self.id, name, post)))
-        if getattr(self._sink, "keeper", None) is not None:     # on_nonfinite="replay"
+        if self._keeper is not None:
             for name, module in self._modules:
                 self._handles.append(module.register_forward_pre_hook(
                     _KeepHook(self.id, name, frozenset(), True), with_kwargs=True))
@@ -175,9 +176,9 @@ class HookSet:
                 k = self._calls.get(("keep", module), 0)
                 self._calls[("keep", module)] = k + 1
                 name = self._label(module) + (f"#{k}" if k else "")
-                self._sink.keeper.enter(module, name, self._sink.micro, mod, args, kwargs)
+                self._keeper.enter(module, name, self._sink.micro, mod, args, kwargs)
             else:
-                self._sink.keeper.leave(module, output)
+                self._keeper.leave(module, output)
         except Exception as e:
             self._sink.fault(e, "replay inputs", self._label(module))
 
@@ -194,9 +195,8 @@ class HookSet:
             found = (_STALE, "an output of an earlier step", 0) if serial > 0 else (None, "?", 0)
         token, name, micro = found
         try:
-            keeper = getattr(self._sink, "keeper", None)
-            if keeper is not None and token is self._sink.current_token():
-                keeper.grad(serial, g)
+            if self._keeper is not None and token is self._sink.current_token():
+                self._keeper.grad(serial, g)
             self._sink.add("gradients", name, g, token, micro)
         except _POLICY:
             raise
@@ -224,9 +224,8 @@ class HookSet:
             return -1
         self._serial += 1
         self._serials[self._serial] = (token, name, micro)
-        keeper = getattr(self._sink, "keeper", None)
-        if keeper is not None:                  # on_nonfinite="replay": its gradient is kept
-            keeper.bind(module, path, self._serial)
+        if self._keeper is not None:            # on_nonfinite="replay": its gradient is kept
+            self._keeper.bind(module, path, self._serial)
         return self._serial
 
 

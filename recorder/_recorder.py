@@ -111,8 +111,8 @@ class Recorder:
     on_nonfinite: ``"record"`` (an event), ``"dump"`` (also store the ring and
         the current step's full tensors), ``"raise"`` (dump, then raise
         ``NonFiniteError`` at the step's end), ``"replay"`` (dump, and name the
-        aten op and the line that made the step's first NaN/Inf in forward:
-        docs/GUIDE.md).
+        aten op and the line that made the run's first NaN/Inf, in forward or
+        backward: docs/GUIDE.md).
     max_samples: full tensors keep only their first k entries along dim 0.
     tensor_dtype: storage dtype of full tensors (``None``: their own).
     mode: ``"w-"`` (refuse an existing run), ``"w"`` (replace a tensortape run;
@@ -159,8 +159,8 @@ class Recorder:
             on_nonfinite=on_nonfinite, max_samples=max_samples, tensor_dtype=tensor_dtype,
             mode=mode, flush_interval=flush_interval, max_pending_bytes=max_pending_bytes,
             max_device_bytes=max_device_bytes, max_pinned_bytes=max_pinned_bytes,
-            max_replay_bytes=max_replay_bytes, compression=compression, outside_step=outside_step, max_bytes=max_bytes,
-            on_error=on_error)
+            max_replay_bytes=max_replay_bytes, compression=compression,
+            outside_step=outside_step, max_bytes=max_bytes, on_error=on_error)
         self.metadata = fmt.to_json(metadata or {})
         self.store_location = os.fspath(store)
         self.layers = select_layers(model, layers)
@@ -341,28 +341,12 @@ class Recorder:
             if not events:
                 return
             buffer.keeper.done = True           # the run's first NaN/Inf: the one replayed
-            if events[0].phase == "forward":
-                call = _replay.find(calls)
-                found = None if call is None else _replay.replay(call, self.pause)
-            else:
-                hit = _replay.find_backward(calls, self.pause)
-                call, found = hit if hit is not None else (None, None)
-            if found is None:               # say so: the user knows where to look next
-                found = {"op": None, "phase": events[0].phase, "note": (
-                    "no recorded module made it from finite inputs" + (
-                        "" if events[0].phase == "forward" else " and output gradients") +
-                    ": it was made between recorded modules, or outside the model; record "
-                    "more of them (layers='*')")}
-                call = None
-            if call is not None and found.get("op"):       # the bundle, for run.replay(model)
-                attrs, arrays = _replay.bundle(call)
+            i, found, call = _replay.investigate(calls, events, self.pause)
+            if call is not None:                # the bundle, for run.replay(model)
                 path = fmt.replay_group(self.rank, record.step)
+                attrs, arrays = _replay.bundle(call)
                 record.bundle = (path, {**attrs, "phase": found["phase"]}, arrays)
                 found = {**found, "bundle": path}
-            mine = [] if call is None else [
-                i for i, e in enumerate(events) if e.phase == "forward" and e.micro == call.micro
-                and (e.layer == call.name or e.layer.startswith(call.name + "."))]
-            i = mine[0] if mine and events[0].phase == "forward" else 0
             events[i] = dataclasses.replace(events[i], replay=found)
         except Exception as e:                  # the guard: a failed replay is counted
             buffer.fault(e, "replay", "(the step's producer)")

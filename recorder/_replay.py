@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ._naming import leaves
 
-__all__ = ["Keeper", "bundle", "find", "find_backward", "from_bundle", "replay"]
+__all__ = ["Keeper", "bundle", "from_bundle", "investigate", "replay"]
 
 REPLAY_CAP = "replay inputs past max_replay_bytes"
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -172,6 +172,29 @@ def find_backward(calls: list[Call], paused) -> tuple[Call, dict] | None:
         if found.get("op"):
             return call, found
     return None
+
+
+def investigate(calls: list[Call], events: list, paused) -> tuple[int, dict, Call | None]:
+    """A step's calls and its (ordered) non-finite events -> which event carries
+    the answer, the answer, and the producer call when an op was named (else
+    None).  Forward when the step's first event is, else backward."""
+    first = events[0]
+    if first.phase == "forward":
+        call = find(calls)
+        found = None if call is None else replay(call, paused)
+    else:
+        call, found = find_backward(calls, paused) or (None, None)
+    if found is None:                   # say so: the user knows where to look next
+        found = {"op": None, "phase": first.phase, "note": (
+            "no recorded module made it from finite inputs"
+            + ("" if first.phase == "forward" else " and output gradients")
+            + ": it was made between recorded modules, or outside the model; record more of "
+              "them (layers='*')")}
+    if call is None or not found.get("op"):
+        return 0, found, None
+    mine = [i for i, e in enumerate(events) if e.phase == "forward" and e.micro == call.micro
+            and (e.layer == call.name or e.layer.startswith(call.name + "."))]
+    return (mine[0] if mine and first.phase == "forward" else 0), found, call
 
 
 class _Found(Exception):

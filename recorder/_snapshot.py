@@ -105,6 +105,9 @@ class Stager:
         self.device_bytes = 0
         self.pinned_bytes = 0                 # every slot the pool holds, free or in use
         self._free: dict[int, list[torch.Tensor]] = {}
+        # slots given back, taken into the pool under the lock; a deque, so that giving
+        # one back never takes the lock (a snapshot's finaliser may run inside ``take``)
+        self._returned: collections.deque = collections.deque()
 
     def take(self, t: torch.Tensor, max_samples: int | None,
              dtype: torch.dtype | None) -> "Snapshot | str":
@@ -130,7 +133,13 @@ class Stager:
             self.device_bytes += nbytes
         host = slot[:nbytes].view(t.dtype).view(t.shape) if nbytes else \
             torch.empty(t.shape, dtype=t.dtype)
-        event = copies.start(t, host)
+        try:
+            event = copies.start(t, host)
+        except BaseException:                  # nothing in flight: the bytes are free again
+            with self._lock:
+                self.device_bytes -= nbytes
+            self.give_back(slot)
+            raise
         with self._lock:
             self._flight.append((copies, event, nbytes))
         return Snapshot(host, copies, event, self, slot)
@@ -141,6 +150,7 @@ class Stager:
         copies = COPIES["cuda"]
         nbytes = flat.numel() * flat.element_size()
         with self._lock:
+            self._reclaim()
             slot = self._slot(copies, nbytes)
         own = slot if slot is not None else copies.pinned(max(nbytes, 1))
         host = own[:nbytes].view(flat.dtype)
@@ -150,7 +160,14 @@ class Stager:
         return Snapshot(host, copies, event, self if slot is not None else None, slot)
 
     def _reclaim(self) -> None:
-        """Forget the copies that are done (their clones' memory is free again)."""
+        """Forget the copies that are done (their clones' memory is free again), and
+        take the slots given back into the pool (lock held)."""
+        while self._returned:
+            slot, reusable = self._returned.popleft()
+            if reusable:
+                self._free.setdefault(slot.numel(), []).append(slot)
+            else:
+                self.pinned_bytes -= slot.numel()
         while self._flight and self._flight[0][0].done(self._flight[0][1]):
             _, _, n = self._flight.popleft()
             self.device_bytes -= n
@@ -173,12 +190,9 @@ class Stager:
 
     def give_back(self, slot: torch.Tensor, reusable: bool = True) -> None:
         """A slot the writer is done with; one whose copy may still be landing is
-        not reused (torch frees it after the copy) and leaves the pool."""
-        with self._lock:
-            if reusable:
-                self._free.setdefault(slot.numel(), []).append(slot)
-            else:
-                self.pinned_bytes -= slot.numel()
+        not reused (torch frees it after the copy) and leaves the pool.  It never
+        waits for the lock: the pool takes it in at its next use."""
+        self._returned.append((slot, reusable))
 
 
 class Snapshot:

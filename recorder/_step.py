@@ -235,9 +235,10 @@ class StepBuffer:
         self._engine_tensor: torch.Tensor | None = None     # the tensor an engine works on
 
     def warm(self, model: torch.nn.Module) -> None:
-        """Start compiling the statistics kernels, in the background, for the
-        float dtypes and devices of the model's parameters and buffers (the
-        first captures of any other dtype start theirs)."""
+        """Prepare the statistics engines for the float dtypes and devices of the
+        model's parameters and buffers (``Engine.warm``: on CUDA the Triton kernel
+        compiles in the background; the first capture of any other dtype
+        prepares its own)."""
         try:
             seen = {(t.dtype, t.device) for t in (*model.parameters(), *model.buffers())
                     if t.is_floating_point() and t.device.type != "meta"}

@@ -26,6 +26,7 @@ tensors (batched, ``reduce_many``).  Triton runs on CPU tensors too under
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 
@@ -34,10 +35,24 @@ import triton
 import triton.language as tl
 
 from . import format as fmt
-from ._engines import DeviceEngine, _compiler
+from ._engines import DeviceEngine
 from ._summary import exp_bits_of, memory_order, widened
 
 __all__ = ["TritonEngine"]
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _compiler() -> concurrent.futures.ThreadPoolExecutor:
+    """The one background thread that compiles the Triton kernel before it is
+    needed (Triton's compiler, unlike ``torch.compile``, sets no process-wide flag)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensortape-compile")
+    return _pool
+
 
 _RAW = fmt.raw_codes(8)                 # float32 codes (16-bit floats are coded as float32)
 _WIDTH = fmt.code_width(8)

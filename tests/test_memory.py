@@ -171,3 +171,21 @@ def test_the_ring_lives_in_host_memory_and_dumps_bit_exact(device, tmp_path):
     step_bytes = sum(v.numel() * v.element_size() for (_, s), v in seen.items() if s == 0)
     assert device.pinned_made <= 2 * step_bytes
     assert "MainThread" not in device.waited_on
+
+
+def test_a_snapshot_freed_while_the_pool_allocates_never_deadlocks(device):
+    """A snapshot's finaliser gives its slot back; it may run inside ``take`` (any
+    allocation can free the last reference), while the pool's lock is held."""
+    stager = _snapshot.Stager(1 << 20, 1 << 20)
+    held = [stager.take(torch.ones(1000), None, None)]       # a 4 KiB slot
+    held[0].host()
+    real = device.pinned
+
+    def pinned(nbytes):
+        held.clear()                                         # its finaliser runs here
+        return real(nbytes)
+    device.pinned = pinned
+    t = threading.Thread(target=stager.take, args=(torch.ones(5000), None, None), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "take() deadlocked on a slot given back inside it"
