@@ -377,9 +377,8 @@ def plot(run, layer, kind, plot_type, stat, step, steps, density, output):
 def _say_replay(found: dict) -> None:
     """What ``on_nonfinite="replay"`` found: the op, its line and its inputs."""
     if not found.get("op"):
-        module = found.get("module")
-        click.echo(f"replay{f' of {module or chr(34) * 2}' if 'module' in found else ''}: "
-                   f"{found.get('note')}")
+        of = f" of {found['module'] or '(root)'}" if "module" in found else ""
+        click.echo(f"replay{of}: {found.get('note')}")
         return
     where = f"{found.get('module') or '(root)'} ({found.get('module_class')})"
     if found.get("phase") == "backward":
@@ -419,10 +418,10 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank):
     metric at its worst step. Runs that share no layer of KIND: exit 2."""
     from analysis import compare_runs, first_divergence, plot_comparison
     from analysis._compare import summarize
-    from analysis._compare import _runs
-    a, b = _runs(_open(run_a), _open(run_b), rank)
-    ds = compare_runs(a, b, kind=kind, layers=pattern, progress=_progress("comparing tensors"))
-    first = first_divergence(a, b, rtol=rtol, kinds=[kind], layers=pattern)
+    a, b = _open(run_a), _open(run_b)
+    ds = compare_runs(a, b, kind=kind, layers=pattern, progress=_progress("comparing tensors"),
+                      rank=rank)
+    first = first_divergence(a, b, rtol=rtol, kinds=[kind], layers=pattern, rank=rank)
     table = summarize(ds)
     stats_steps = [int(x) for x in ds.step.values]
     by = None
@@ -460,8 +459,8 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank):
         click.echo(frame.to_string(float_format=lambda v: f"{v:.4g}"))
     if output:
         layer = first[1] if first else str(ds.layer.values[0])
-        plot_comparison(a, b, layer, kind=kind, rtol=rtol, ds=ds, first=first).savefig(output,
-                                                                                 dpi=120)
+        plot_comparison(a, b, layer, kind=kind, rtol=rtol, ds=ds, first=first,
+                        rank=rank).savefig(output, dpi=120)
         if fmt != "json":
             click.echo(output)
     sys.exit(0 if first is None else 1)

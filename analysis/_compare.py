@@ -81,8 +81,9 @@ def _runs(a, b, rank: int | None) -> tuple[Run, Run]:
     """The two runs, each narrowed to one rank: ``rank``, or each run's first."""
     out = []
     for r in (open_run(a), open_run(b)):
-        out.append(r.only(rank if rank is not None else r.ranks[0]) if len(r.ranks) > 1
-                   or rank is not None else r)
+        if rank is not None or len(r.ranks) > 1:
+            r = r.only(r.ranks[0] if rank is None else rank)
+        out.append(r)
     return out[0], out[1]
 
 

@@ -1,5 +1,5 @@
-"""Convert a store of an older format (1 or 2, or an HDF5 export of one) to the
-current one: ``tensortape migrate OLD NEW``.
+"""Convert a Zarr store of an older format (1 or 2) to the current one:
+``tensortape migrate OLD NEW``.
 
 Every committed row is copied as it is (a step recorded twice stays twice), so
 the ranks' commit counters stay true: statistics into the packed array and the

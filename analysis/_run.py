@@ -336,13 +336,6 @@ class Run:
         rows = fmt.latest_rows(steps)
         return path, rows, steps[rows]
 
-    @staticmethod
-    def _take(arr, rows: np.ndarray):
-        """``arr[rows]`` along the step axis, as a slice where the rows are one."""
-        if len(rows) and np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
-            return arr[rows[0]: rows[0] + len(rows)]
-        return arr[rows]
-
     def _stats_layers(self, kind: str, rank: int) -> list[str]:
         return list(self._states[rank].stats_layers.get(kind, []))
 
@@ -480,7 +473,7 @@ class Run:
             raise ConfigError(f"no full {kind} tensor of {layer!r} has micro-batch {m}; "
                               f"micro-batches recorded: {sorted(set(micros.tolist()))}")
         steps, extent = steps[rows], np.asarray(self.source.array(path + "/extent")[:n])[rows]
-        data = self._take(self._lazy(path + "/data")[:n], rows)
+        data = self._lazy(path + "/data")[:n][_as_slice(rows)]
         logical = dict(self.source.array(path + "/data").attrs).get(fmt.LOGICAL_ATTR)
         if logical in fmt.BITS_DTYPES:
             data = data.map_blocks(fmt.decode_bits, logical, dtype=np.float32)

@@ -385,3 +385,20 @@ def test_the_bundle_brings_the_recorded_parameters(tmp_path):
     again = run.replay(fresh)
     assert again["op"] == live["op"] and again["source"] == live["source"]
     assert fresh[1].scale[2].item() == 0.0                  # the recorded parameters, loaded
+
+
+class Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+
+
+def test_a_nan_made_between_recorded_modules_is_said_so(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 6), Log(), nn.Linear(6, 3))     # log of negatives
+    path = str(tmp_path / "run.zarr")
+    with Recorder(m, path, layers=["0", "2"], on_nonfinite="replay", tensors_every=None) as rec:
+        train(m, 1, batch6, rec)
+    r = open_run(path).first_nonfinite().replay
+    assert r["op"] is None and "between recorded modules" in r["note"] and "bundle" not in r
+    out = CliRunner().invoke(cli, ["nan", path])
+    assert out.exit_code == 1 and "replay: no recorded module made it" in out.output
