@@ -43,10 +43,11 @@ def _rows(rng, layers: int, nbins: int, base: np.ndarray, step: int) -> np.ndarr
     return hist
 
 
-def write_rank(loc: str, rank: int, steps: int, layers: int, out: mp.Queue) -> None:
+def write_rank(loc: str, rank: int, steps: int, layers: int, nan_rank: int,
+               out: mp.Queue) -> None:
     from recorder import format as fmt
     from recorder._store import RunStore, open_root
-    root = open_root(loc, "a" if rank else "a", rank)
+    root = open_root(loc, "a", rank)
     store = RunStore(root, rank, "auto")
     state = fmt.RankState(rank=rank)
     names = [f"layers.{i}.mlp" for i in range(layers)]
@@ -71,11 +72,9 @@ def write_rank(loc: str, rank: int, steps: int, layers: int, out: mp.Queue) -> N
                 n = store.append_tensor("activations", name, step, 0, host, state.committed.get(p, 0))
                 state.bytes_raw += n
         state.last_step = step
-        if (rank == R_NAN[0] and step == steps // 2) or step == steps // 2 + 1:
+        if (rank == nan_rank and step == steps // 2) or step == steps // 2 + 1:
             state.events.append(fmt.NonFiniteEvent(step, names[7], "activations", 3, 0, 0,
-                                                   order=7, rank=rank) if "rank" in
-                                fmt.NonFiniteEvent.__dataclass_fields__ else
-                                fmt.NonFiniteEvent(step, names[7], "activations", 3, 0, 0, order=7))
+                                                   order=7))
             state.events_total += 1
         if step % 50 == 49 or step == steps - 1:
             state.committed.update(store.flush())
@@ -83,9 +82,6 @@ def write_rank(loc: str, rank: int, steps: int, layers: int, out: mp.Queue) -> N
         spent += time.perf_counter() - t0
     store.close()
     out.put((rank, spent / steps))
-
-
-R_NAN = [0]
 
 
 def main():
@@ -100,13 +96,13 @@ def main():
     tmp = args.out or tempfile.mkdtemp(prefix="tt-scale-")
     loc = os.path.join(tmp, "run.zarr")
     shutil.rmtree(loc, ignore_errors=True)
-    R_NAN[0] = args.ranks // 2
     open_root(loc, "w", 0, attributes={"tensortape_format": fmt.FORMAT_VERSION,
                                        "status": "complete", "layers": [], "events": []})
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     t0 = time.perf_counter()
-    procs = [ctx.Process(target=write_rank, args=(loc, r, args.steps, args.layers, q))
+    procs = [ctx.Process(target=write_rank,
+                         args=(loc, r, args.steps, args.layers, args.ranks // 2, q))
              for r in range(args.ranks)]
     for p in procs:
         p.start()
