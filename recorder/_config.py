@@ -53,13 +53,15 @@ class RecorderConfig:
     outside_step: str = "warn"
     max_bytes: int | None = None
     on_error: str = "warn"
+    close_timeout: float = 60.0
 
     @classmethod
     def build(cls, *, capture=("activations", "gradients"), tensors_every=1, stats_every=1,
               ring=0, on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
               flush_interval=5.0, max_pending_bytes=1 << 30, max_device_bytes=1 << 30,
               max_pinned_bytes=2 << 30, max_replay_bytes=1 << 30, compression="auto",
-              outside_step="warn", max_bytes=None, on_error="warn") -> "RecorderConfig":
+              outside_step="warn", max_bytes=None, on_error="warn",
+              close_timeout=60.0) -> "RecorderConfig":
         if isinstance(capture, str):
             capture = (capture,)
         capture = tuple(capture)
@@ -95,10 +97,13 @@ class RecorderConfig:
         _choice("outside_step", outside_step, OUTSIDE_POLICIES)
         _every("max_bytes", max_bytes, allow_none=True)
         _choice("on_error", on_error, ERROR_POLICIES)
+        if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) \
+                or not close_timeout > 0:
+            raise ConfigError(f"close_timeout={close_timeout!r} is not valid; use seconds > 0")
         return cls(capture, tensors_every, stats_every, ring, on_nonfinite, max_samples,
                    tensor_dtype, mode, float(flush_interval), max_pending_bytes,
                    max_device_bytes, max_pinned_bytes, max_replay_bytes, compression,
-                   outside_step, max_bytes, on_error)
+                   outside_step, max_bytes, on_error, float(close_timeout))
 
     def persists(self, step: int) -> bool:
         return self.tensors_every is not None and step % self.tensors_every == 0

@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import dataclasses
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -30,6 +31,7 @@ from ._config import RecorderConfig
 from ._hooks import HookSet
 from ._selection import select_layers, unwrap
 from ._step import StepBuffer
+from ._claim import Claim
 from ._store import RunStore, check_mode, open_root
 from ._writer import Writer
 from .errors import ConfigError, InspectionError, NonFiniteError
@@ -44,12 +46,27 @@ def _close_at_exit() -> None:
     """At interpreter exit, close every Recorder still open as ``interrupted``: a
     script that raised or was interrupted keeps every step it captured.  It runs
     among threading's exit calls, before thread pools (zarr's among them) refuse
-    new work."""
+    new work, and waits at most each Recorder's ``close_timeout``."""
     for rec in list(_open_recorders):
         try:
             rec.close(fmt.STATUS_INTERRUPTED)
-        except BaseException:        # never raise at exit
-            pass
+        except BaseException as e:   # never raise at exit; say it in one line
+            print(f"tensortape: closing {rec.store_location!r} at exit failed: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _forgotten(writer: Writer, hooks: HookSet, location: str) -> None:
+    """A Recorder collected without ``close()``: remove its hooks and ask its
+    writer to end the run ``interrupted``.  A finaliser may run in the middle of
+    any code, so this takes no lock and waits for nothing."""
+    hooks.detach()
+    writer.close_nowait()
+    try:
+        warnings.warn(f"tensortape: a Recorder of {location!r} was never closed; it is closed "
+                      f"now with status 'interrupted' (use `with Recorder(...)` or call close())",
+                      ResourceWarning, stacklevel=2)
+    except Exception:            # a filter that makes it an error: not from a finaliser
+        pass
 
 
 try:                                  # before concurrent.futures' own exit call (reversed order)
@@ -139,6 +156,10 @@ class Recorder:
         statistics in memory, count the full tensors not written in
         ``dropped``, train on) or ``"raise"`` (``RecorderError`` at the next
         step end, flush or close).
+    close_timeout: seconds ``close()`` (and interpreter exit) waits for the
+        writer to commit, and the longest the training thread waits on a writer
+        that makes no progress; past it the run is marked ``interrupted`` (or,
+        while training, captures are dropped and counted), never a hang.
 
     docs/GUIDE.md says how each behaves where it matters (micro-batches,
     compile, distributed runs, faults).
@@ -149,7 +170,8 @@ class Recorder:
                  on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
                  metadata=None, outside_step="warn", max_bytes=None, flush_interval=5.0,
                  max_pending_bytes=1 << 30, max_device_bytes=1 << 30, max_pinned_bytes=2 << 30,
-                 max_replay_bytes=1 << 30, compression="auto", on_error="warn"):
+                 max_replay_bytes=1 << 30, compression="auto", on_error="warn",
+                 close_timeout=60.0):
         if isinstance(model, torch.jit.ScriptModule):
             raise ConfigError(f"{type(model).__name__} is a TorchScript module, whose calls run no "
                               f"Python hooks; record the eager module instead, or compile it "
@@ -160,7 +182,8 @@ class Recorder:
             mode=mode, flush_interval=flush_interval, max_pending_bytes=max_pending_bytes,
             max_device_bytes=max_device_bytes, max_pinned_bytes=max_pinned_bytes,
             max_replay_bytes=max_replay_bytes, compression=compression,
-            outside_step=outside_step, max_bytes=max_bytes, on_error=on_error)
+            outside_step=outside_step, max_bytes=max_bytes, on_error=on_error,
+            close_timeout=close_timeout)
         self.metadata = fmt.to_json(metadata or {})
         self.store_location = os.fspath(store)
         self.layers = select_layers(model, layers)
@@ -171,6 +194,7 @@ class Recorder:
         self._writer: Writer | None = None
         self._buffer: StepBuffer | None = None
         self._closed = False
+        self._finalizer: weakref.finalize | None = None
         self._last_step: int | None = None           # the store's, for numbering steps
         self._own_last: int | None = None            # this Recorder's: steps must increase
         self._dropped_before = self._outside_before = 0
@@ -196,11 +220,14 @@ class Recorder:
                      config=cfg.to_json(), metadata=self.metadata,
                      created=datetime.now(timezone.utc).isoformat())
         if self.rank == 0:                        # applies the mode to the run as a whole
-            try:                                  # a new root is written whole, at once
-                root = open_root(self.store_location, cfg.mode,
+            try:                                  # claimed first; a new root written whole
+                self._claim = Claim.acquire(self.store_location, cfg.mode, 0, self._world)
+                root = open_root(self.store_location, cfg.mode, claim=self._claim,
                                  attributes=fmt.to_json(fmt.root_attrs(fmt.RankState(), fresh)))
             except Exception as e:
                 error = e
+                if getattr(self, "_claim", None) is not None:
+                    self._claim.release()
         _all_ranks_then(self._world, error)
         if root is None:
             root = open_root(self.store_location, cfg.mode, self.rank)
@@ -222,14 +249,20 @@ class Recorder:
         self._model = None
         self._hooks.attach()
         _open_recorders.add(self)
+        self._finalizer = weakref.finalize(self, _forgotten, self._writer, self._hooks,
+                                           self.store_location)
+        self._finalizer.atexit = False           # _close_at_exit closes it, bounded
         return self
 
     def close(self, status: str = fmt.STATUS_COMPLETE) -> None:
-        """End any open step, flush everything, and remove every hook. Idempotent."""
+        """End any open step, flush everything (within ``close_timeout``), and remove
+        every hook. Idempotent."""
         if self._closed:
             return
         self._closed = True
         _open_recorders.discard(self)
+        if self._finalizer is not None:
+            self._finalizer.detach()
         try:
             if self._buffer is not None and self._buffer.step is not None:
                 self._end_step(raise_nonfinite=False)
@@ -238,11 +271,15 @@ class Recorder:
             if self._hooks is not None:
                 self._hooks.detach()
             if self._writer is not None:
-                late = self._buffer.pending_record()
-                if late is not None:
-                    self._writer.put(late)
-                self._buffer.clear()
-                self._writer.close(status)
+                try:
+                    late = self._buffer.pending_record()
+                    if late is not None:
+                        self._writer.put(late)
+                finally:
+                    self._buffer.clear()
+                    self._writer.close(status)
+            if getattr(self, "_claim", None) is not None:    # after the writer's last commit
+                self._claim.release()
 
     def __enter__(self) -> "Recorder":
         return self.attach()
@@ -251,25 +288,13 @@ class Recorder:
         self.close(fmt.STATUS_INTERRUPTED if exc_type is not None else fmt.STATUS_COMPLETE)
         return False
 
-    def __del__(self):
-        if getattr(self, "_closed", True):
-            return
-        if getattr(self, "_writer", None) is None:
-            return
-        warnings.warn(f"tensortape: a Recorder of {self.store_location!r} was never closed; it is "
-                      f"closed now with status 'interrupted' (use `with Recorder(...)` or call "
-                      f"close())", ResourceWarning, stacklevel=2)
-        try:
-            self.close(fmt.STATUS_INTERRUPTED)
-        except Exception:       # never raise from a finaliser
-            pass
-
     @property
     def dropped(self) -> int:
         """Captures dropped so far in this run: late gradients, full tensors of a
         dtype the store cannot hold, captures that failed (the run's
         ``drop_reasons`` say which); the writer's own drops are counted in the store."""
-        return self._dropped_before + (self._buffer.drops_total if self._buffer else 0)
+        return (self._dropped_before + (self._buffer.drops_total if self._buffer else 0)
+                + (self._writer.lost_total if self._writer else 0))
 
     # --- steps ----------------------------------------------------------------
     def step(self, i: int | None = None) -> _StepScope:

@@ -11,11 +11,14 @@ writes into the rank group's attributes *after* the data.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import errno
 import json
 import math
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +48,14 @@ PAYS = 0.9                     # level 1 if it makes that sample at least 10% sm
 @dataclass(frozen=True)
 class Found:
     """What a store location holds: ``"missing"``, ``"empty"`` (a folder or prefix
-    with nothing in it), ``"run"`` (a tensortape store and nothing else: ``own``
-    lists its entries) or ``"other"`` (``detail`` says what)."""
+    with nothing in it but a claim or a killed start's temporary file), ``"run"`` (a
+    tensortape store and nothing else: ``own`` lists its entries) or ``"other"``
+    (``detail`` says what).  ``claimed``: a job's claim (``tensortape.lock``) is there,
+    live or not."""
     what: str
     detail: str = ""
     own: tuple[str, ...] = ()
+    claimed: bool = False
 
 
 def _shown(names: list[str]) -> str:
@@ -65,15 +71,16 @@ def _is_run(raw: bytes | None) -> bool:
 
 def _classify(entries: list[str], ours: set[str], root_json: bytes | None) -> Found:
     """A location's entries -> what it holds (``ours``: the entries tensortape may
-    have written: ``zarr.json`` and rank groups that are real folders)."""
-    if all(fmt.is_partial(e) for e in entries):     # nothing, or a root killed half-written
-        return Found("empty")
+    have written: ``zarr.json``, and rank groups and the claim that are real folders)."""
+    claimed = fmt.CLAIM_NAME in ours
+    if all(fmt.is_partial(e) or (e == fmt.CLAIM_NAME and claimed) for e in entries):
+        return Found("empty", claimed=claimed)      # nothing, or a start claimed or killed
     if not _is_run(root_json):
         return Found("other", f"holds files that are not a tensortape run ({_shown(entries)})")
     theirs = [e for e in entries if e not in ours]
     if theirs:
         return Found("other", f"holds a tensortape run with other files beside it ({_shown(theirs)})")
-    return Found("run", own=tuple(entries))
+    return Found("run", own=tuple(entries), claimed=claimed)
 
 
 def _look_local(path: str) -> Found:
@@ -129,10 +136,12 @@ def look(location) -> Found:
     return _look_url(location) if fmt.is_url(location) else _look_local(location)
 
 
-def check_mode(location, mode: str) -> Found:
+def check_mode(location, mode: str, claim=None) -> Found:
     """Raise now, before anything is created, if ``mode`` cannot apply to
     ``location``; else say what is there.  Only a tensortape run (and nothing
-    beside it) may be overwritten: tensortape never deletes what it did not write."""
+    beside it) may be overwritten: tensortape never deletes what it did not write,
+    and no mode touches a run that a live job has claimed (``_claim``; ``claim``:
+    this job's own, which is no obstacle)."""
     location = os.fspath(location)
     found = look(location)
     if found.what == "other":
@@ -142,6 +151,11 @@ def check_mode(location, mode: str) -> Found:
         raise StoreExistsError(f"{location!r} {found.detail}; tensortape will not delete or "
                                f"overwrite what it did not write: choose a new path for the run "
                                f"(a missing or empty folder)")
+    if found.claimed:
+        from ._claim import live_holder, refusal
+        holder = live_holder(location, ignore=getattr(claim, "token", ""))
+        if holder is not None:
+            raise StoreExistsError(refusal(location, mode, holder))
     if mode == "w-" and found.what == "run":
         raise StoreExistsError(f"store {location!r} already exists (a tensortape run); pass "
                                f"mode='w' to overwrite it or mode='a' to append further steps")
@@ -152,12 +166,17 @@ def check_mode(location, mode: str) -> Found:
 
 
 def _clear(location: str, entries: tuple[str, ...]) -> None:
-    """Delete a run's own entries (``mode="w"``), and nothing else."""
+    """Delete a run's own entries (``mode="w"``), and nothing else: never the claim
+    (this job's, taken before)."""
+    entries = tuple(e for e in entries if e != fmt.CLAIM_NAME)
     if fmt.is_url(location):
         import fsspec
+        from ._claim import drop_folder
         fs, root = fsspec.core.url_to_fs(location)
         for e in entries:
             fs.rm(f"{root.rstrip('/')}/{e}", recursive=True)
+            if e != "zarr.json":
+                drop_folder(fs, f"{root.rstrip('/')}/{e}")
         fs.invalidate_cache()
         return
     for e in entries:
@@ -168,32 +187,54 @@ def _clear(location: str, entries: tuple[str, ...]) -> None:
             os.remove(p)
 
 
-def open_root(location, mode: str, rank: int = 0, attributes: dict | None = None) -> zarr.Group:
+def open_root(location, mode: str, rank: int = 0, attributes: dict | None = None,
+              claim=None) -> zarr.Group:
     """Open the root group of a store for writing.  Rank 0 applies the run's
     ``mode`` (``"w"`` deletes a run's own entries; the new root's ``zarr.json`` is
-    written once, with ``attributes``); other ranks open what it prepared."""
+    written once, with ``attributes``); other ranks open what it prepared.
+
+    ``claim``: rank 0's ``Claim`` on the store (``_claim.Claim.acquire``, taken
+    first), which makes what is seen here this job's to change.  Without one (tools
+    that own the store otherwise) a live job's claim still refuses.  Every refusal
+    is a ``StoreExistsError``, ``StoreNotFoundError`` or ``StoreFormatError``."""
     location = os.fspath(location)
     if rank != 0:
-        return zarr.open_group(location, mode="r+")
-    found = check_mode(location, mode)
-    if mode == "a":
-        root = zarr.open_group(location, mode="a")
-        version = root.attrs.get("tensortape_format")
-        if isinstance(version, int) and version < fmt.FORMAT_VERSION:
-            raise ConfigError(f"{location!r} is a format-{version} store; appending needs format "
-                              f"{fmt.FORMAT_VERSION}: convert it first with `tensortape migrate "
-                              f"{location} NEW` and append to NEW")
-        return root
-    if found.what == "run":
-        _clear(location, found.own)
-    elif found.what == "empty" and not fmt.is_url(location) and os.path.isdir(location):
-        for name in os.listdir(location):        # zarr's temporary file of a killed start
-            if fmt.is_partial(name):
-                os.remove(os.path.join(location, name))
-    # locally "w-": zarr's "w" would delete the folder itself (a link's target too); an
-    # object store keeps empty "folders" of what was cleared, which "w" removes
-    create = "w" if fmt.is_url(location) else "w-"
-    return zarr.open_group(location, mode=create, zarr_format=3, attributes=attributes or {})
+        try:
+            return zarr.open_group(location, mode="r+")
+        except FileNotFoundError as e:
+            raise StoreNotFoundError(f"rank {rank} found no store at {location!r} that rank 0 "
+                                     f"prepared: {e}") from e
+    found = check_mode(location, mode, claim)
+    try:
+        if mode == "a":
+            root = zarr.open_group(location, mode="a")
+            version = root.attrs.get("tensortape_format")
+            if isinstance(version, int) and version < fmt.FORMAT_VERSION:
+                raise ConfigError(f"{location!r} is a format-{version} store; appending needs "
+                                  f"format {fmt.FORMAT_VERSION}: convert it first with `tensortape "
+                                  f"migrate {location} NEW` and append to NEW")
+            return root
+        if found.what == "run":
+            _clear(location, found.own)
+        elif found.what == "empty" and not fmt.is_url(location) and os.path.isdir(location):
+            for name in os.listdir(location):        # zarr's temporary file of a killed start
+                if fmt.is_partial(name):
+                    os.remove(os.path.join(location, name))
+        # under a claim "a": what is left is the claim, and it is ours.  Else locally
+        # "w-": zarr's "w" would delete the folder itself (a link's target too); an
+        # object store keeps empty "folders" of what was cleared, which "w" removes
+        create = "a" if claim is not None else ("w" if fmt.is_url(location) else "w-")
+        return zarr.open_group(location, mode=create, zarr_format=3, attributes=attributes or {})
+    except (StoreExistsError, StoreNotFoundError, StoreFormatError, ConfigError):
+        raise
+    except FileExistsError as e:             # zarr's: something appeared meanwhile
+        raise StoreExistsError(f"store {location!r} changed while mode={mode!r} prepared it "
+                               f"(another job writes there?): {e}") from e
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+            raise
+        raise StoreExistsError(f"store {location!r} changed while mode={mode!r} prepared it "
+                               f"(another job writes there?): {e}") from e
 
 
 def write_threads() -> int:
@@ -208,17 +249,83 @@ def write_threads() -> int:
     return 1 if cores <= 4 else min(8, cores // 2)
 
 
+class Lane:
+    """At most one write in flight on one array, in the order given.
+
+    zarr writes part of a shard by reading it, merging and writing it whole, so
+    two writes in flight on one shard lose one of them.  A lane hands its array's
+    writes to the pool one after the other: parallel across arrays, serial within
+    one.  With no pool, the caller's thread writes at once.  ``drain`` waits for
+    every write given and raises the first that failed (the writes queued after a
+    failure are not made: the writer starts again from its last commit)."""
+
+    MAX_WAITING = 8                # blocks queued on one array before the writer waits
+
+    def __init__(self, pool=None):
+        self.pool = pool
+        self._cond = threading.Condition()
+        self._waiting: collections.deque = collections.deque()
+        self._busy = False
+        self._error: BaseException | None = None
+
+    def submit(self, fn, *args) -> None:
+        if self.pool is None:
+            fn(*args)
+            return
+        with self._cond:
+            while len(self._waiting) >= self.MAX_WAITING and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                return                          # raised by drain
+            if self._busy:
+                self._waiting.append((fn, args))
+                return
+            self._busy = True
+        self._start(fn, args)
+
+    def _start(self, fn, args) -> None:
+        try:
+            self.pool.submit(fn, *args).add_done_callback(self._done)
+        except BaseException as e:              # a pool shut down at exit
+            self._finish(e)
+
+    def _done(self, future) -> None:
+        self._finish(future.exception())
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._cond:
+            if error is not None and self._error is None:
+                self._error = error
+            if self._waiting and self._error is None:
+                fn, args = self._waiting.popleft()
+            else:
+                self._waiting.clear()
+                self._busy = False
+                self._cond.notify_all()
+                return
+            self._cond.notify_all()
+        self._start(fn, args)
+
+    def drain(self) -> None:
+        """Wait for every write given; raise the first that failed."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
 class Column:
     """One array of a table and the buffer of its current chunk.
 
-    With a thread pool, each whole chunk is encoded and written by the pool (a
-    new buffer takes its place); ``drain`` waits for this column's writes, as
-    every resize and every commit must."""
+    Each whole chunk goes to the array's ``Lane`` (a new buffer takes its place
+    when a pool writes it); ``drain`` waits for this column's writes, as every
+    resize and every commit must."""
 
     def __init__(self, array: zarr.Array, rows: int, pool=None):
         self.array = array
-        self.pool = pool
-        self.pending: list = []
+        self.lane = Lane(pool)
         self.chunk_rows = array.chunks[0]
         self.fill = array.fill_value
         self.start = rows - rows % self.chunk_rows
@@ -254,29 +361,23 @@ class Column:
             self._submit(self.start, self.buf)
             self.dirty = False
             self.start += self.chunk_rows
-            if self.pool is None:
+            if self.lane.pool is None:
                 self.buf.fill(self.fill)
             else:                                      # the pool still reads the old one
                 self.buf = np.full_like(self.buf, self.fill)
 
     def write(self) -> None:
-        """Write the current chunk whole (never part of a chunk)."""
+        """Write the current chunk whole (padded with the fill value past its rows)."""
         if self.dirty:
-            self._submit(self.start, self.buf if self.pool is None else self.buf.copy())
+            self._submit(self.start, self.buf if self.lane.pool is None else self.buf.copy())
             self.dirty = False
 
     def _submit(self, start: int, block: np.ndarray) -> None:
-        region = slice(start, start + len(block))
-        if self.pool is None:
-            self.array[region] = block
-        else:
-            self.pending.append(self.pool.submit(self.array.__setitem__, region, block))
+        self.lane.submit(self.array.__setitem__, slice(start, start + len(block)), block)
 
     def drain(self) -> None:
         """Wait for this column's chunk writes; raise the first that failed."""
-        pending, self.pending = self.pending, []
-        for f in pending:
-            f.result()
+        self.lane.drain()
 
 
 class Table:
@@ -442,15 +543,16 @@ class RunStore:
         table.columns["hist"].grow_inner((n, fmt.NBINS))
         table.append({"step": np.int64(step), "stats": row, "hist": full})
 
-    def append_tensor(self, kind: str, layer: str, step: int, micro: int, t, committed: int) -> int:
+    def append_tensor(self, kind: str, layer: str, step: int, micro: int, t,
+                      committed: int) -> int | None:
         """One step's full tensor (a host torch tensor) as a row of its table; the
-        bytes written, or -1 when its rank or dtype differs from the table's."""
+        bytes written, or None when its rank or dtype differs from the table's."""
         arr, logical = to_numpy(t)
         table = self._table(fmt.tensor_group(self.rank, kind, layer), committed,
                             lambda g: self._new_tensor(g, kind, layer, arr, logical))
         data = table.columns["data"].array
         if data.ndim - 1 != arr.ndim or data.dtype != arr.dtype:
-            return -1
+            return None
         extent = np.array(arr.shape if arr.ndim else (1,), dtype=np.int64)
         table.append({"data": arr, "step": np.int64(step), "micro": np.int64(micro),
                       "extent": extent})
@@ -474,9 +576,11 @@ class RunStore:
         return zstd_level(sample) if self.compression == "auto" else self.compression
 
     # --- commit ---------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """End the write threads (``wait=False``: without waiting for a store that
+        does not answer)."""
         if self.pool is not None:
-            self.pool.shutdown(wait=True)
+            self.pool.shutdown(wait=wait, cancel_futures=not wait)
 
     def flush(self) -> dict[str, int]:
         """Write every buffered chunk and wait for every write; return the row

@@ -1,0 +1,97 @@
+"""What a rank has committed, and what it has not yet: the writer's memory for a
+new start after a fault.  Runs on the writer thread only.
+
+The store's commit protocol (data first, counters after) makes the last commit
+a safe place to start again from.  The journal keeps that commit's state and,
+since it, every step's rows but its full tensors (``Unsaved``: statistics,
+events, new names and counts), bounded in bytes and in records: past either
+bound a step's statistics, and events beyond the stored maximum, are counted
+instead of kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from . import format as fmt
+
+__all__ = ["Journal", "Unsaved"]
+
+BACKLOG_BYTES = 256 << 20      # statistics kept in memory while the store cannot be written
+BACKLOG_RECORDS = 100_000      # steps kept so
+EVENT_BYTES = 160              # a rough size of one kept event, and of a record's own fields
+RECORD_BYTES = 256
+
+
+@dataclass
+class Unsaved:
+    """One step's rows not committed yet, as kept for a new start: everything but
+    its full tensors, of which only the count is kept."""
+    step: int
+    layers: list[str]
+    drops: dict[str, int]
+    outside: int
+    events: list
+    stats: dict                 # kind -> StatsRows
+    bundle: tuple | None = None
+    tensors: int = 0            # full-tensor rows stored (lost again at a new start)
+    over_budget: int = 0
+    events_total: int = field(default=-1)
+
+    def __post_init__(self):
+        if self.events_total < 0:
+            self.events_total = len(self.events)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(r.layers) for r in self.stats.values())
+
+    @property
+    def nbytes(self) -> int:
+        return (RECORD_BYTES + EVENT_BYTES * len(self.events)
+                + sum(r.hist.nbytes + 8 * len(r.stats) * len(r.layers) for r in self.stats.values()))
+
+    def lean(self, reason: str) -> "Unsaved":
+        """Past the backlog's bounds: statistics and kept events counted, not kept
+        (the bundle too: its event is gone)."""
+        drops = dict(self.drops)
+        if self.rows:
+            drops[reason] = drops.get(reason, 0) + self.rows
+        return replace(self, drops=drops, events=[], stats={}, bundle=None)
+
+
+class Journal:
+    def __init__(self, state: fmt.RankState):
+        self.saved = self._copy(state)       # as last committed
+        self.unsaved: list[Unsaved] = []
+        self.kept = 0                         # their bytes
+        self.last_committed_step = state.last_step
+
+    @staticmethod
+    def _copy(state: fmt.RankState) -> fmt.RankState:
+        return fmt.RankState.from_json(state.to_json())
+
+    def full(self, more: Unsaved) -> bool:
+        return (self.kept + more.nbytes > BACKLOG_BYTES
+                or len(self.unsaved) + 1 > BACKLOG_RECORDS)
+
+    def keep(self, u: Unsaved, reason: str) -> Unsaved:
+        """Remember ``u`` until the next commit (lean past the bounds); it."""
+        if self.full(u):
+            u = u.lean(reason)
+        self.unsaved.append(u)
+        self.kept += u.nbytes
+        return u
+
+    def committed(self, state: fmt.RankState) -> None:
+        self.saved = self._copy(state)
+        self.unsaved, self.kept = [], 0
+        self.last_committed_step = state.last_step
+
+    def start_again(self) -> tuple[fmt.RankState, list[Unsaved]]:
+        """The last committed state (a copy) and the steps to write again."""
+        return self._copy(self.saved), list(self.unsaved)
+
+    def pending_rows(self) -> tuple[int, int]:
+        """Steps and statistics rows not committed."""
+        return len(self.unsaved), sum(u.rows for u in self.unsaved)
