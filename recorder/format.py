@@ -100,12 +100,17 @@ def rank_group(rank: int) -> str:
     return f"rank{int(rank)}"
 
 
+CLAIM_NAME = "tensortape.lock"   # a group at the root whose zarr.json names the job that
+                                 # records the run (``recorder._claim``); gone at close
+
+
 def is_own_entry(name: str) -> bool:
     """Whether ``name``, an entry at the root of a store, is one tensortape writes
-    (``zarr.json``, the rank groups, and a temporary file of zarr's that a kill left):
-    ``mode="w"`` deletes these and nothing else."""
+    (``zarr.json``, the rank groups, the claim ``tensortape.lock`` of the job that
+    records there, and a temporary file of zarr's that a kill left): ``mode="w"``
+    deletes these and nothing else (a live job's claim refuses it first)."""
     return name == "zarr.json" or (name.startswith("rank") and name[4:].isdigit()) \
-        or is_partial(name)
+        or name == CLAIM_NAME or is_partial(name)
 
 
 def is_partial(name: str) -> bool:
