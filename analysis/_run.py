@@ -439,9 +439,16 @@ class Run:
 
     # --- full tensors --------------------------------------------------------------
     def _lazy(self, path: str):
-        """A lazy dask array of a store array, chunked like it (dask loads here:
-        commands that only read attributes start faster)."""
+        """A lazy dask array of a store array (``path``: a table's column), chunked
+        like it (dask loads here: commands that only read attributes start faster).
+
+        Its name says what it holds: the run (its path and when it was created),
+        the table's committed rows and the array's shape.  A live run's last chunk
+        changes as rows are committed, and a run recorded again at its path holds
+        other values: a later read of either gets a new name, so a cluster that
+        holds an earlier read's results (``persist``) never serves them for it."""
         import dask.array as da
+        from dask.base import tokenize
         arr = self.source.array(path)
         # a sharded array: a task spans a shard's steps and an inner chunk across (the
         # graph of a long run stays small; a task reads at most a column of inner chunks)
@@ -449,7 +456,11 @@ class Run:
         shards = getattr(arr, "shards", None)
         if shards:
             chunks = (shards[0], *chunks[1:])
-        return da.from_array(arr, chunks=chunks, lock=self.source.lock, name=f"{self.path}:{path}")
+        table = path.rsplit("/", 1)[0]
+        rows = self._committed(fmt.parse_path(table).rank).get(table, 0)
+        token = tokenize(self.attrs.get("created"), rows, tuple(arr.shape))
+        return da.from_array(arr, chunks=chunks, lock=self.source.lock,
+                             name=f"{self.path}:{path}-{token}")
 
     def tensor(self, layer: str, kind: str = "activations", step=None, micro: int | None = None,
                rank: int | None = None) -> xr.DataArray:

@@ -21,7 +21,8 @@ from recorder.errors import StoreFormatError, StoreNotFoundError
 __all__ = ["open_source", "ZarrSource", "H5Source"]
 
 JSON_ATTR = "tensortape_json"
-RETRIES = 3               # reads again of a chunk that fails (a shard replaced mid-read)
+RETRIES = 5               # reads again of a chunk that fails (a shard replaced mid-read),
+PAUSE = 0.05              # after a pause that doubles each time: 1.55 s in all
 
 
 class Guarded:
@@ -54,9 +55,10 @@ class Guarded:
                 error = e
                 # a live run: a shard is read in two moves (its index, then its chunks),
                 # and the writer may replace it between them; the chunks' checksums
-                # catch that, and the read again sees the new shard whole
+                # catch that, and a read again sees the new shard whole (a shard
+                # rewritten often may need a few, further apart)
                 if attempt < RETRIES:
-                    time.sleep(0.05 * (attempt + 1))
+                    time.sleep(PAUSE * 2 ** attempt)
         raise StoreFormatError(f"{self._where}: a chunk cannot be read ({type(error).__name__}: "
                                f"{str(error).splitlines()[0] if str(error) else ''}); the store "
                                f"is damaged") from error

@@ -3,7 +3,9 @@
 Each refresh reopens the store (attributes only, then the last committed row of
 the statistics), so it shows exactly what a reader may trust: the latest
 statistics per layer, new non-finite events as alerts, and steps per second.
-It ends when the run's status is no longer ``recording``.
+It ends when the run's status is no longer ``recording``.  While it is, a read
+that fails (a shard rewritten as it is read, again and again) is a note on the
+status line, and the next refresh reads again; once it is not, it is an error.
 """
 
 from __future__ import annotations
@@ -54,14 +56,30 @@ def _has_root(path) -> bool:
         return True
 
 
+def _latest(run, kind: str, layers) -> tuple[int | None, list]:
+    """The first rank's last committed step and its statistics per layer (None
+    and none before the first commit)."""
+    if kind not in run.kinds:
+        return None, []
+    ds = run.stats(kind, layers, rank=run.ranks[0])
+    if not ds.sizes["step"]:
+        return None, []
+    row = ds.isel(step=-1).compute()
+    return int(row.step), [(str(layer), {c: row[c].sel(layer=layer).item() for c in COLUMNS})
+                           for layer in row.layer.values]
+
+
 def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations",
               sleep: Callable[[float], None] = time.sleep) -> Iterator[dict]:
     """One view of the run per ``interval`` until it stops recording: its status,
     last committed step, steps per second (over a sliding window), the latest
     statistics per layer, one alert per (layer, kind) the first time it goes
-    non-finite, and the count of non-finite events so far."""
+    non-finite, and the count of non-finite events so far (every rank's, not
+    only those the store keeps).  A refresh of a live run whose statistics cannot
+    be read keeps the last ones and says why in ``note``."""
     alerted: set = set()
     rate = _Rate()
+    shown = None, []                  # the last step and statistics read
     opened, since = False, time.monotonic()
     while True:
         try:
@@ -77,8 +95,9 @@ def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations
             sleep(interval)
             continue
         opened = True
+        # every rank's events, counted past those kept (fmt.MAX_EVENTS a rank)
         view = {"status": run.status, "step": None, "rate": None, "rows": [], "alerts": [],
-                "events": run.attrs.get("events_total", len(run.events)),
+                "events": sum(run.state(r).events_total for r in run.ranks),
                 "nonfinite_layers": 0, "last_event": None}
         for e in run.events:
             if (e.layer, e.kind) not in alerted:
@@ -86,13 +105,16 @@ def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations
                 view["alerts"].append(e)
             view["last_event"] = max(view["last_event"] or e.step, e.step)
         view["nonfinite_layers"] = len(alerted)
-        if kind in run.kinds:
-            ds = run.stats(kind, layers, rank=run.ranks[0])    # the first rank's rows
-            if ds.sizes["step"]:
-                row = ds.isel(step=-1).compute()
-                view["step"] = int(row.step)
-                view["rows"] = [(str(layer), {c: row[c].sel(layer=layer).item() for c in COLUMNS})
-                                for layer in row.layer.values]
+        try:
+            view["step"], view["rows"] = _latest(run, kind, layers)
+        except StoreFormatError as e:
+            if run.status != fmt.STATUS_RECORDING:
+                raise                          # a store no longer written is damaged
+            # a live run: a shard rewritten while it was read, past the source's own
+            # reads again; the last statistics stay, and the next refresh tries again
+            view.update(step=shown[0], rows=shown[1], note=f"statistics not refreshed, "
+                        f"trying again in {interval:g} s: {str(e).splitlines()[0]}")
+        shown = view["step"], view["rows"]
         view["rate"] = rate.see(time.monotonic(), view["step"])
         yield view
         if view["status"] != fmt.STATUS_RECORDING:
@@ -105,10 +127,11 @@ def render(view: dict, width: int = 100) -> list[str]:
     summary of the non-finite events."""
     if "waiting" in view:
         return [f"waiting for the run: {view['waiting']}"]
+    note = f"   ({view['note']})" if view.get("note") else ""
     if view["step"] is None:
-        return [f"status {view['status']}   waiting for the first commit"]
+        return [f"status {view['status']}   waiting for the first commit{note}"]
     rate = f"{view['rate']:.2f} steps/s" if view["rate"] is not None else "- steps/s"
-    lines = [f"status {view['status']}   step {view['step']}   {rate}"]
+    lines = [f"status {view['status']}   step {view['step']}   {rate}{note}"]
     if view["rows"]:
         name_w = min(max(len(n) for n, _ in view["rows"]), width - 70)
         lines.append("layer".ljust(name_w) + "".join(f"{c:>10}" for c in COLUMNS))
