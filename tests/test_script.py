@@ -1,5 +1,6 @@
 """`tensortape record`: an unchanged training script, recorded in its own process."""
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -15,10 +16,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "plain_train.py")
 
 
-def tensortape(*args):
+ACCUM = os.path.join(ROOT, "tests", "scripts", "accum_train.py")
+
+
+def tensortape(*args, cwd=ROOT):
     exe = shutil.which("tensortape")
     cmd = [exe, *args] if exe else [sys.executable, os.path.join(ROOT, "cli.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
 
 
 def test_record_an_unchanged_script(tmp_path):
@@ -56,11 +60,16 @@ def test_record_modes_on_an_existing_run(tmp_path):
     assert tensortape("record", "-o", store, "--", "python", SCRIPT, "2").returncode == 3
     p = tensortape("record", "-o", store, "--", "python", SCRIPT, "3")     # mode w-: refused
     assert p.returncode == 2 and "trained" not in p.stdout
-    assert p.stderr.count("\n") == 1 and "already exists" in p.stderr and "mode='w'" in p.stderr
+    assert p.stderr.count("\n") == 1 and "already exists" in p.stderr
+    assert "--mode w " in p.stderr and "mode=" not in p.stderr    # the CLI's words
     p = tensortape("record", "-o", store, "--mode", "w", "--", "python", SCRIPT, "3")
     assert p.returncode == 3 and open_run(store).steps().tolist() == [0, 1, 2]
     p = tensortape("record", "-o", store, "--mode", "a", "--", "python", SCRIPT, "2")
     assert p.returncode == 3 and open_run(store).steps().tolist() == [0, 1, 2]  # steps re-recorded
+    p = tensortape("record", "-o", str(tmp_path / "none.zarr"), "--mode", "a", "--", "python",
+                   SCRIPT, "2")
+    assert p.returncode == 2 and "trained" not in p.stdout
+    assert "--mode a cannot append" in p.stderr and "mode=" not in p.stderr, p.stderr
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     p = tensortape("record", "-o", str(tmp_path / "mine"), "--mode", "w", "--", "python", SCRIPT, "2")
@@ -73,11 +82,105 @@ def test_record_modes_on_an_existing_run(tmp_path):
     (["python", "-m", "no_such_module_xyz"], "no module 'no_such_module_xyz'"),
 ])
 def test_a_missing_script_is_one_line(tmp_path, command, needle):
-    p = tensortape("record", "-o", str(tmp_path / "run.zarr"), "--", *command)
+    store = tmp_path / "new" / "deeper" / "run.zarr"
+    p = tensortape("record", "-o", str(store), "--", *command)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], p.stderr
-    assert not os.path.exists(tmp_path / "run.zarr")
+    assert os.listdir(tmp_path) == []             # the store's probe left nothing behind
+
+
+TRAIN = """
+import torch
+from torch import nn
+model = nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("trained")
+sys.exit(4)
+"""
+MARKED = "import pathlib, sys\npathlib.Path(sys.argv[1]).touch()   # the script started\n" + TRAIN
+
+
+@pytest.mark.parametrize("where", ["under a file", "/proc"])
+def test_a_store_that_cannot_be_written_stops_before_the_script_starts(tmp_path, where):
+    """The tests run as root, whom a read-only folder does not stop: a path under a
+    regular file, or in /proc, cannot be written by anyone."""
+    if where == "/proc" and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    (tmp_path / "afile").write_text("mine")
+    store = str(tmp_path / "afile" / "run.zarr") if where == "under a file" \
+        else f"/proc/tensortape-{os.getpid()}/run.zarr"
+    script, marker = tmp_path / "train.py", tmp_path / "started"
+    script.write_text(MARKED)
+    p = tensortape("record", "-o", store, "--", "python", str(script), str(marker))
+    assert p.returncode == 2 and p.stdout == "" and not marker.exists(), p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot write the run" in lines[0], p.stderr
+    assert "not started" in lines[0] and "--keep-going" in lines[0]
+    p = tensortape("record", "-o", store, "--keep-going", "--", "python", str(script), str(marker))
+    assert p.returncode == 4 and p.stdout.strip() == "trained" and marker.exists()
+    lines = p.stderr.strip().splitlines()                  # trained unrecorded, after one line
+    assert len(lines) == 1 and "not recording" in lines[0] and "cannot write" in lines[0], p.stderr
+    assert (tmp_path / "afile").read_text() == "mine" and not os.path.exists(store)
+
+
+def test_a_module_is_found_as_python_m_finds_it(tmp_path):
+    """``python -m`` puts the current folder first on sys.path, and so does record."""
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "trainmod.py").write_text(
+        "import sys\nprint(sys.path[0], sys.argv, __name__)\n" + TRAIN)
+    store = str(tmp_path / "run.zarr")
+    plain = subprocess.run([sys.executable, "-m", "mypkg.trainmod", "x"], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert plain.returncode == 4, plain.stderr
+    p = tensortape("record", "-o", store, "--", "python", "-m", "mypkg.trainmod", "x",
+                   cwd=tmp_path)
+    assert p.returncode == 4, p.stderr
+    assert p.stdout == plain.stdout                 # sys.path[0], argv and __name__ as python's
+    assert open_run(store).steps().tolist() == [0, 1]
+
+
+def test_the_first_forward_is_recorded_like_any_other(tmp_path):
+    """The model is found at its first forward, and that forward is recorded whole: with
+    2 micro-batches a step, step 0 holds both, labelled 0 and 1, the root's inputs
+    included, with the values plain torch hooks see."""
+    store = str(tmp_path / "run.zarr")
+    p = tensortape("record", "-o", store, "--capture", "inputs", "--capture", "activations",
+                   "--layers", "*", "--", "python", ACCUM, "3")
+    assert p.returncode == 0 and p.stdout.strip() == "trained", p.stderr
+    script = runpy.run_path(ACCUM, run_name="oracle")
+    model, seen, calls = script["build"](), {}, []
+
+    def hooks(name):
+        def pre(module, args):
+            if name == "(root)":
+                calls.append(None)
+            step, micro = divmod(len(calls) - 1, script["MICRO"])
+            seen[name, "inputs", step, micro] = args[0].detach().clone()
+
+        def post(module, args, out):
+            step, micro = divmod(len(calls) - 1, script["MICRO"])
+            seen[name, "activations", step, micro] = out.detach().clone()
+        return pre, post
+    for name, module in model.named_modules():
+        pre, post = hooks(name or "(root)")
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+    script["train"](model, 3)
+    run = open_run(store)
+    assert sorted(run.tensor_layers("inputs")) == ["(root)", "0", "1", "2"]
+    for (name, kind, step, micro), want in seen.items():
+        assert run.tensor(name, kind, micro=micro).step.values.tolist() == [0, 1, 2]
+        got = run.tensor(name, kind, step=step, micro=micro).values
+        np.testing.assert_array_equal(got, want.numpy(), err_msg=f"{name} {kind} {step} {micro}")
+    for kind in ("inputs", "activations"):                 # statistics: both micro-batches
+        count = run.stats(kind)["count"].sel(layer="(root)").values.tolist()
+        assert count[0] == count[1] == count[2] > 0
 
 
 def test_watch_follows_a_live_run_until_it_closes(tmp_path):
