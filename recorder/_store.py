@@ -411,10 +411,11 @@ class Table:
             c.drain()
 
     def trim(self) -> None:
+        """Cut every column to its rows, each in its lane (in parallel with a pool);
+        ``drain`` waits for them."""
         for c in self.columns.values():
-            c.drain()
             if c.array.shape[0] != self.rows:
-                c.array.resize((self.rows, *c.array.shape[1:]))
+                c.lane.submit(c.array.resize, (self.rows, *c.array.shape[1:]))
 
 
 def _array(group: zarr.Group, name: str, shape, chunks, dtype, fill, dims, attrs=None,
@@ -599,6 +600,9 @@ class RunStore:
     def trim(self) -> None:
         for t in self.tables.values():
             t.trim()
+        for t in self.tables.values():
+            for c in t.columns.values():
+                c.drain()
 
     def reset(self) -> None:
         """Forget every open table (after a failed write): each is opened again at

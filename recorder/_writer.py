@@ -64,7 +64,9 @@ class _Rows:
         self._skipped: set[str] = set()
         self._fault: BaseException | None = None
         self._retry_at = 0.0
-        self._last = time.monotonic()          # of the last commit
+        self._last = time.monotonic()          # when the last commit ended
+        self._took = 0.0                       # and how long it took: a slow store commits
+                                               # less often, never back to back
         self._pending = False
         self.abandoned = False                  # close gave up: commit nothing more
 
@@ -103,7 +105,7 @@ class _Rows:
         if self._fault is not None:
             if time.monotonic() >= self._retry_at:
                 self._start_again(None)
-        elif self._pending and time.monotonic() - self._last >= self.config.flush_interval:
+        elif self._pending and time.monotonic() >= self._last + self.config.flush_interval + self._took:
             self._commit(None)
 
     def failed(self, e: BaseException) -> None:
@@ -145,11 +147,13 @@ class _Rows:
     def _commit(self, status: str | None) -> None:
         if self.abandoned:
             return
+        start = time.monotonic()
         self.state.committed.update(self.store.flush())
         root = None if self.root_base is None else fmt.root_attrs(self.state, self.root_base, status)
         self.store.commit(self.state, root)
         self.journal.committed(self.state)
         self._last, self._pending = time.monotonic(), False
+        self._took = self._last - start
 
     def _start_again(self, status: str | None) -> None:
         """From the last commit: the committed state, then the journal's steps

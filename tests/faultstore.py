@@ -9,7 +9,9 @@
   failures, the share that fail *after* the bytes were stored (a PUT whose answer
   was lost), so a store may hold what its writer was told did not happen;
 - ``schedule``: a function of the write's serial number that says "fail" (True)
-  or not, for deterministic schedules (hypothesis draws them).
+  or not, for deterministic schedules (hypothesis draws them);
+- ``hang``: a function of the key that says this write never answers, until the
+  ``release`` event is set (a store that hangs).
 
 It counts every write, every failure, and the most writes in flight at once on
 one key, which must never exceed 1 (zarr rewrites a shard whole: two writes on one
@@ -33,6 +35,8 @@ class Faults:
     after: float = 0.5
     seed: int = 0
     schedule: object = None
+    hang: object = None
+    release: object = None
     writes: int = 0
     failures: int = 0
     overlap: int = 0                      # most concurrent writes seen on one key
@@ -77,6 +81,10 @@ def faulty(latency: float = 0.0, fail: float = 0.0, **kw):
         async def set(self, key, value, *a, **k):
             _, delay, when = faults._begin((id(self), key))
             try:
+                if faults.hang is not None and faults.enabled and faults.hang(key):
+                    while not faults.release.is_set():
+                        await asyncio.sleep(0.05)
+                    raise OSError(f"injected fault: {key} hung")
                 if delay:
                     await asyncio.sleep(delay)
                 if when == "before":
