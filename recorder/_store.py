@@ -1,12 +1,17 @@
 """The Zarr v3 store: tables of rows keyed by step, written in whole chunks.
 
+Runs on the writer thread (and its pool of write threads).
+
 A *table* is one zarr group whose arrays (columns) share a leading ``step``
 dimension: the statistics of one kind, or the full tensors of one
-(kind, layer).  Rows are buffered per column until a chunk is whole, and only
-whole chunks are ever written (a partial chunk is padded with the fill value
-and written whole at a flush, then rewritten when it fills).  Capacity grows
-in blocks; a reader trusts only the committed row counts that ``commit``
-writes into the rank group's attributes *after* the data.
+(kind, layer).  Rows are buffered per column until a chunk is whole, and a
+chunk is written whole (a partial one is padded with the fill value and
+written at a flush, then written again when it fills).  A sharded array's
+chunk write rewrites its whole shard (zarr reads, merges and replaces it), so
+each array has a ``Lane``: one write in flight at a time, in order, while
+different arrays write in parallel.  Capacity grows in blocks; a reader trusts
+only the committed row counts that ``commit`` writes into the rank group's
+attributes *after* every write they count has finished.
 """
 
 from __future__ import annotations
