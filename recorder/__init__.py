@@ -7,7 +7,8 @@ modules, which readers use) does not import torch: ``Recorder`` and
 """
 
 from .errors import (ConfigError, InspectionError, LayerNotFoundError, NonFiniteError,
-                     RecorderError, StoreExistsError, StoreFormatError, StoreNotFoundError)
+                     RecorderError, StoreExistsError, StoreFormatError, StoreNotFoundError,
+                     TensortapeWarning)
 
 __all__ = [
     "ConfigError",
@@ -19,6 +20,7 @@ __all__ = [
     "StoreExistsError",
     "StoreFormatError",
     "StoreNotFoundError",
+    "TensortapeWarning",
     "select_layers",
 ]
 

@@ -1,7 +1,9 @@
 """The one error hierarchy of tensortape.
 
 Every class also subclasses the builtin a caller would naturally catch, so
-``except ValueError`` or ``except FileExistsError`` keeps working.
+``except ValueError`` or ``except FileExistsError`` keeps working.  tensortape's
+own warnings have one category, ``TensortapeWarning``, so they can be filtered
+apart from everyone else's.
 """
 
 
@@ -35,3 +37,10 @@ class StoreNotFoundError(RecorderError, FileNotFoundError):
 
 class StoreFormatError(RecorderError, ValueError):
     """The location holds something that is not a readable tensortape store."""
+
+
+class TensortapeWarning(RuntimeWarning):
+    """A warning of tensortape's own (a dropped capture, a demoted engine, a
+    forward outside a step, ...).  Filter it by class, e.g.
+    ``warnings.filterwarnings("ignore", category=TensortapeWarning)``; every
+    message also starts with ``tensortape:``."""

@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_exported_names_are_exactly_the_documented_ones():
     assert recorder.__all__ == sorted([
         "Recorder", "select_layers", "RecorderError", "ConfigError", "LayerNotFoundError", "InspectionError",
-        "NonFiniteError", "StoreExistsError", "StoreNotFoundError", "StoreFormatError"])
+        "NonFiniteError", "StoreExistsError", "StoreNotFoundError", "StoreFormatError",
+        "TensortapeWarning"])
     assert analysis.__all__ == sorted([
         "open_run", "Run", "NonFiniteEvent", "FirstNonFinite", "compare_runs",
         "first_divergence", "plot_comparison", "Inspector"])
