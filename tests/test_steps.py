@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from analysis import open_run
-from recorder import InspectionError, Recorder
+from recorder import InspectionError, Recorder, TensortapeWarning
 from conftest import InplaceMLP, transformer
 
 
@@ -135,7 +135,7 @@ def test_a_resumed_job_rerecords_steps_and_readers_take_the_latest(tmp_store):
 def test_a_costly_default_warns_once_and_max_bytes_caps_full_tensors(tmp_path):
     wide = torch.nn.Linear(64, 4096)
     x = torch.randn(400, 64)                       # 6.6 MB an output, 13 MB a step with grads
-    with pytest.warns(UserWarning, match=r"GB every 100 steps.*tensors_every=.*max_bytes="):
+    with pytest.warns(TensortapeWarning, match=r"GB every 100 steps.*tensors_every=.*max_bytes="):
         with Recorder(wide, str(tmp_path / "a.zarr")) as rec:
             with rec.step(0):
                 wide(x).sum().backward()
@@ -186,7 +186,7 @@ def test_a_child_named_like_the_root_never_shares_its_table(tmp_store):
 
 def test_a_change_of_dtype_is_counted_never_silent(tmp_store):
     model = torch.nn.Linear(4, 4)
-    with pytest.warns(UserWarning, match="changed rank or dtype"):
+    with pytest.warns(TensortapeWarning, match="changed rank or dtype"):
         with Recorder(model, tmp_store, layers="", capture="activations") as rec:
             for i in range(4):
                 with rec.step(i), torch.autocast("cpu", dtype=torch.bfloat16, enabled=i >= 2):
