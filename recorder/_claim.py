@@ -277,6 +277,8 @@ class _Local:
                 os.pwrite(fd, doc, 0)
                 os.fsync(fd)
             except BaseException:
+                if created and _same_file(fd, self.path) and not os.fstat(fd).st_size:
+                    os.unlink(self.path)   # the empty file this call made: not left behind
                 os.close(fd)
                 raise
             self.fd, self.token = fd, token
@@ -332,8 +334,11 @@ def _precondition(e: BaseException) -> bool:
 
 
 def _unsupported(e: BaseException) -> bool:
+    """The server answered, but not to the condition: it does not support it
+    (501, or a 400 for a header it does not know); not a network error."""
     code, status = _s3_error(e)
-    return code == "NotImplemented" or status == 501
+    return not _precondition(e) and (status in (400, 501) or code in (
+        "NotImplemented", "InvalidArgument", "InvalidRequest"))
 
 
 def drop_folder(fs, path: str) -> None:
@@ -422,7 +427,8 @@ class _Url:
         except Exception as e:
             if self.s3 and _precondition(e):
                 return False
-            if self.s3 and not _unsupported(e) and "IfNoneMatch" not in str(e):
+            old_client = isinstance(e, TypeError) or type(e).__name__ == "ParamValidationError"
+            if self.s3 and not _unsupported(e) and not old_client:   # (no If-None-Match there)
                 raise
         finally:
             self.fs.invalidate_cache(self.key)
