@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from recorder import format as fmt
+from recorder._quiet import quiet
 from recorder.errors import StoreFormatError, StoreNotFoundError
 
 __all__ = ["open_source", "ZarrSource", "H5Source"]
@@ -48,7 +49,8 @@ class Guarded:
     def __getitem__(self, key):
         for attempt in range(RETRIES + 1):
             try:
-                return self._array[key]
+                with quiet():                # zarr's warnings are not the reader's news
+                    return self._array[key]
             except StoreFormatError:
                 raise                        # a chunk refused before it was read
             except Exception as e:
@@ -82,7 +84,8 @@ class ZarrSource:
         self.location = location
         try:
             store = location if fmt.is_url(location) else _checked_store(location)
-            self.root = zarr.open_group(store, mode="r")
+            with quiet():
+                self.root = zarr.open_group(store, mode="r")
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError) as e:
             raise StoreFormatError(f"{location!r} is not a Zarr store; pass the path of a run "
                                    f"recorded by tensortape") from e
@@ -90,22 +93,28 @@ class ZarrSource:
             raise StoreFormatError(f"{location!r} is a Zarr v{self.root.metadata.zarr_format} "
                                    f"store; tensortape runs are Zarr v3")
 
+    # zarr warns of what it meets in a store (a killed writer's temporary files: "not
+    # recognized as a component of a Zarr hierarchy"); the reader goes on (``quiet``)
     def attrs(self, path: str = "") -> dict:
-        return dict((self.root[path] if path else self.root).attrs)
+        with quiet():
+            return dict((self.root[path] if path else self.root).attrs)
 
     def array(self, path: str):
-        return Guarded(self.root[path], path, self.location)
+        with quiet():
+            return Guarded(self.root[path], path, self.location)
 
     def has(self, path: str) -> bool:
         try:
-            self.root[path]
+            with quiet():
+                self.root[path]
             return True
         except KeyError:
             return False
 
     def groups(self, path: str = "") -> list[str]:
-        node = self.root[path] if path else self.root
-        return [k for k, _ in node.groups()]
+        with quiet():
+            node = self.root[path] if path else self.root
+            return [k for k, _ in node.groups()]
 
     def missing_chunk(self, path: str, keys) -> str | None:
         """The first of ``keys`` (``c/0/1``, ...) that the array at ``path`` does not
@@ -204,7 +213,7 @@ def open_source(location) -> ZarrSource | H5Source:
             raise StoreFormatError(f"{location!r} is neither a Zarr store nor an HDF5 export of a run")
         return H5Source(location)
     if local and os.path.isdir(location) and not os.path.exists(os.path.join(location, "zarr.json")) \
-            and all(fmt.is_partial(n) for n in os.listdir(location)):
+            and all(fmt.is_partial(n) or n == fmt.CLAIM_NAME for n in os.listdir(location)):
         # the folder a run makes first, killed before its root was written
         raise StoreNotFoundError(f"no run at {location!r} yet: the folder is empty (a run "
                                  f"stopped before it began?); check the path")

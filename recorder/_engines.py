@@ -34,16 +34,17 @@ import os
 import sys
 import threading
 import types
-import warnings
 
 import torch
 
 from . import format as fmt
+from ._quiet import quiet, warn
+from .errors import ConfigError
 from ._summary import (FIELDS, LANES, Summaries, codes, empty_summary, exp_bits_of, finalize,
                        lane_codes, memory_order, nonfinite_counts, reductions,
                        segment_reductions, widened)
 
-__all__ = ["Engine", "Engines", "summarize"]
+__all__ = ["Engine", "Engines", "engine_choice", "summarize"]
 
 SMALL = 1 << 13                # elements below which a tensor waits for the step's batch
 _PARALLEL_MIN = 1 << 18        # elements from which CPU work is split across threads
@@ -180,8 +181,8 @@ class Engine:
                     self._compile(key, x.device)
                 compiled = self._compiled[key]
         if compiled is not False:
-            try:
-                with torch.no_grad():  # one grad mode: no recompiles between forward and backward
+            try:   # one grad mode: no recompiles between forward and backward; a recompile's
+                with torch.no_grad(), quiet():   # warnings are the compiler's (``_quiet``)
                     return compiled(x)
             except Exception as e:   # a compiled kernel must never break training
                 self._compiled[key] = False
@@ -197,9 +198,9 @@ class Engine:
         """Compile one key and check it on a probe; a failure leaves that key to
         the eager kernel, with one warning."""
         fn, dtype, parallel = key
-        try:
-            with _told_after(1.0, "tensortape: compiling the statistics kernels, once per dtype "
-                                  "(a few seconds, the first steps only)"):
+        try:      # the compiler's warnings never fail the kernel (``_quiet``)
+            with quiet(), _told_after(1.0, "tensortape: compiling the statistics kernels, once "
+                                           "per dtype (a few seconds, the first steps only)"):
                 probe = torch.tensor([1.0, float("nan"), 0.0, -float("inf")], device=device,
                                      dtype=dtype)
                 options = {"cpp.dynamic_threads": parallel} if self.device_type == "cpu" else {}
@@ -218,10 +219,10 @@ class Engine:
     def _warn(self, fn, e: Exception) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(f"tensortape: torch.compile of the {self.device_type} statistics kernel "
-                          f"{fn.__name__} failed ({type(e).__name__}: {str(e)[:120]}); using the "
-                          f"eager kernels, with the same results (set TENSORTAPE_COMPILE=0 to "
-                          f"skip compiling)", RuntimeWarning, stacklevel=2)
+            warn(f"tensortape: torch.compile of the {self.device_type} statistics kernel "
+                 f"{fn.__name__} failed ({type(e).__name__}: {str(e)[:120]}); using the eager "
+                 f"kernels, with the same results (set TENSORTAPE_COMPILE=0 to skip compiling)",
+                 stacklevel=2)
 
     def _bincount(self, code: torch.Tensor, n: int) -> torch.Tensor:
         ones = torch.ones(1, dtype=torch.int64, device=code.device).expand(code.numel())
@@ -263,6 +264,17 @@ _instances: dict[tuple, Engine] = {}
 _instances_lock = threading.Lock()
 
 
+def engine_choice() -> str:
+    """``TENSORTAPE_ENGINE``, checked: ``ConfigError`` (one line naming the valid
+    values) for anything else.  The Recorder calls it at construction, before
+    anything is written."""
+    choice = os.environ.get("TENSORTAPE_ENGINE", "auto")
+    if choice not in ENGINES:
+        raise ConfigError(f"TENSORTAPE_ENGINE={choice!r} is not valid; use one of "
+                          f"{', '.join(ENGINES)} (or leave it unset)")
+    return choice
+
+
 def _compile_enabled() -> bool:
     return os.environ.get("TENSORTAPE_COMPILE", "1") not in ("0", "false", "no")
 
@@ -280,13 +292,13 @@ def _instance(cls: type, device_type: str, compile: bool) -> Engine:
 
 def _triton_class(required: bool):
     try:
-        from ._triton import TritonEngine
+        with quiet():                   # importing Triton may warn: not the user's news
+            from ._triton import TritonEngine
         return TritonEngine
     except Exception as e:              # no Triton here: the torch kernels, the same numbers
         if required:
-            warnings.warn(f"tensortape: TENSORTAPE_ENGINE=triton, but Triton is not usable "
-                          f"({type(e).__name__}: {e}); using the torch kernels",
-                          RuntimeWarning, stacklevel=4)
+            warn(f"tensortape: TENSORTAPE_ENGINE=triton, but Triton is not usable "
+                 f"({type(e).__name__}: {e}); using the torch kernels", stacklevel=4)
         return None
 
 
@@ -296,10 +308,10 @@ class Engines:
 
     def __init__(self, compile: bool | None = None, choice: str | None = None):
         self.compile = _compile_enabled() if compile is None else compile and _compile_enabled()
-        self.choice = os.environ.get("TENSORTAPE_ENGINE", "auto") if choice is None else choice
+        self.choice = engine_choice() if choice is None else choice
         if self.choice not in ENGINES:
-            raise ValueError(f"TENSORTAPE_ENGINE={self.choice!r} is not valid; use one of "
-                             f"{', '.join(ENGINES)}")
+            raise ConfigError(f"engine {self.choice!r} is not valid; use one of "
+                              f"{', '.join(ENGINES)}")
         self._chains: dict[str, list[Engine]] = {}
         self._level: dict[tuple, int] = {}
 

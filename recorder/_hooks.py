@@ -17,7 +17,8 @@ the hooks is not reused (``_see_hooks``).
 **The guard.**  ``on_pass``, ``on_forward`` and ``on_gradient`` are the only
 ways from a hook into tensortape, and each catches whatever it raises: the
 capture is dropped and counted (``sink.fault``), and training goes on.  Only
-the policies a user chose raise through it (``_POLICY``).
+the policies a user chose raise through it (``_POLICY``), a tensortape warning
+that the user's filters make an error included.
 
 Hooks act only on the modules they were attached to: a ``deepcopy`` of the
 model (an EMA or evaluation copy) carries no-op hooks.
@@ -26,7 +27,6 @@ model (an EMA or evaluation copy) carries no-op hooks.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -35,15 +35,17 @@ from torch import nn
 
 from . import _ops
 from ._naming import input_leaves, leaves
+from ._quiet import quiet, warn
 from ._selection import module_table, unwrap
-from .errors import InspectionError, NonFiniteError
+from .errors import InspectionError, NonFiniteError, TensortapeWarning
 from .format import join, label
 
 __all__ = ["HookSet"]
 
 
 # what may raise through the guard: the policies a user chose
-_POLICY = (InspectionError, NonFiniteError)
+# a TensortapeWarning raised as an error is a policy too: the user's filter chose it
+_POLICY = (InspectionError, NonFiniteError, TensortapeWarning)
 _STALE = object()          # the token of a step that is gone: never the open step's
 
 
@@ -359,11 +361,12 @@ def _see_hooks(model: nn.Module) -> None:
     other compiled models (Dynamo's wrapper) makes them recompile once too.
     """
     try:
-        import torch._dynamo
-        torch._dynamo.config.skip_nnmodule_hook_guards = False
-        from torch._C._dynamo.eval_frame import reset_code
+        with quiet():              # importing Dynamo may warn: torch's news, not the user's
+            import torch._dynamo
+            torch._dynamo.config.skip_nnmodule_hook_guards = False
+            from torch._C._dynamo.eval_frame import reset_code
     except Exception as e:  # no Dynamo here: nothing can be compiled
-        warnings.warn(f"tensortape: cannot make compiled code see the hooks ({e})", stacklevel=3)
+        warn(f"tensortape: cannot make compiled code see the hooks ({e})", stacklevel=3)
         return
     for code in _compiled_frames(model):
         reset_code(code)

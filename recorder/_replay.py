@@ -36,7 +36,6 @@ import contextlib
 import os
 import re
 import traceback
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._naming import leaves
+from ._quiet import quiet
 
 __all__ = ["Keeper", "bundle", "from_bundle", "investigate", "replay"]
 
@@ -302,6 +302,9 @@ def replay(call: Call, paused, backward: bool = False) -> dict:
         for d, state in call.cuda_rng.items():
             torch.cuda.set_rng_state(state, d)
         with contextlib.ExitStack() as stack:
+            # a replay is tensortape's machinery: what it makes warn (the user's code again,
+            # anomaly mode when the check stops the backward) is not news (``_quiet``)
+            stack.enter_context(quiet())
             stack.enter_context(paused())
             for device, (enabled, dtype) in call.autocast.items():
                 if enabled:
@@ -318,9 +321,6 @@ def replay(call: Call, paused, backward: bool = False) -> dict:
                 wrt = [t for t in _tensors((args, kwargs)) if t.requires_grad] + [
                     p for p in module.parameters() if p.requires_grad]
                 if pairs and wrt:
-                    # (anomaly mode warns when the check stops the backward: not news)
-                    stack.enter_context(warnings.catch_warnings())
-                    warnings.simplefilter("ignore")
                     with check:
                         torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs],
                                             allow_unused=True)

@@ -26,10 +26,11 @@ import torch
 from . import format as fmt
 from ._config import RecorderConfig
 from ._engines import Engines
+from ._quiet import holding, warn
 from ._replay import Keeper
 from ._snapshot import Snapshot, Stager, unstorable
 from ._summary import combine, empty_summary, exp_bits_of, moments, widened
-from .errors import InspectionError
+from .errors import InspectionError, TensortapeWarning
 
 __all__ = ["Capture", "Plan", "StepBuffer", "StepRecord", "StatsRows", "TensorRow"]
 
@@ -227,6 +228,7 @@ class StepBuffer:
         self.drops_total = 0
         self.captured = 0                       # captures of the last step ended
         self._warned: set[str] = set()
+        self.pending: list[str] = []            # warnings held by end(), for tell()
         self.paused = 0                         # nesting of rec.pause()
         self.micro = 0                          # the open step's current micro-batch
         self._passes = 0                        # forward passes of the open step
@@ -252,6 +254,7 @@ class StepBuffer:
         self.plan = Plan.at(self.config, step)
         self._captures = []
         self.micro = self._passes = 0
+        self.tell()                             # what the last end() held, if not told yet
 
     # --- hook side: start device work, append a typed record ---------------------------
     def current_token(self) -> object | None:
@@ -352,16 +355,35 @@ class StepBuffer:
                     + (f"{after} takes over" if after else "no other engine is left"))
         self._warn_once(cause, f"tensortape: capturing {kind} of {name!r} failed ({cause}); the "
                         f"capture is dropped and counted in the run's 'dropped'{note}; training "
-                        f"goes on", category=RuntimeWarning)
+                        f"goes on")
 
-    def _warn_once(self, key: str, message: str, category=UserWarning) -> None:
+    def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, category, stacklevel=5)
+            warn(message, stacklevel=4)
+
+    def tell(self) -> None:
+        """Issue the warnings that ``end`` held (on the training thread, once its
+        record is handed on: a filter that makes them errors raises here)."""
+        pending, self.pending = self.pending, []
+        for message in pending:
+            warnings.warn(message, TensortapeWarning, stacklevel=4)
 
     # --- end of step ---------------------------------------------------------------------
+    def idle(self) -> bool:
+        """Whether no thread is inside the buffer now (without waiting)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        self._lock.release()
+        return True
+
     def end(self) -> StepRecord:
-        """Close the step and start its summaries' copy to the host; the record."""
+        """Close the step and start its summaries' copy to the host; the record.
+        It never raises: its warnings (and its engines') are held for ``tell``."""
+        with holding(self.pending):
+            return self._end()
+
+    def _end(self) -> StepRecord:
         step, plan = self.step, self.plan
         self.step = self.token = None
         with self._lock:
@@ -376,7 +398,7 @@ class StepBuffer:
             cause = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             self.drop(f"statistics failed ({cause})", len(caps))
             self._warn_once(cause, f"tensortape: the statistics of step {step} failed ({cause}); "
-                            f"they are dropped and counted; training goes on", RuntimeWarning)
+                            f"they are dropped and counted; training goes on")
         rec.tensors = [TensorRow(c.kind, c.name, c.micro, c.snap) for c in caps if c.snap is not None]
         with self._lock:
             rec.drops, self._drops = self._drops, {}

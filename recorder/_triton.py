@@ -36,6 +36,7 @@ import triton.language as tl
 
 from . import format as fmt
 from ._engines import DeviceEngine
+from ._quiet import quiet
 from ._summary import exp_bits_of, memory_order, widened
 
 __all__ = ["TritonEngine"]
@@ -171,7 +172,8 @@ class TritonEngine(DeviceEngine):
         parts, hist = self._buffers(x, grid)
         bf16 = x.dtype == torch.bfloat16
         where = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
-        with where:                     # launch on the tensor's device, not the current one
+        with where, quiet():            # on the tensor's device; Triton's own warnings (its
+            # compile, at the first launch) never fail the kernel (``_quiet``)
             _summary_kernel[(grid,)](x.view(torch.int16) if bf16 else x, n, parts, hist,
                                      BLOCK=self.BLOCK, RAW=_RAW, WIDTH=_WIDTH, SHIFT=_SHIFT,
                                      BF16=bf16, SLICES=self.SLICES)

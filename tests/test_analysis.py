@@ -121,6 +121,8 @@ def test_inspector_covers_forward_and_backward_and_leaves_no_hooks():
         insp.get_statistics("layers.9.linear1")
 
 
+# xarray writes the string coordinates (layer names) as a dtype Zarr v3 has no spec for yet
+@pytest.mark.filterwarnings("ignore::zarr.errors.UnstableSpecificationWarning")
 def test_tensors_and_statistics_round_trip_through_zarr_and_netcdf(tmp_path):
     import xarray as xr
     run = open_run(record_shapes(str(tmp_path / "a.zarr")))
@@ -129,9 +131,9 @@ def test_tensors_and_statistics_round_trip_through_zarr_and_netcdf(tmp_path):
     assert tensor["extent_dim_1"].values.tolist() == [6, 3]
     for obj in (tensor, run.stats().compute(), run.histogram("layers.0.linear1").compute()):
         ds = obj.to_dataset(name="x") if isinstance(obj, xr.DataArray) else obj
-        ds.to_zarr(str(tmp_path / "out.zarr"), mode="w")
+        ds.to_zarr(str(tmp_path / "out.zarr"), mode="w", consolidated=False)  # not in Zarr v3's spec
         ds.to_netcdf(str(tmp_path / "out.nc"))
-        for back in (xr.open_zarr(str(tmp_path / "out.zarr")).compute(),
+        for back in (xr.open_zarr(str(tmp_path / "out.zarr"), consolidated=False).compute(),
                      xr.open_dataset(str(tmp_path / "out.nc")).compute()):
             xr.testing.assert_identical(back.drop_attrs() if hasattr(back, "drop_attrs") else back,
                                         ds.drop_attrs() if hasattr(ds, "drop_attrs") else ds)

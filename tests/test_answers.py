@@ -274,7 +274,8 @@ def test_inspector_needs_watch_and_keeps_its_internals_private():
 def test_every_cli_option_has_help_and_is_in_the_reference():
     import click
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    reference = open(os.path.join(root, "docs", "REFERENCE.md")).read()
+    with open(os.path.join(root, "docs", "REFERENCE.md")) as f:
+        reference = f.read()
     for name, command in cli.cli.commands.items():
         for p in command.params:
             if isinstance(p, click.Option):

@@ -155,7 +155,8 @@ def test_demo_and_sample_scripts(tmp_path):
 
 
 def test_readme_python_snippet_runs(tmp_path):
-    text = open(os.path.join(ROOT, "README.md")).read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert blocks, "the README must hold a Python snippet"
     cwd = os.getcwd()
@@ -192,5 +193,6 @@ def test_a_closed_stdout_keeps_the_exit_status(runs, args, code):
             for a in args]
     p = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     p.stdout.close()             # like `| head -1`, and before anything is written
-    err = p.stderr.read().decode()
+    with p.stderr:
+        err = p.stderr.read().decode()
     assert p.wait(60) == code and "Broken pipe" not in err and "Error" not in err, err

@@ -175,6 +175,7 @@ def test_fx_graph_module_records_with_its_own_names(tmp_store):
                                gm.fc1(x).detach().numpy())
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_torchscript_is_refused_with_the_alternative(tmp_store):
     scripted = torch.jit.script(InplaceMLP())
     with pytest.raises(ConfigError, match="TorchScript.*record the eager module.*torch.compile"):

@@ -52,7 +52,7 @@ def _run_ranks(store, out, delay, world=2, worker=WORKER):
                                       env=env, cwd=ROOT))
     for p in procs:
         assert p.wait(timeout=120) == 0
-    return [open(out / f"result{rank}").read() for rank in range(world)]
+    return [(out / f"result{rank}").read_text() for rank in range(world)]
 
 
 def test_two_ranks_record_into_one_store(tmp_path):
@@ -161,7 +161,7 @@ def test_four_ranks_are_one_run_and_the_first_nan_names_its_rank(tmp_path, monke
     monkeypatch.setenv("NAN_STEP", "3")
     store = str(tmp_path / "run.zarr")
     assert _run_ranks(store, tmp_path, 0, world=4, worker=NAN_WORKER) == ["ok"] * 4
-    seen = {r: json.load(open(tmp_path / f"seen{r}.json")) for r in range(4)}
+    seen = {r: json.loads((tmp_path / f"seen{r}.json").read_text()) for r in range(4)}
     # the oracle's order: step, forward before backward, execution order, then rank
     order = {"activations": 0, "gradients": 1}
     bad = sorted((s, order[k], i, r, layer, k) for r in range(4)

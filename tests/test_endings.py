@@ -26,7 +26,10 @@ FRAMEWORKS = ["plain", "hf", "lightning"]
 
 def trained(log) -> int:
     """Optimizer steps that completed, as the script logged them."""
-    return sum(1 for _ in open(log)) if os.path.exists(log) else 0
+    if not os.path.exists(log):
+        return 0
+    with open(log) as f:
+        return sum(1 for _ in f)
 
 
 def check(store, log):

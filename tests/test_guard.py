@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from analysis import open_run
-from recorder import InspectionError, NonFiniteError, Recorder
+from recorder import ConfigError, InspectionError, NonFiniteError, Recorder
 from recorder import _engines, _hooks, _snapshot
 
 STEPS = 4
@@ -131,3 +131,14 @@ def test_the_policies_a_user_chose_still_raise(tmp_store, tmp_path):
                     if i == 1:
                         x[0, 0] = float("nan")
                     m(x).sum().backward()
+
+
+def test_a_bad_engine_setting_is_a_config_error_in_one_line(monkeypatch):
+    monkeypatch.setenv("TENSORTAPE_ENGINE", "cuda")
+    for make in (_engines.engine_choice, _engines.Engines):
+        with pytest.raises(ConfigError) as e:
+            make()
+        assert str(e.value) == ("TENSORTAPE_ENGINE='cuda' is not valid; use one of auto, torch, "
+                                "triton (or leave it unset)")
+    monkeypatch.setenv("TENSORTAPE_ENGINE", "torch")
+    assert _engines.engine_choice() == "torch"

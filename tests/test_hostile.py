@@ -6,6 +6,7 @@ import resource
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,30 +66,30 @@ def _extent(store, value):
 def _zarr_v2_asking_for_pickle(store):
     """A Zarr v2 store with tensortape's attributes whose ``step`` array is Python
     objects behind the pickle codec; unpickling it would create ``store + '.pwned'``."""
-    root = json.load(open(os.path.join(store, "zarr.json")))["attributes"]
-    rank = json.load(open(os.path.join(store, "rank0", "zarr.json")))["attributes"]
+    root = json.loads(Path(store, "zarr.json").read_text())["attributes"]
+    rank = json.loads(Path(store, "rank0", "zarr.json").read_text())["attributes"]
     rank["committed"] = {"rank0/stats/activations": 3}
     shutil.rmtree(store)
     step = os.path.join(store, "rank0", "stats", "activations", "step")
     os.makedirs(step)
     for d, attrs in ((store, root), (os.path.join(store, "rank0"), rank),
                      (os.path.join(store, "rank0", "stats"), {}), (os.path.dirname(step), {})):
-        json.dump({"zarr_format": 2}, open(os.path.join(d, ".zgroup"), "w"))
-        json.dump(attrs, open(os.path.join(d, ".zattrs"), "w"))
-    json.dump({"zarr_format": 2, "shape": [3], "chunks": [3], "dtype": "|O", "compressor": None,
-               "fill_value": None, "filters": [{"id": "pickle"}], "order": "C"},
-              open(os.path.join(step, ".zarray"), "w"))
+        Path(d, ".zgroup").write_text(json.dumps({"zarr_format": 2}))
+        Path(d, ".zattrs").write_text(json.dumps(attrs))
+    Path(step, ".zarray").write_text(json.dumps(
+        {"zarr_format": 2, "shape": [3], "chunks": [3], "dtype": "|O", "compressor": None,
+         "fill_value": None, "filters": [{"id": "pickle"}], "order": "C"}))
 
     class Payload:
         def __reduce__(self):
             return open, (store + ".pwned", "w")
-    open(os.path.join(step, "0"), "wb").write(pickle.dumps([Payload()] * 3))
+    Path(step, "0").write_bytes(pickle.dumps([Payload()] * 3))
 
 
 HOSTILE = {
     # stores that are not what they claim
-    "root zarr.json is not JSON": lambda s: open(os.path.join(s, "zarr.json"), "w").write("{oops"),
-    "root zarr.json is a list": lambda s: open(os.path.join(s, "zarr.json"), "w").write("[1, 2]"),
+    "root zarr.json is not JSON": lambda s: Path(s, "zarr.json").write_text("{oops"),
+    "root zarr.json is a list": lambda s: Path(s, "zarr.json").write_text("[1, 2]"),
     "a zarr v2 store asking for pickle": _zarr_v2_asking_for_pickle,
     # wrong-typed attributes
     "committed is a string": lambda s: _rank_attrs(s, lambda a: a.update(committed="many")),
@@ -107,7 +108,7 @@ HOSTILE = {
     "a chunk linked to /dev/zero": _symlink_to_dev_zero,
     "a 10 GB sparse chunk": lambda s: os.truncate(_data_chunk(s), 10 << 30),
     # damaged stores
-    "a corrupt chunk": lambda s: open(_data_chunk(s), "wb").write(b"\x28\xb5\x2f\xfdgarbage"),
+    "a corrupt chunk": lambda s: Path(_data_chunk(s)).write_bytes(b"\x28\xb5\x2f\xfdgarbage"),
     "a truncated chunk": lambda s: os.truncate(_data_chunk(s), os.path.getsize(_data_chunk(s)) // 2),
     "a missing tensor chunk": lambda s: os.remove(_data_chunk(s)),
     "a missing step chunk": lambda s: os.remove(_chunk_of(s, "stats/activations/step")),

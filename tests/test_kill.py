@@ -51,6 +51,7 @@ def test_kill_sweep(tmp_path):
     assert proc.stdout.readline().strip() == "closed"
     span = time.monotonic() - t
     proc.wait()
+    proc.stdout.close()
     rng = random.Random(1234)
     outcomes = {"no store yet": 0, "recording": 0, "complete": 0}
     for k in range(12):
@@ -59,6 +60,7 @@ def test_kill_sweep(tmp_path):
         time.sleep(rng.uniform(0.0, 1.2 * span))   # before attach, inside it, ..., after close
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        proc.stdout.close()
         try:
             run = open_run(store)
         except StoreNotFoundError:

@@ -19,7 +19,7 @@ from torch import nn
 
 from analysis import open_run
 from recorder import (InspectionError, LayerNotFoundError, Recorder, RecorderError,
-                      StoreExistsError, select_layers)
+                      StoreExistsError, TensortapeWarning, select_layers)
 from conftest import InplaceMLP, has_hooks, reference_capture, train, transformer
 
 
@@ -217,7 +217,7 @@ def test_late_gradients_are_dropped_counted_and_warned(tmp_store):
     with Recorder(model, tmp_store, layers="fc*") as rec:
         with rec.step():
             out = model(torch.randn(2, 8))
-        with pytest.warns(UserWarning, match="backward inside the step"):
+        with pytest.warns(TensortapeWarning, match="backward inside the step"):
             out.sum().backward()
         assert rec.dropped == 2
     assert open_run(tmp_store).dropped == 2
@@ -374,6 +374,7 @@ def test_sigkill_leaves_a_readable_store(tmp_store, threads):
         killed_at = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        proc.stdout.close()
     run = open_run(tmp_store)
     assert run.status == "recording"
     steps = run.steps(tensors=True).tolist()

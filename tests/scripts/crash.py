@@ -49,7 +49,11 @@ def gpt2():
 def main(framework, how, k, store, log, models=None):
     """``models`` (a list) receives the model, then the trainer, kept alive."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
-    register_optimizer_step_post_hook(lambda *a: open(log, "a").write("step\n"))
+
+    def logged(*args):
+        with open(log, "a") as f:
+            f.write("step\n")
+    register_optimizer_step_post_hook(logged)
     data = Failing(how, k)
     kw = dict(layers=LAYERS[framework], tensors_every=2, flush_interval=60.0)  # no commit but the last
     if framework in ("plain", "none"):
