@@ -28,6 +28,8 @@ from torch import nn
 from . import _replay
 from . import format as fmt
 from ._config import RecorderConfig
+from ._engines import engine_choice
+from ._quiet import quiet, warn
 from ._hooks import HookSet
 from ._selection import select_layers, unwrap
 from ._step import StepBuffer
@@ -40,6 +42,7 @@ __all__ = ["Recorder"]
 
 
 _open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_ending: "set[Writer]" = set()          # writers a finaliser asked to end the run
 
 
 def _close_at_exit() -> None:
@@ -53,14 +56,21 @@ def _close_at_exit() -> None:
         except BaseException as e:   # never raise at exit; say it in one line
             print(f"tensortape: closing {rec.store_location!r} at exit failed: "
                   f"{type(e).__name__}: {e}", file=sys.stderr)
+    for writer in list(_ending):
+        writer.worker.thread.join(writer.config.close_timeout)
 
 
-def _forgotten(writer: Writer, hooks: HookSet, location: str) -> None:
-    """A Recorder collected without ``close()``: remove its hooks and ask its
-    writer to end the run ``interrupted``.  A finaliser may run in the middle of
-    any code, so this takes no lock and waits for nothing."""
+def _forgotten(writer: Writer, hooks: HookSet, buffer: StepBuffer, location: str) -> None:
+    """A Recorder collected without ``close()``: remove its hooks, end its open step
+    (unless a thread is inside the step buffer now), and ask its writer to end the
+    run ``interrupted``.  A finaliser may run in the middle of any code, even code
+    holding one of tensortape's locks, so this takes no lock it could wait for and
+    waits for nothing."""
     hooks.detach()
+    if buffer.step is not None and buffer.idle():
+        writer.post_nowait(buffer.end())
     writer.close_nowait()
+    _ending.add(writer)
     try:
         warnings.warn(f"tensortape: a Recorder of {location!r} was never closed; it is closed "
                       f"now with status 'interrupted' (use `with Recorder(...)` or call close())",
@@ -186,6 +196,7 @@ class Recorder:
             close_timeout=close_timeout)
         self.metadata = fmt.to_json(metadata or {})
         self.store_location = os.fspath(store)
+        engine_choice()                   # a bad TENSORTAPE_ENGINE: one line, before any write
         self.layers = select_layers(model, layers)
         self.rank, self._world = _rank_and_world()
         self._model_class = type(unwrap(model)).__qualname__
@@ -195,13 +206,15 @@ class Recorder:
         self._buffer: StepBuffer | None = None
         self._closed = False
         self._finalizer: weakref.finalize | None = None
+        self._claim: Claim | None = None              # rank 0's; the writer releases it
         self._last_step: int | None = None           # the store's, for numbering steps
         self._own_last: int | None = None            # this Recorder's: steps must increase
         self._dropped_before = self._outside_before = 0
         self._warned_silent = False
         error = None
         try:
-            check_mode(self.store_location, self.config.mode)   # before any hook
+            with quiet():
+                check_mode(self.store_location, self.config.mode)   # before any hook
         except Exception as e:        # raised after the barrier, so no other rank hangs
             error = e
         _all_ranks_then(self._world, error)      # every rank looks before rank 0 creates
@@ -221,16 +234,18 @@ class Recorder:
                      created=datetime.now(timezone.utc).isoformat())
         if self.rank == 0:                        # applies the mode to the run as a whole
             try:                                  # claimed first; a new root written whole
-                self._claim = Claim.acquire(self.store_location, cfg.mode, 0, self._world)
-                root = open_root(self.store_location, cfg.mode, claim=self._claim,
-                                 attributes=fmt.to_json(fmt.root_attrs(fmt.RankState(), fresh)))
+                with quiet():
+                    self._claim = Claim.acquire(self.store_location, cfg.mode, 0, self._world)
+                    root = open_root(self.store_location, cfg.mode, claim=self._claim,
+                                     attributes=fmt.to_json(fmt.root_attrs(fmt.RankState(), fresh)))
             except Exception as e:
                 error = e
-                if getattr(self, "_claim", None) is not None:
+                if self._claim is not None:
                     self._claim.release()
         _all_ranks_then(self._world, error)
         if root is None:
-            root = open_root(self.store_location, cfg.mode, self.rank)
+            with quiet():
+                root = open_root(self.store_location, cfg.mode, self.rank)
         store = RunStore(root, self.rank, cfg.compression)
         state = store.state() if cfg.mode == "a" else fmt.RankState(rank=self.rank)
         state.rank = self.rank
@@ -244,13 +259,13 @@ class Recorder:
         self._outside_before = state.outside_steps
         self._buffer = StepBuffer(cfg, state.layers)
         self._buffer.warm(self._model)
-        self._writer = Writer(store, state, root_base, cfg)
+        self._writer = Writer(store, state, root_base, cfg, self._claim)
         self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
         self._model = None
         self._hooks.attach()
         _open_recorders.add(self)
         self._finalizer = weakref.finalize(self, _forgotten, self._writer, self._hooks,
-                                           self.store_location)
+                                           self._buffer, self.store_location)
         self._finalizer.atexit = False           # _close_at_exit closes it, bounded
         return self
 
@@ -278,8 +293,7 @@ class Recorder:
                 finally:
                     self._buffer.clear()
                     self._writer.close(status)
-            if getattr(self, "_claim", None) is not None:    # after the writer's last commit
-                self._claim.release()
+                    self._buffer.tell()
 
     def __enter__(self) -> "Recorder":
         return self.attach()
@@ -391,13 +405,7 @@ class Recorder:
         finally:
             self._last_step = step
             record = buffer.end()
-        if not buffer.captured and not self._warned_silent and self._hooks.backward_ran():
-            self._warned_silent = True
-            warnings.warn(f"tensortape: step {step} ran the model (its gradients changed) but "
-                          f"captured nothing: its hooks did not run. Compiled code made without "
-                          f"them may be in use (a torch.compile'd function that calls the model); "
-                          f"attach the Recorder before compiling, or call torch.compiler.reset()",
-                          RuntimeWarning, stacklevel=3)
+        silent = not buffer.captured and not self._warned_silent and self._hooks.backward_ran()
         if buffer.keeper is not None:
             self._replay(record)
         events = []
@@ -409,6 +417,17 @@ class Recorder:
         self._writer.put(record)
         if events:
             self._writer.flush()
+        # the step is handed on: what it has to say is said now, on the training thread (a
+        # filter that makes warnings errors raises here, losing nothing)
+        buffer.tell()
+        self._writer.tell()
+        if silent:
+            self._warned_silent = True
+            warn(f"tensortape: step {step} ran the model (its gradients changed) but captured "
+                 f"nothing: its hooks did not run. Compiled code made without them may be in use "
+                 f"(a torch.compile'd function that calls the model); attach the Recorder before "
+                 f"compiling, or call torch.compiler.reset()", stacklevel=3)
+        if events:
             if raise_nonfinite:
                 e = events[0]
                 raise NonFiniteError(

@@ -1,7 +1,7 @@
 """The writer's thread: a bounded inbox, a flush barrier, liveness, and an outbox.
 
-Threads: ``send``, ``barrier``, ``close_nowait`` and ``tell`` run on the training
-thread (``close_nowait`` also from a finaliser); ``_loop`` and the handler's
+Threads: ``send``, ``barrier`` and ``post_nowait`` run on the training
+thread (``post_nowait`` also from a finaliser); ``_loop`` and the handler's
 methods run on the worker thread, and nowhere else.
 
 - **The inbox** holds messages for the handler, bounded in count and in the
@@ -23,6 +23,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from ._quiet import quiet
 
 __all__ = ["Barrier", "Handler", "Notice", "Worker"]
 
@@ -113,10 +115,10 @@ class Worker:
                 return msg.done.is_set()
         return True
 
-    def close_nowait(self, msg: Barrier) -> None:
+    def post_nowait(self, msg) -> None:
         """Queue ``msg`` without waiting or taking a lock (from a finaliser, which may
-        run while this thread holds the inbox's lock); the worker finds it at its
-        next poll."""
+        run while this thread holds the inbox's lock), past the inbox's bounds; the
+        worker finds it at its next poll."""
         self._inbox.append((msg, 0))
 
     # --- worker-thread side ---------------------------------------------------------
@@ -139,11 +141,12 @@ class Worker:
             self.beat = time.monotonic()
             final = isinstance(msg, Barrier) and msg.final
             try:
-                if isinstance(msg, Barrier):
-                    self.handler.barrier(msg)
-                elif msg is not None:
-                    self.handler.put(msg)
-                self.handler.tick()
+                with quiet():                     # the dependencies' warnings are not news
+                    if isinstance(msg, Barrier):
+                        self.handler.barrier(msg)
+                    elif msg is not None:
+                        self.handler.put(msg)
+                    self.handler.tick()
             except BaseException as e:            # the loop never ends on an error
                 self._failed(e)
             if final:
@@ -164,6 +167,7 @@ class Worker:
 
     def _last_words(self) -> None:
         try:
-            self.handler.last_words()
+            with quiet():
+                self.handler.last_words()
         except BaseException as e:
             self._failed(e)

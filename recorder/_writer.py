@@ -55,8 +55,9 @@ class _Rows:
     """The worker thread's side: records in, rows and commits out."""
 
     def __init__(self, store: RunStore, state: fmt.RankState, root_base: dict[str, Any] | None,
-                 config: RecorderConfig, outbox: collections.deque):
+                 config: RecorderConfig, outbox: collections.deque, claim=None):
         self.store, self.state, self.root_base = store, state, root_base
+        self.claim = claim                     # rank 0's on the store: refreshed, then released
         self.config = config
         self.outbox = outbox                   # Notices for the training thread
         self.policy = TensorPolicy(config, state.bytes_raw)
@@ -130,6 +131,8 @@ class _Rows:
                 f"({_cause(self._fault)}); the statistics of {steps} steps ({rows} rows) "
                 f"since the last commit are lost"))
         self.store.close(wait=not self.abandoned)
+        if self.claim is not None and not self.abandoned:   # after the last commit
+            self.claim.release()
 
     # --- rows and commits -------------------------------------------------------------
     def _resolve(self, record: StepRecord) -> Resolved:
@@ -154,6 +157,9 @@ class _Rows:
         self.journal.committed(self.state)
         self._last, self._pending = time.monotonic(), False
         self._took = self._last - start
+        if self.claim is not None and not self.claim.refresh():
+            self._tell("claim", f"tensortape: this job's claim on the store was lost "
+                                f"({self.claim.lost}); another job may now write there")
 
     def _start_again(self, status: str | None) -> None:
         """From the last commit: the committed state, then the journal's steps
@@ -219,7 +225,7 @@ class Writer:
     """The training thread's handle on the rank's writer thread."""
 
     def __init__(self, store: RunStore, state: fmt.RankState, root_base: dict[str, Any] | None,
-                 config: RecorderConfig):
+                 config: RecorderConfig, claim=None):
         self.config = config
         self.store = store
         self.root_base = root_base
@@ -230,7 +236,7 @@ class Writer:
         self._sent_step: int | None = None
         self.closed_as: str | None = None      # the status the run was closed with
         outbox: collections.deque = collections.deque()
-        self.rows = _Rows(store, state, root_base, config, outbox)
+        self.rows = _Rows(store, state, root_base, config, outbox, claim)
         self.worker = Worker(self.rows, outbox, max_bytes=config.max_pending_bytes,
                              poll=min(0.05, config.flush_interval / 4),
                              stall=config.close_timeout)
@@ -239,7 +245,7 @@ class Writer:
     def put(self, record: StepRecord) -> None:
         """Hand a step record to the worker (waiting while it is busy and making
         progress); if it cannot take it, the record's captures are counted as
-        dropped, with the reason, and the training thread is told once."""
+        dropped, with the reason, and ``tell`` says so once."""
         if self._lost:                   # counted before: they travel with this record
             for reason, n in self._lost.items():
                 record.drops[reason] = record.drops.get(reason, 0) + n
@@ -259,7 +265,6 @@ class Writer:
                                      f"of later steps while it stays so are dropped and counted "
                                      f"in the run's 'dropped'; training goes on",
                                 RecorderError(why) if self.config.on_error == "raise" else None))
-        self.tell()
 
     def flush(self) -> None:
         """Wait until everything put is written and committed (at most
@@ -280,10 +285,14 @@ class Writer:
             self._give_up(deadline)
         self.tell()
 
+    def post_nowait(self, record: StepRecord) -> None:
+        """From a finaliser: hand over a record without a lock or a wait."""
+        self.worker.post_nowait(record)
+
     def close_nowait(self) -> None:
         """From a finaliser: ask the worker to end the run ``interrupted``; no lock,
         no wait."""
-        self.worker.close_nowait(Barrier(fmt.STATUS_INTERRUPTED, final=True))
+        self.worker.post_nowait(Barrier(fmt.STATUS_INTERRUPTED, final=True))
 
     def _give_up(self, deadline: float) -> None:
         why = self.worker.trouble() or "it did not finish in time"
