@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
+import sys
 import traceback
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -47,7 +50,7 @@ from ._quiet import quiet
 
 __all__ = ["Keeper", "bundle", "from_bundle", "investigate", "replay"]
 
-REPLAY_CAP = "replay inputs past max_replay_bytes"
+REPLAY_CAP = "replay inputs past max_replay_bytes"   # (inputs, outputs and output gradients)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -95,20 +98,33 @@ class Keeper:
         self.nbytes = 0
         self.dropped = 0
         self.done = False                 # the run's first NaN/Inf was replayed: keep nothing
-        self._seen: set[int] = set()
+        self._seen: dict[int, int] = {}   # storages kept (data pointer -> bytes)
+
+    def _fits(self, ts) -> bool:
+        """Count the storages of ``ts`` not yet kept, if they fit under the cap (all
+        that is kept is counted: inputs, outputs, output gradients)."""
+        new = {}
+        for t in ts:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._seen:
+                new[ptr] = t.untyped_storage().nbytes()
+        n = sum(new.values())
+        if self.nbytes + n > self.max_bytes:
+            self.dropped += 1
+            return False
+        self.nbytes += n
+        self._seen.update(new)
+        return True
 
     def enter(self, module_name: str, name: str, micro: int, module, args, kwargs) -> None:
         """A recorded module's call begins (its pre-hook)."""
         if self.done:
             return
         ts = _tensors((args, kwargs))
-        new = [t for t in ts if t.untyped_storage().data_ptr() not in self._seen]
-        n = sum(t.untyped_storage().nbytes() for t in new)
-        if self.nbytes + n > self.max_bytes:
-            self.dropped += 1
+        stack = self._open.setdefault(module_name, [])
+        if not self._fits(ts):
+            stack.append(None)          # its leave pops this, not an outer call's
             return
-        self.nbytes += n
-        self._seen.update(t.untyped_storage().data_ptr() for t in new)
         devices = {t.device for t in ts if t.device.type == "cuda"}
         call = Call(name, micro, module, args, kwargs, [t._version for t in ts], None,
                     torch.get_rng_state(),
@@ -116,7 +132,7 @@ class Keeper:
                     {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                      for d in ("cpu", "cuda")},
                     torch.is_grad_enabled(), order=self._tick())
-        self._open.setdefault(module_name, []).append(call)
+        stack.append(call)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -126,13 +142,13 @@ class Keeper:
         """An output of the open call of ``module_name`` whose gradient will carry
         ``serial`` (the recorder's gradient hook)."""
         stack = self._open.get(module_name)
-        if stack:
+        if stack and stack[-1] is not None:
             self._serials[serial] = (stack[-1], path)
 
     def grad(self, serial: int, g: torch.Tensor) -> None:
         """The gradient of a kept call's output, kept by reference."""
         found = self._serials.get(serial)
-        if found is not None:
+        if found is not None and self._fits([g]):
             call, path = found
             call.grads = {**(call.grads or {}), path: g}
 
@@ -141,21 +157,45 @@ class Keeper:
         stack = self._open.get(module_name)
         if stack:
             call = stack.pop()
-            call.outputs = _tensors(output)
+            if call is None:
+                return
+            outputs = _tensors(output)
+            if not self._fits(outputs):
+                return
+            call.outputs = outputs
             call.end = self._tick()
             self.calls.append(call)
 
     def take(self) -> list[Call]:
         calls, self.calls, self._open, self._serials = self.calls, [], {}, {}
-        self.nbytes, self._seen, self._clock = 0, set(), 0
+        self.nbytes, self._seen, self._clock = 0, {}, 0
         return calls
 
 
-def find(calls: list[Call]) -> Call | None:
-    """The producer: the first call (completion order) whose outputs hold NaN/Inf
-    and whose inputs are finite."""
+def _made(events) -> set | None:
+    """The forward captures that held NaN/Inf, as the capture counted them
+    ((micro, layer) pairs), or None where the step's outputs were not captured
+    (no activations counted: the live outputs are judged instead)."""
+    acts = [e for e in events if e.kind == "activations" and e.phase == "forward"]
+    return {(e.micro, e.layer) for e in acts} if acts else None
+
+
+def _outputs_nonfinite(call: Call, made: set | None) -> bool:
+    """The call's outputs held NaN/Inf when it returned: by the capture's own counts
+    (an output cleaned in place afterwards, ``y.nan_to_num_()``, still counts),
+    else (outputs not captured) by the kept outputs."""
+    if made is None:
+        return bool(call.outputs) and not _all_finite(call.outputs)
+    return any(m == call.micro and (layer == call.name or layer.startswith(call.name + ":"))
+               for m, layer in made)
+
+
+def find(calls: list[Call], events=()) -> Call | None:
+    """The producer: the first call (completion order) whose outputs held NaN/Inf
+    (``events``: the step's, the capture's counts) and whose inputs are finite."""
+    made = _made(events)
     for call in calls:
-        if call.outputs and not _all_finite(call.outputs) and _all_finite(
+        if call.outputs is not None and _outputs_nonfinite(call, made) and _all_finite(
                 _tensors((call.args, call.kwargs))):
             return call
     return None
@@ -180,7 +220,7 @@ def investigate(calls: list[Call], events: list, paused) -> tuple[int, dict, Cal
     None).  Forward when the step's first event is, else backward."""
     first = events[0]
     if first.phase == "forward":
-        call = find(calls)
+        call = find(calls, events)
         found = None if call is None else replay(call, paused)
     else:
         call, found = find_backward(calls, paused) or (None, None)
@@ -292,6 +332,7 @@ def replay(call: Call, paused, backward: bool = False) -> dict:
                                              "this one?)"}
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     rng = torch.get_rng_state()
+    py_rng, np_rng = random.getstate(), np.random.get_state()
     cuda_rng = {d: torch.cuda.get_rng_state(d) for d in call.cuda_rng}
     args, kwargs = tree_map(lambda x: x.detach().clone().requires_grad_(
         backward and _floating(x) and x.requires_grad) if isinstance(x, torch.Tensor) else x,
@@ -333,6 +374,8 @@ def replay(call: Call, paused, backward: bool = False) -> dict:
         torch.set_rng_state(rng)
         for d, state in cuda_rng.items():
             torch.cuda.set_rng_state(state, d)
+        random.setstate(py_rng)             # the user's code may draw from these too
+        np.random.set_state(np_rng)
     if check.found is None:
         return {**where, "op": None, "note": "the replay made no NaN/Inf (the call depends on "
                                              "state the replay does not restore)"}

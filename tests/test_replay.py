@@ -8,6 +8,7 @@ that training is untouched (parameters bit-identical to a run without the
 recorder, with dropout and BatchNorm in the producer).
 """
 import inspect
+import random
 import math
 
 import numpy as np
@@ -402,3 +403,78 @@ def test_a_nan_made_between_recorded_modules_is_said_so(tmp_path):
     assert r["op"] is None and "between recorded modules" in r["note"] and "bundle" not in r
     out = CliRunner().invoke(cli, ["nan", path])
     assert out.exit_code == 1 and "replay: no recorded module made it" in out.output
+
+
+# --- issue 30: RNGs, the capture's counts, the cap ------------------------------------------
+class DrawsThenLogs(nn.Module):
+    """Draws from Python's and numpy's global RNGs, then takes a log (of negatives)."""
+
+    def forward(self, x):
+        jitter = 1.0 + 0.0 * random.random() + 0.0 * float(np.random.rand())
+        return torch.log(x * jitter)
+
+
+def test_pythons_and_numpys_rngs_are_restored_after_a_replay(tmp_path):
+    def run(rec_path):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 6), DrawsThenLogs(), nn.Linear(6, 3))
+        random.seed(7)
+        np.random.seed(7)
+        if rec_path is None:
+            train(m, 2, batch6)
+        else:
+            with Recorder(m, rec_path, on_nonfinite="replay", tensors_every=None) as rec:
+                train(m, 2, batch6, rec)
+        return random.random(), float(np.random.rand())
+
+    path = str(tmp_path / "run.zarr")
+    assert run(path) == run(None)
+    assert open_run(path).first_nonfinite().replay["op"] == "aten::log"
+
+
+class CleansInPlace(nn.Module):
+    """Its ``log`` makes NaN, which its own code cleans in place after the call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.log = Log()
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        y = self.log(self.lin(x))
+        y.nan_to_num_()
+        return self.head(y)
+
+
+def test_an_output_cleaned_in_place_after_the_call_is_judged_by_its_capture(tmp_path):
+    torch.manual_seed(0)
+    m = CleansInPlace()
+    path = str(tmp_path / "run.zarr")
+    with Recorder(m, path, layers="*", on_nonfinite="replay", tensors_every=None) as rec:
+        train(m, 1, batch6, rec)
+    r = open_run(path).first_nonfinite().replay
+    assert r["op"] == "aten::log" and r["module"] == "log", r
+    assert r["source"] == line_of(Log.forward, "torch.log(")
+
+
+def test_the_cap_counts_outputs_and_output_gradients(tmp_path):
+    from recorder._replay import Keeper
+    k = Keeper(1 << 20)
+    x, y, g = torch.zeros(10), torch.zeros(20), torch.zeros(30)
+    k.enter("m", "m", 0, nn.Identity(), (x,), {})
+    k.bind("m", "", 1)
+    k.leave("m", y)
+    k.grad(1, g)
+    assert k.nbytes == 4 * (10 + 20 + 30) and k.dropped == 0
+    # the inputs of the one recorded module (4 x 512 float32: 8 KiB) fit under 12 KiB, with
+    # its outputs they do not: nothing is kept, and that is counted
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 512), Log(), nn.Linear(512, 3))
+    path = str(tmp_path / "run.zarr")
+    with Recorder(m, path, layers=["1"], on_nonfinite="replay", tensors_every=None,
+                  max_replay_bytes=12 << 10) as rec:
+        train(m, 1, batch6, rec)
+    run = open_run(path)
+    assert run.first_nonfinite() is not None and run.first_nonfinite().replay is None
+    assert run.attrs["drop_reasons"]["replay inputs past max_replay_bytes"] > 0
