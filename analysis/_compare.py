@@ -63,10 +63,17 @@ def _no_common(a: Run, b: Run, kinds, layers) -> ConfigError:
                        f"model, or pick --kind/--layer that both hold")
 
 
+def _absent(st: xr.Dataset) -> xr.DataArray:
+    """Where a layer did not run (an expert with no tokens): its count is -1."""
+    return st["count"] < 0
+
+
 def _relative(sa: xr.Dataset, sb: xr.Dataset) -> xr.DataArray:
     """Per (step, layer), the largest relative difference of any statistic, as
     ``first_divergence`` measures it: |b - a| / max(|a|, |b|); NaN against a
-    number is infinite, NaN against NaN is 0."""
+    number is infinite, NaN against NaN is 0.  A layer that ran in one run and
+    not in the other at a step differs infinitely; one that ran in neither is
+    not compared (NaN)."""
     out = None
     for s in fmt.STATS:
         x, y = sa[s].astype(float), sb[s].astype(float)
@@ -74,7 +81,8 @@ def _relative(sa: xr.Dataset, sb: xr.Dataset) -> xr.DataArray:
         d = xr.where(x.isnull() & y.isnull(), 0.0, xr.where(x.isnull() | y.isnull(), np.inf, d))
         d = xr.where(x == y, 0.0, d)
         out = d if out is None else np.maximum(out, d)
-    return out
+    gone_a, gone_b = _absent(sa), _absent(sb)
+    return xr.where(gone_a & gone_b, np.nan, xr.where(gone_a | gone_b, np.inf, out))
 
 
 def _runs(a, b, rank: int | None) -> tuple[Run, Run]:
@@ -98,6 +106,12 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     no full tensors).  Each variable's ``covers`` attribute, and the dataset's
     ``tensor_steps``/``tensor_layers``, say which steps and layers it covers.
 
+    A layer that did not run at a step (an expert with no tokens) is marked in
+    ``absent_a``/``absent_b``; where either is set, ``delta_<stat>`` is no
+    difference (NaN, and 0 for counts), and ``stat_rel`` is infinite where the
+    layer ran in one run only (the runs differ) and NaN where it ran in neither
+    (not compared, not a divergence).
+
     a, b: run paths, URLs or ``Run`` objects.  kind: the kind compared.
     layers: glob pattern(s) narrowing the layers (default: all both runs hold).
     progress: wraps the iterable of layers whose full tensors are scanned
@@ -111,10 +125,13 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
         raise _no_common(a, b, [kind], layers)
     sa = a.stats(kind, names).sel(step=steps).compute()
     sb = b.stats(kind, names).sel(step=steps).compute()
-    out = xr.Dataset({f"delta_{s}": sb[s] - sa[s] for s in fmt.STATS})
+    gone = _absent(sa) | _absent(sb)         # not a difference of the statistics there
+    out = xr.Dataset({f"delta_{s}": xr.where(gone, 0 if s in fmt.COUNT_STATS else np.nan,
+                                             sb[s] - sa[s]) for s in fmt.STATS})
     out["stat_rel"] = _relative(sa, sb)
-    out["nonfinite"] = (sum(sa[k] for k in fmt.COUNT_STATS[1:]) > 0) | \
-        (sum(sb[k] for k in fmt.COUNT_STATS[1:]) > 0)
+    out["nonfinite"] = (sum(sa[k].clip(min=0) for k in fmt.COUNT_STATS[1:]) > 0) | \
+        (sum(sb[k].clip(min=0) for k in fmt.COUNT_STATS[1:]) > 0)
+    out["absent_a"], out["absent_b"] = _absent(sa), _absent(sb)
     stats_cover = f"statistics: {steps_text(steps)} x {len(names)} layers"
     for v in out.data_vars:
         out[v].attrs["covers"] = stats_cover
@@ -241,7 +258,8 @@ def difference_map(a, b, kind: str = "activations", layers=None,
     table uses: ``rel_l2`` when both runs hold every full tensor compared, else
     ``stat_rel`` (the largest relative difference of any statistic)."""
     ds = compare_runs(a, b, kind, layers) if ds is None else ds
-    full = "rel_l2" in ds and bool(ds["rel_l2"].notnull().all())
+    ran = ~(ds["absent_a"] | ds["absent_b"]) if "absent_a" in ds else True
+    full = "rel_l2" in ds and bool((ds["rel_l2"].notnull() | ~ran).all())
     metric = "rel_l2" if full else "stat_rel"
     return ds[metric].transpose("layer", "step").rename(metric)
 
@@ -265,8 +283,9 @@ def plot_comparison(a, b, layer, kind="activations", stat="std", rtol: float = 1
     lines = []
     for r in (a, b):
         st = r.stats(kind, [layer]).isel(layer=0).compute()
-        bad = sum(st[k] for k in fmt.COUNT_STATS[1:])
-        lines.append(st[stat].assign_coords(nonfinite=bad).assign_attrs(layer=layer, kind=kind))
+        bad = sum(st[k].clip(min=0) for k in fmt.COUNT_STATS[1:])
+        lines.append(st[stat].assign_coords(nonfinite=bad, absent=_absent(st))
+                     .assign_attrs(layer=layer, kind=kind))
     first = first_divergence(a, b, rtol=rtol, kinds=[kind]) if first is False else first
     names = [os.path.basename(r.path.rstrip("/")) or r.path for r in (a, b)]
     if names[0] == names[1]:

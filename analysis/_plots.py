@@ -82,8 +82,9 @@ def _nonfinite_bars(ax, counts: dict) -> None:
 
 
 def last_finite_step(h) -> int | None:
-    """The last step of a histogram (``Run.histogram``) that holds finite values."""
-    finite = h.sum("bin").values > 0
+    """The last step of a histogram (``Run.histogram``) that holds finite values (a
+    step where the layer did not run holds -1 in every bin)."""
+    finite = h.clip(min=0).sum("bin").values > 0
     steps = h.step.values[finite]
     return int(steps[-1]) if len(steps) else None
 
@@ -111,11 +112,11 @@ def histogram(h, steps=None, ax=None, density: bool = False):
     bad = {k: 0 for k in NONFINITE}
     for n, s in enumerate(steps):
         at = h.sel(step=s)
-        c = at.values.astype(np.int64)
+        c = np.maximum(at.values.astype(np.int64), 0)      # -1: the layer did not run
         used = np.nonzero(c)[0]
         for k in NONFINITE:
             if k in h.coords:
-                bad[k] += int(at[k])
+                bad[k] += max(int(at[k]), 0)
         if not used.size:
             continue
         lo, hi = lo_e[used].copy(), hi_e[used].copy()
@@ -181,7 +182,7 @@ def evolution(ds, stat: str = "std", ax=None, max_legend: int = 12):
     the title (``ds.attrs["run"]``)."""
     kind, run = ds.attrs.get("kind", ""), ds.attrs.get("run", "")
     da = ds[stat]
-    bad = sum(ds[k].astype(np.int64) for k in NONFINITE)
+    bad = sum(ds[k].astype(np.int64).clip(min=0) for k in NONFINITE)   # -1: did not run
     shown = da.where(bad == 0)
     steps = da.step.values
     names = [str(x) for x in da.layer.values]
@@ -277,7 +278,7 @@ def distribution(h, ax=None):
     their bins.  A symmetric-log value axis (with a 0 tick) when the tails dwarf
     the bulk; each step's NaN/Inf count in a strip below, marked."""
     layer, kind = h.attrs.get("layer", h.name), h.attrs.get("kind", "")
-    counts = h.values.astype(np.int64)
+    counts = np.maximum(h.values.astype(np.int64), 0)     # -1: the layer did not run
     steps = h.step.values
     vmin = h["min"].values.astype(float) if "min" in h.coords else None
     vmax = h["max"].values.astype(float) if "max" in h.coords else None
@@ -315,7 +316,7 @@ def distribution(h, ax=None):
     ax.grid(alpha=0.3)
     ax.set_title(f"{_short(layer, 50)} · {kind}: distribution over steps\n"
                  f"bands: true min-max, ±2σ and ±1σ percentiles; line: median", fontsize="small")
-    bad = sum(h[k].values.astype(np.int64) for k in NONFINITE if k in h.coords)
+    bad = sum(np.maximum(h[k].values.astype(np.int64), 0) for k in NONFINITE if k in h.coords)
     bad = np.zeros(len(steps), np.int64) if np.isscalar(bad) else bad
     if strip is not None:
         gap = np.min(np.diff(steps)) if len(steps) > 1 else 1
@@ -381,7 +382,8 @@ def comparison(diff, line_a, line_b, labels=("run A", "run B"), first=None, nonf
     layer, kind, stat = line_a.attrs.get("layer", ""), line_a.attrs.get("kind", ""), line_a.name
     for n, (da, style, name) in enumerate(((line_a, "-", labels[0]), (line_b, "--", labels[1]))):
         lines.plot(da.step.values, da.values, style, lw=1.4, color=f"C{n}", label=_short(name, 30))
-        gone = np.nonzero(~np.isfinite(da.values.astype(float)) |
+        ran = ~da.coords["absent"].values if "absent" in da.coords else True
+        gone = np.nonzero((~np.isfinite(da.values.astype(float)) & ran) |
                           (da.coords["nonfinite"].values > 0 if "nonfinite" in da.coords
                            else False))[0]
         if gone.size:

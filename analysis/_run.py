@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import html
 import itertools
 from dataclasses import dataclass, field
@@ -77,6 +78,12 @@ def open_run(path) -> "Run":
     """Open a run (Zarr store, fsspec URL, or HDF5 export) lazily; a ``Run`` is returned as is."""
     return path if isinstance(path, Run) else Run(path)
 
+
+
+def _counts(raw):
+    """A count statistic as stored (float64, lazy) as int64: -1 where the layer did
+    not run at that step (NaN in the store), never a cast of NaN."""
+    return np.where(np.isnan(raw), -1, raw).astype(np.int64)
 
 
 def _with_range(h, st):
@@ -340,28 +347,47 @@ class Run:
         return list(self._states[rank].stats_layers.get(kind, []))
 
     @staticmethod
-    def _select(names: list[str], layers) -> list[int]:
+    def _select(names: list[str], layers, strict: bool = True) -> list[int]:
+        """The columns of ``names`` that ``layers`` (glob patterns) match; ``strict``:
+        each pattern must match one of them (not so for one rank of several, whose
+        patterns may match another rank's layers: a pipeline stage elsewhere)."""
         if layers is None:
             return list(range(len(names)))
-        chosen = set(fmt.match_layers(names, layers, what="layer with statistics"))
+        if strict:
+            chosen = set(fmt.match_layers(names, layers, what="layer with statistics"))
+        else:
+            patterns = [layers] if isinstance(layers, str) else list(layers)
+            chosen = {n for n in names if any(n == p or fnmatch.fnmatchcase(n, p)
+                                              for p in patterns)}
         return [i for i, n in enumerate(names) if n in chosen]
 
-    def _across(self, rank: int | None, one, kind: str):
+    def _across(self, rank: int | None, one, kind: str, holds=None):
         """``one(rank)`` for the rank asked, or, for a run of several ranks and no
         rank asked, every rank's (those that have ``kind``) joined along a ``rank``
-        dimension: steps and layers are the union; what a rank did not record is
-        NaN, and -1 for counts."""
+        dimension: steps and layers are the union; what a rank did not record (a
+        rank where ``holds(rank)`` is false: nothing asked for) is NaN, and -1 for
+        counts, as where a layer did not run."""
         if rank is not None or len(self.ranks) < 2:
             return one(rank)
         ranks = [r for r in self.ranks if kind in self.kinds_of(r)]
         if not ranks:
             self._kind(kind, self.ranks[0])
-        parts = [one(r) for r in ranks]
-        fill = {s: -1 for s in fmt.COUNT_STATS} if isinstance(parts[0], xr.Dataset) else -1
-        out = xr.concat([p.drop_attrs() if hasattr(p, "drop_attrs") else p for p in parts],
-                        dim=xr.DataArray(ranks, dims="rank", name="rank"), join="outer",
+        held = [r for r in ranks if holds is None or holds(r)] or ranks[:1]
+        parts = [one(r) for r in held]
+        like = parts[0]
+        parts = [p.drop_attrs() for p in parts]
+        counts = list(fmt.COUNT_STATS)
+        if isinstance(like, xr.DataArray):        # a histogram: its NaN/Inf counts per rank too
+            counts = ["hist", *(k for k in fmt.COUNT_STATS[1:] if k in like.coords)]
+            parts = [p.to_dataset(name="hist").reset_coords(counts[1:]) for p in parts]
+        fill = dict.fromkeys(counts, -1)
+        out = xr.concat(parts, dim=xr.DataArray(held, dims="rank", name="rank"), join="outer",
                         fill_value=fill, coords="minimal", compat="override")
-        out.attrs.update(parts[0].attrs)
+        if held != ranks:
+            out = out.reindex(rank=ranks, fill_value=fill)
+        if isinstance(like, xr.DataArray):
+            out = out.set_coords(counts[1:])["hist"].rename(like.name)
+        out.attrs.update(like.attrs)
         out.attrs.pop("rank", None)
         return out
 
@@ -373,21 +399,30 @@ class Run:
         (default: every layer with statistics).  rank: one rank's; by default,
         in a run of several ranks, every rank's along a ``rank`` dimension
         (each read only when its values are)."""
-        return self._across(rank, lambda r: self._stats(kind, layers, r), kind)
+        if rank is not None or len(self.ranks) < 2 or layers is None:
+            return self._across(rank, lambda r: self._stats(kind, layers, r), kind)
+        # every pattern matches a layer of some rank; a rank is read where one does
+        held = [r for r in self.ranks if kind in self.kinds_of(r)]
+        fmt.match_layers(list(dict.fromkeys(n for r in held for n in self._stats_layers(kind, r))),
+                         layers, what="layer with statistics on any rank")
+        return self._across(rank, lambda r: self._stats(kind, layers, r, strict=False), kind,
+                            lambda r: bool(self._select(self._stats_layers(kind, r), layers,
+                                                        strict=False)))
 
-    def _stats(self, kind: str, layers, rank: int | None) -> xr.Dataset:
+    def _stats(self, kind: str, layers, rank: int | None, strict: bool = True) -> xr.Dataset:
         rank = self._rank(rank)
         self._kind(kind, rank)
         path, rows, steps = self._stats_rows(kind, rank)
         names = self._stats_layers(kind, rank)
-        idx = self._select(names, layers)
+        idx = self._select(names, layers, strict)
         data = {}
         for s in fmt.STATS:
             dtype = np.int64 if s in fmt.COUNT_STATS else np.float64
             if not len(rows):                  # full tensors of this kind, no statistics yet
                 data[s] = (("step", "layer"), np.zeros((0, len(idx)), dtype))
                 continue
-            data[s] = (("step", "layer"), self._stat(path, s, rows, idx).astype(dtype))
+            raw = self._stat(path, s, rows, idx)
+            data[s] = (("step", "layer"), _counts(raw) if s in fmt.COUNT_STATS else raw.astype(dtype))
         ds = xr.Dataset(data, coords={"step": steps, "layer": [names[i] for i in idx]})
         ds.attrs.update(kind=kind, rank=rank)
         return ds
@@ -397,8 +432,15 @@ class Run:
         """Counts in the shared bins: dims (step, bin); ``bin`` holds each bin's centre
         (what ``.plot()`` uses), ``bin_lo``/``bin_hi`` its edges; ``nan``, ``posinf``
         and ``neginf`` per step.  In a run of several ranks and no ``rank`` asked,
-        every rank's along a ``rank`` dimension (-1: not recorded there)."""
-        return self._across(rank, lambda r: self._histogram(layer, kind, step, r), kind)
+        every rank's along a ``rank`` dimension (-1: not recorded there).  At a step
+        where the layer did not run (an expert with no tokens), every count is -1."""
+        if rank is None and len(self.ranks) > 1:
+            held = [r for r in self.ranks if kind in self.kinds_of(r)]
+            names = list(dict.fromkeys(n for r in held for n in self._stats_layers(kind, r)))
+            if held and layer not in names:
+                raise LayerNotFoundError(_missing(layer, names, f"{kind} statistics on any rank"))
+        return self._across(rank, lambda r: self._histogram(layer, kind, step, r), kind,
+                            lambda r: layer in self._stats_layers(kind, r))
 
     def _histogram(self, layer: str, kind: str, step, rank: int | None) -> xr.DataArray:
         rank = self._rank(rank)
@@ -411,12 +453,14 @@ class Run:
         path, rows, steps = self._stats_rows(kind, rank)
         lo, hi = fmt.bin_edges()
         counts = self._lazy(path + "/hist")[_as_slice(rows), i]     # one indexing: one read
+        absent = np.isnan(self._stat(path, "count", rows, i))       # the layer did not run
+        counts = np.where(absent[:, None], -1, counts)
         out = xr.DataArray(counts, dims=("step", "bin"),
                            coords={"step": steps, "bin": fmt.bin_centers(),
                                    "bin_lo": ("bin", lo), "bin_hi": ("bin", hi)},
                            name=f"{layer} {kind}", attrs={"layer": layer, "kind": kind})
         for s in ("nan", "posinf", "neginf"):
-            out.coords[s] = ("step", self._stat(path, s, rows, i))
+            out.coords[s] = ("step", _counts(self._stat(path, s, rows, i)))
         if step is not None:
             if step not in set(steps.tolist()):
                 raise ConfigError(f"step {step} has no statistics for {layer!r}; it has "
