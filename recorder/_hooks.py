@@ -22,11 +22,24 @@ that the user's filters make an error included.
 
 Hooks act only on the modules they were attached to: a ``deepcopy`` of the
 model (an EMA or evaluation copy) carries no-op hooks.
+
+**Evaluation passes.**  A call of the root module under ``no_grad`` or
+``inference_mode`` inside a step is an evaluation pass (``on_pass`` with
+``grad=False``): it is not a micro-batch, nothing of it is recorded, and the
+sink counts it (``sink.eval_pass``, where the sink has one).
+
+**Leaf outputs.**  A module whose output is a leaf (``return self.pe``: a
+parameter, a buffer, an input that requires grad) hands the hook a tensor that
+outlives the forward pass, so a gradient hook on it would stay for good.  Such
+a hook (``leaf_hook``) is registered only for a recorded call, acts once (the
+gradient of that call's backward), and is removed when its step ends (the
+sink's ``on_end``), at the next step and at ``detach``.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -80,7 +93,14 @@ class HookSet:
         self._serial = 0
         self._probe: tuple | None = None
         self._depth = 0                                      # nesting of root-module calls
+        self._evaluating = False                   # the root's outermost call is under no_grad
+        self._leaf_handles: list = []              # gradient hooks on leaf outputs, this step
         self.id = _ops.register(self)
+        self._evaluating_as = _NoGrad(self)        # the root's calls without grad go here
+        self.eval_id = _ops.register(self._evaluating_as)
+        ends = getattr(sink, "on_end", None)       # the sink says when a step ends
+        if ends is not None:
+            ends.append(self.end_step)
 
     @property
     def attached(self) -> bool:
@@ -90,7 +110,7 @@ class HookSet:
         pre = frozenset(self._kinds & {"inputs", "weights"})
         post = frozenset(self._kinds & {"activations", "gradients"})
         self._handles.append(self._root.register_forward_pre_hook(
-            _PassHook(self.id, True), with_kwargs=True))
+            _PassHook(self.id, True, self.eval_id), with_kwargs=True))
         for name, module in self._modules:
             if pre:
                 self._handles.append(module.register_forward_pre_hook(
@@ -103,20 +123,31 @@ class HookSet:
                     _KeepHook(self.id, name, frozenset(), True), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
                     _KeepHook(self.id, name, frozenset(), False), always_call=True))
-        self._handles.append(self._root.register_forward_hook(_PassHook(self.id, False),
-                                                              always_call=True))
+        self._handles.append(self._root.register_forward_hook(
+            _PassHook(self.id, False, self.eval_id), always_call=True))
         _see_hooks(self._model)
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.end_step()
         _ops.unregister(self.id)
+        _ops.unregister(self.eval_id)
+
+    def end_step(self) -> None:
+        """The step ended: the gradient hooks on leaf outputs go (a parameter keeps
+        no hook of tensortape's between steps)."""
+        handles, self._leaf_handles = self._leaf_handles, []
+        for h in handles:
+            h.remove()
 
     def new_step(self) -> None:
+        self.end_step()
         self._calls.clear()
         self._weighed.clear()
         self._depth = 0
+        self._evaluating = False
         self._older, self._serials = self._serials, {}
         self._probe = self._grad_state()
 
@@ -141,17 +172,28 @@ class HookSet:
         return ("grad", None) if g is None else ("grad", id(g), g._version)
 
     # --- called from the hooks (through ``_ops``), at run time: the guard ------------
-    def on_pass(self, enter: bool) -> None:
+    def on_pass(self, enter: bool, grad: bool = True) -> None:
         """The root module's forward begins (``enter``) or ends: the outermost call
-        begins a forward pass, whose module calls are named afresh."""
+        begins a forward pass, whose module calls are named afresh.  An outermost
+        call without grad (``grad=False``) inside a step is an evaluation pass: no
+        micro-batch, nothing recorded until it ends, counted by the sink."""
         try:
             if enter:
                 self._depth += 1
                 if self._depth == 1:
-                    self._calls.clear()
-                    self._sink.begin_pass()
+                    evaluate = getattr(self._sink, "eval_pass", None)
+                    if not grad and evaluate is not None \
+                            and self._sink.current_token() is not None:
+                        self._evaluating = True
+                        evaluate()
+                    else:
+                        self._evaluating = False
+                        self._calls.clear()
+                        self._sink.begin_pass()
             else:
                 self._depth = max(self._depth - 1, 0)
+                if self._depth == 0:
+                    self._evaluating = False
         except _POLICY:
             raise
         except Exception as e:
@@ -172,7 +214,7 @@ class HookSet:
         """A recorded module's call begins or ends (``on_nonfinite="replay"``): the
         keeper holds its inputs and outputs until the step ends."""
         try:
-            if self._sink.current_token() is None:       # outside a step, or paused
+            if self._sink.current_token() is None or self._evaluating:   # not recorded
                 return
             if enter:
                 k = self._calls.get(("keep", module), 0)
@@ -205,7 +247,17 @@ class HookSet:
         except Exception as e:
             self._sink.fault(e, "gradients", name)
 
+    def leaf_hook(self, t: torch.Tensor, serial) -> None:
+        """The gradient hook of a leaf output whose capture had ``serial``: only for a
+        recorded call; it acts once, and goes when the step ends."""
+        serial = int(serial)
+        if serial <= 0:                         # not recorded (outside a step, paused, eval)
+            return
+        self._leaf_handles.append(t.register_hook(_Once(serial, self.id)))
+
     def _forward(self, x: torch.Tensor, module: str, path: str, what: str, first: bool) -> int:
+        if self._evaluating:                    # an evaluation pass: nothing is recorded
+            return -1
         token = self._sink.current_token()
         micro = self._sink.micro
         phase = "pre" if what in ("inputs", "weights") else "post"
@@ -264,13 +316,30 @@ def _noop(*args):
     return None
 
 
+class _NoGrad:
+    """The HookSet as the root's calls without grad see it (registered in ``_ops``
+    under its own id): ``on_pass`` with ``grad=False``.  The grad mode is read
+    where the hook is traced (Dynamo guards on it), never inside the op: in
+    compiled code it runs in an autograd Function's forward, always without
+    grad.  So telling an evaluation pass apart costs no graph break."""
+
+    def __init__(self, hookset: HookSet):
+        self._hookset = weakref.ref(hookset)
+
+    def on_pass(self, enter: bool) -> None:
+        hs = self._hookset()
+        if hs is not None:
+            hs.on_pass(enter, grad=False)
+
+
 class _PassHook(_Hook):
-    def __init__(self, hookset: int, enter: bool):
+    def __init__(self, hookset: int, enter: bool, no_grad: int):
         super().__init__(hookset, "", frozenset())
-        self.enter = enter
+        self.enter, self.no_grad = enter, no_grad
 
     def run(self, module, args, *rest):
-        _ops.forward_pass(self.hookset, self.enter)
+        target = self.hookset if torch.is_grad_enabled() else self.no_grad
+        _ops.forward_pass(target, self.enter)
         return None
 
 
@@ -301,7 +370,11 @@ class _PostHook(_Hook):
             serial = _ops.capture(t, self.hookset, self.module, path, what, first)
             first = False
             if wants_grad:
-                t.register_hook(functools.partial(_grad_hook, serial=serial, hookset=self.hookset))
+                if t.grad_fn is None:           # a leaf (a parameter, a buffer): it outlives
+                    _leaf_hook(t, serial, self.hookset)             # the pass: see leaf_hook
+                else:
+                    t.register_hook(functools.partial(_grad_hook, serial=serial,
+                                                      hookset=self.hookset))
         return None
 
 
@@ -329,6 +402,32 @@ class _KeepHook(_Hook):
 
 def _grad_hook(grad, serial, hookset):
     _ops.capture_grad(grad, serial, hookset)
+
+
+@torch.compiler.disable
+def _leaf_hook(t, serial, hookset: int) -> None:
+    hs = _ops.hookset(hookset)
+    if hs is not None:
+        hs.leaf_hook(t, serial)
+
+
+class _Once:
+    """A leaf output's gradient hook: the first gradient after its call is that
+    call's; later ones (another micro-batch's backward) are not."""
+
+    __slots__ = ("serial", "hookset", "done")
+
+    def __init__(self, serial: int, hookset: int):
+        self.serial, self.hookset, self.done = serial, hookset, False
+
+    def __call__(self, grad):
+        if self.done:
+            return None
+        self.done = True
+        hs = _ops.hookset(self.hookset)
+        if hs is not None:
+            hs.on_gradient(self.serial, grad)
+        return None
 
 
 def _compiled_frames(model: nn.Module) -> set:

@@ -234,6 +234,7 @@ class StepBuffer:
         self._passes = 0                        # forward passes of the open step
         self._outside = 0
         self.outside_total = 0
+        self.on_end: list = []                  # called when a step ends (the hooks' cleanup)
         self._engine_tensor: torch.Tensor | None = None     # the tensor an engine works on
 
     def warm(self, model: torch.nn.Module) -> None:
@@ -283,6 +284,14 @@ class StepBuffer:
                             "evaluation loop?); such passes are not recorded, only counted. Wrap "
                             "training steps in `with rec.step():`; pass outside_step='ignore' to "
                             "silence this")
+
+    def eval_pass(self) -> None:
+        """A forward pass of the recorded model under ``no_grad``/``inference_mode``
+        inside the open step: an evaluation pass, not a micro-batch; nothing of it
+        is recorded, and it is counted with the passes outside steps (the run's
+        ``outside_steps``), without a warning."""
+        self._outside += 1
+        self.outside_total += 1
 
     def add(self, kind: str, name: str, tensor: torch.Tensor, token: object, micro: int) -> None:
         """One captured tensor of the step whose token is ``token`` (its forward
@@ -386,6 +395,11 @@ class StepBuffer:
     def _end(self) -> StepRecord:
         step, plan = self.step, self.plan
         self.step = self.token = None
+        for f in self.on_end:
+            try:
+                f()
+            except Exception as e:       # never into training
+                self.fault(e, "step end", "(hooks)")
         with self._lock:
             caps, self._captures = self._captures, []
             new, self._new = self._new, []

@@ -13,7 +13,13 @@ every capture as the SPEC defines it, and computes from them:
   backward, then execution order;
 - ``tensors()``: the full tensors a store must hold, by (kind, name, step, micro),
   after ``tensors_every``, the ring and ``on_nonfinite="dump"``;
-- ``dropped``: gradients that arrived after their step ended.
+- ``dropped``: gradients that arrived after their step ended;
+- ``outside``: forward passes of the root outside a step, and evaluation
+  passes (the root called under ``no_grad``/``inference_mode``) inside one:
+  neither is recorded.
+
+A leaf output (a module returning its own parameter) gets a gradient hook that
+takes the first gradient after its call only, and is removed when its step ends.
 """
 from __future__ import annotations
 
@@ -109,10 +115,13 @@ class Oracle:
         self.steps = []            # every step begun, in order
         self.dropped = 0
         self.outside = 0
+        self.evaluating = False             # the root's call under no_grad, inside a step
+        self.leaf_handles = []              # gradient hooks on leaf outputs, this step
         self.handles = [model.register_forward_pre_hook(self._root_pre)]
         for name, m in self.modules:
             self.handles.append(m.register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._post(name)))
+        self.handles.append(model.register_forward_hook(self._root_post, always_call=True))
 
     # --- the schedule ------------------------------------------------------------------
     def begin(self, step):
@@ -127,6 +136,12 @@ class Oracle:
                     if p.grad is not None:
                         self._add("weight_grads", f"{self.label(name)}:{pname}", p.grad, self.step, 0)
         self.step = None
+        self._drop_leaf_hooks()
+
+    def _drop_leaf_hooks(self):
+        for h in self.leaf_handles:
+            h.remove()
+        self.leaf_handles = []
 
     @contextlib.contextmanager
     def pause(self):
@@ -142,16 +157,23 @@ class Oracle:
         return name or "(root)"
 
     def _live(self):
-        return self.step is not None and not self.paused
+        return self.step is not None and not self.paused and not self.evaluating
 
     def _root_pre(self, module, args):
-        if self.paused:
+        if self.paused or self.evaluating:
             return
         if self.step is None:
             self.outside += 1
             return
+        if not torch.is_grad_enabled():        # an evaluation pass inside the step
+            self.evaluating = True
+            self.outside += 1
+            return
         self.micro += 1
         self.calls = collections.Counter()
+
+    def _root_post(self, module, args, out):
+        self.evaluating = False
 
     def _call_name(self, name, phase):
         k = self.calls[(phase, name)]
@@ -187,7 +209,15 @@ class Oracle:
                 full = f"{call}:{path}" if path else call
                 if "activations" in self.capture:
                     self._add("activations", full, t, self.step, self.micro)
-                if "gradients" in self.capture and t.requires_grad:
+                if "gradients" in self.capture and t.requires_grad and t.grad_fn is None:
+                    step, micro, seen = self.step, self.micro, []    # a leaf: once, this step
+
+                    def once(g, full=full, step=step, micro=micro, seen=seen):
+                        if not seen:
+                            seen.append(1)
+                            self._gradient(full, g, step, micro)
+                    self.leaf_handles.append(t.register_hook(once))
+                elif "gradients" in self.capture and t.requires_grad:
                     step, micro = self.step, self.micro
                     t.register_hook(lambda g, full=full, step=step, micro=micro:
                                     self._gradient(full, g, step, micro))
@@ -208,6 +238,7 @@ class Oracle:
     def close(self):
         for h in self.handles:
             h.remove()
+        self._drop_leaf_hooks()
 
     # --- what the store must hold -----------------------------------------------------------
     def names(self):
