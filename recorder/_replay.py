@@ -63,8 +63,13 @@ def _floating(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its own reductions would be collectives), else ``t``."""
+    return getattr(t, "_local_tensor", t) if type(t).__name__ == "DTensor" else t
+
+
 def _all_finite(ts) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in ts if _floating(t) and t.numel())
+    return all(bool(torch.isfinite(_local(t)).all()) for t in ts if _floating(t) and t.numel())
 
 
 @dataclass
@@ -207,11 +212,14 @@ def find_backward(calls: list[Call], paused) -> tuple[Call, dict] | None:
     the shortest span, then the latest); with what its replay found."""
     tried = sorted((c for c in calls if c.grads and _all_finite(c.grads.values())),
                    key=lambda c: (c.end - c.order, -c.end))
+    refused = None
     for call in tried:
         found = replay(call, paused, backward=True)
         if found.get("op"):
             return call, found
-    return None
+        if found.get("collective") and refused is None:
+            refused = found             # said, where nothing else names the op
+    return (None, refused) if refused is not None else None
 
 
 def investigate(calls: list[Call], events: list, paused) -> tuple[int, dict, Call | None]:
@@ -314,6 +322,90 @@ class _Check(TorchDispatchMode):
         return out
 
 
+# --- a replay never runs a collective --------------------------------------------------------
+_COLLECTIVE_NS = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+
+
+def _distributed(fn) -> bool:
+    """``fn`` (a hook: function, bound method, partial) is torch.distributed's."""
+    for _ in range(4):
+        inner = getattr(fn, "func", None) or getattr(fn, "__func__", None)
+        if inner is None:
+            break
+        fn = inner
+    return (getattr(fn, "__module__", None) or "").startswith("torch.distributed")
+
+
+def collectives(module: torch.nn.Module) -> str | None:
+    """Why calling ``module`` would (or may) run a collective on this rank alone, or
+    None: it or a descendant is sharded by FSDP (FSDP2's ``fully_shard``, whose
+    pre-forward hooks all-gather, or FSDP1), wrapped in DDP, holds DTensor
+    parameters or buffers (their ops redistribute), or carries a forward hook of
+    ``torch.distributed``'s."""
+    if not torch.distributed.is_available():
+        return None
+    kinds = []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        kinds.append((FSDPModule, "it is sharded by FSDP (fully_shard): its pre-forward hooks "
+                                  "all-gather the parameters"))
+    except ImportError:
+        pass
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        kinds.append((FullyShardedDataParallel, "it is wrapped in FSDP: its forward all-gathers"))
+    except ImportError:
+        pass
+    kinds.append((torch.nn.parallel.DistributedDataParallel,
+                  "it is wrapped in DDP: its forward may broadcast buffers"))
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        DTensor = ()
+    glob = torch.nn.modules.module
+    for hooks in (glob._global_forward_pre_hooks, glob._global_forward_hooks):
+        if any(_distributed(h) for h in hooks.values()):
+            return "a global forward hook of torch.distributed's is registered"
+    for name, m in module.named_modules():
+        who = f"{name!r} in it" if name else "the module"
+        for cls, why in kinds:
+            if isinstance(m, cls):
+                return f"{who}: {why}"
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for h in hooks.values():
+                if _distributed(h):
+                    return f"{who}: a forward hook of torch.distributed's ({getattr(h, '__qualname__', h)!s:.80}) may run a collective"
+        if DTensor and any(isinstance(t, DTensor) for t in
+                           (*m.parameters(recurse=False), *m.buffers(recurse=False))):
+            return f"{who}: its DTensor parameters' ops redistribute across the ranks"
+    return None
+
+
+class _Collective(Exception):
+    pass
+
+
+class _NoCollective(TorchDispatchMode):
+    """The guard: a collective op (c10d, functional collectives) during a replay is
+    refused before it starts, so no rank waits on this one."""
+
+    def __init__(self):
+        super().__init__()
+        self.op: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in _COLLECTIVE_NS:
+            self.op = func.name()
+            raise _Collective(self.op)
+        return func(*args, **(kwargs or {}))
+
+
+def _not_replayed_collective(why: str) -> dict:
+    return {"op": None, "collective": why,
+            "note": f"not replayed: its call would run a collective ({why}); a replay on one "
+                    f"rank alone would desynchronise the ranks"}
+
+
 def replay(call: Call, paused, backward: bool = False) -> dict:
     """Run ``call`` again and name the op that made its NaN/Inf (see the module);
     ``paused`` silences the recorder's hooks meanwhile.  With ``backward``, run its
@@ -326,6 +418,9 @@ def replay(call: Call, paused, backward: bool = False) -> dict:
         return {**where, "op": None, "note": "its inputs were changed in place after the call; "
                                              "not replayed"}
     module = call.module
+    why = collectives(module)               # before anything touches a sharded parameter
+    if why is not None:
+        return {**where, **_not_replayed_collective(why)}
     if not _all_finite(p.detach() for p in module.parameters()):
         return {**where, "op": None, "note": "its parameters hold NaN/Inf: they were made so "
                                              "outside the forward (the optimizer step before "
@@ -337,7 +432,7 @@ def replay(call: Call, paused, backward: bool = False) -> dict:
     args, kwargs = tree_map(lambda x: x.detach().clone().requires_grad_(
         backward and _floating(x) and x.requires_grad) if isinstance(x, torch.Tensor) else x,
         (call.args, call.kwargs))
-    check = _Check()
+    check, guard = _Check(), _NoCollective()
     try:
         torch.set_rng_state(call.rng)
         for d, state in call.cuda_rng.items():
@@ -347,6 +442,7 @@ def replay(call: Call, paused, backward: bool = False) -> dict:
             # anomaly mode when the check stops the backward) is not news (``_quiet``)
             stack.enter_context(quiet())
             stack.enter_context(paused())
+            stack.enter_context(guard)      # the last line of defence (see ``collectives``)
             for device, (enabled, dtype) in call.autocast.items():
                 if enabled:
                     stack.enter_context(torch.autocast(device, dtype=dtype))
@@ -367,6 +463,9 @@ def replay(call: Call, paused, backward: bool = False) -> dict:
                                             allow_unused=True)
     except _Found:
         pass
+    except _Collective:
+        return {**where, **_not_replayed_collective(
+            f"{guard.op}, refused: the replay stopped before it")}
     finally:
         with torch.no_grad():
             for b, saved in buffers:

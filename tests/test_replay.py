@@ -8,11 +8,17 @@ that training is untouched (parameters bit-identical to a run without the
 recorder, with dropout and BatchNorm in the producer).
 """
 import inspect
-import random
 import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import torch
+import zarr
 from click.testing import CliRunner
 from torch import nn
 
@@ -478,3 +484,94 @@ def test_the_cap_counts_outputs_and_output_gradients(tmp_path):
     run = open_run(path)
     assert run.first_nonfinite() is not None and run.first_nonfinite().replay is None
     assert run.attrs["drop_reasons"]["replay inputs past max_replay_bytes"] > 0
+
+
+# --- a replay never runs a collective (FSDP2 on two gloo ranks) -------------------------------
+FSDP_REPLAY_WORKER = textwrap.dedent("""
+    import os, sys, json
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from recorder import Recorder
+    store, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", init_method="env://")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    where = os.environ["NAN_IN"]
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.bad = False
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(x))
+            return h * 0 / (h * 0) if self.bad else h
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = Block(), Block(), nn.Linear(4, 2)
+            self.bad = False
+
+        def forward(self, x):
+            h = self.b(self.a(x))
+            if self.bad:
+                h = h * 0 / (h * 0)
+            return self.head(h)
+
+    model = Root()
+    for m in (model.a, model.b, model):
+        fully_shard(m)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = "?"
+    try:
+        with Recorder(model, store, layers="*", on_nonfinite="replay", tensors_every=None) as rec:
+            for i in range(3):
+                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+                bad = rank == 1 and i == 1
+                model.bad = bad and where == "root"
+                model.a.bad = bad and where == "block"
+                with rec.step(i):
+                    model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        result = "ok"
+    except Exception as e:
+        result = f"{type(e).__name__}: {e}"
+    open(f"{out}/result{rank}", "w").write(result)
+    dist.destroy_process_group()
+""")
+
+
+def _two_ranks(worker, store, out, **env):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = [subprocess.Popen([sys.executable, "-c", worker, store, str(out)], cwd=root,
+                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                       RANK=str(r), WORLD_SIZE="2", PYTHONPATH=root, **env))
+             for r in range(2)]
+    try:
+        for p in procs:
+            assert p.wait(timeout=120) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(out / f"result{r}").read_text() for r in range(2)]
+
+
+def test_fsdp2_a_nan_made_in_the_root_or_a_sharded_block_is_not_replayed_across_ranks(tmp_path):
+    for where, module in (("root", "(root)"), ("block", "a")):
+        store = str(tmp_path / f"{where}.zarr")
+        assert _two_ranks(FSDP_REPLAY_WORKER, store, tmp_path, NAN_IN=where) == ["ok", "ok"]
+        assert zarr.open_group(store, mode="r").attrs["status"] == "complete"
+        first = open_run(store).first_nonfinite(rank=1)
+        assert first.step == 1, first
+        r = first.replay
+        assert r["op"] is None and r["module"] == module, r
+        assert "FSDP" in r["collective"] and "not replayed" in r["note"], r
