@@ -370,7 +370,7 @@ class _PostHook(_Hook):
             serial = _ops.capture(t, self.hookset, self.module, path, what, first)
             first = False
             if wants_grad:
-                if t.grad_fn is None:           # a leaf (a parameter, a buffer): it outlives
+                if t.is_leaf:                   # a leaf (a parameter, a buffer): it outlives
                     _leaf_hook(t, serial, self.hookset)             # the pass: see leaf_hook
                 else:
                     t.register_hook(functools.partial(_grad_hook, serial=serial,
