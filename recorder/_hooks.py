@@ -371,7 +371,8 @@ class _PostHook(_Hook):
             first = False
             if wants_grad:
                 if t.is_leaf:                   # a leaf (a parameter, a buffer): it outlives
-                    _leaf_hook(t, serial, self.hookset)             # the pass: see leaf_hook
+                    if torch.is_grad_enabled():     # the pass: see leaf_hook (a call without
+                        _leaf_hook(t, serial, self.hookset)     # grad has no gradient)
                 else:
                     t.register_hook(functools.partial(_grad_hook, serial=serial,
                                                       hookset=self.hookset))

@@ -208,3 +208,38 @@ def test_the_oracle_skips_evaluation_passes_and_agrees(tmp_store):
             assert int(got["count"]) == want["count"]
             assert float(got["abs_max"]) == want["abs_max"]
     assert sorted(k[3] for k in oracle.tensors()) == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_compiled_leaf_outputs_and_evaluation_passes(tmp_store):
+    """Under torch.compile: leaf hooks still go at each step's end, gradients are
+    autograd's, and an evaluation pass adds no graph break and no micro-batch."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = WithPE()
+    pe = model.pos.pe
+    compiled = torch.compile(model, backend="eager")
+    want = {}
+    with Recorder(model, tmp_store, layers="*", capture=("activations", "gradients")) as rec:
+        for s in range(2):
+            with rec.step(s):
+                for k in range(2):
+                    loss = compiled(_x(2 * s + k)).pow(2).sum()
+                    (g,) = torch.autograd.grad(loss, pe, retain_graph=True)
+                    want[s, k] = g.numpy().copy()
+                    loss.backward()
+                    if k == 0:
+                        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+                        with torch.no_grad():
+                            compiled(1e3 * _x(9))
+                        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks
+            assert _hooks(pe) == 0
+            model.zero_grad()
+        assert rec.outside_steps == 2 and rec.dropped == 0
+    run = open_run(tmp_store)
+    for s in range(2):
+        for k in range(2):
+            np.testing.assert_array_equal(run.tensor("pos", "gradients", step=s, micro=k).values,
+                                          want[s, k])
+        with pytest.raises(ValueError, match="micro-batch 2"):
+            run.tensor("fc", step=s, micro=2)
