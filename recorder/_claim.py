@@ -544,9 +544,11 @@ class _Keeper:
 
 
 def _beat_every(keeper: _Keeper) -> None:
+    from ._quiet import quiet
     while not keeper.stop.wait(heartbeat_s()):
-        if not keeper.beat():
-            return
+        with quiet():                     # a dependency's warning is no lost claim
+            if not keeper.beat():
+                return
 
 
 class Claim:
@@ -622,6 +624,13 @@ class Claim:
         if self._keeper.stop.is_set():
             return False
         return self._keeper.release()
+
+    def keep(self) -> None:
+        """Hold the claim until this process ends (a writer that gave up at close may
+        still write): neither the garbage collector nor interpreter exit releases
+        it; a job after this process sees its pid gone and takes it over."""
+        if self._keeper is not None:
+            self._finalizer.detach()
 
     def __repr__(self) -> str:
         state = "held" if self.held else ("shared" if self._keeper is None else "released")

@@ -51,6 +51,16 @@ class Unsaved:
         return (RECORD_BYTES + EVENT_BYTES * len(self.events)
                 + sum(r.hist.nbytes + 8 * len(r.stats) * len(r.layers) for r in self.stats.values()))
 
+    def merged(self, later: "Unsaved") -> "Unsaved":
+        """This lean record and a later lean one as one (past the bound in records)."""
+        drops = dict(self.drops)
+        for k, n in later.drops.items():
+            drops[k] = drops.get(k, 0) + n
+        return replace(later, layers=self.layers + later.layers, drops=drops,
+                       outside=self.outside + later.outside, tensors=self.tensors + later.tensors,
+                       over_budget=self.over_budget + later.over_budget,
+                       events_total=self.events_total + later.events_total)
+
     def lean(self, reason: str) -> "Unsaved":
         """Past the backlog's bounds: statistics and kept events counted, not kept
         (the bundle too: its event is gone)."""
@@ -65,6 +75,7 @@ class Journal:
         self.saved = self._copy(state)       # as last committed
         self.unsaved: list[Unsaved] = []
         self.kept = 0                         # their bytes
+        self.overflow = False                 # the last one holds every step past the bounds
         self.last_committed_step = state.last_step
 
     @staticmethod
@@ -76,16 +87,23 @@ class Journal:
                 or len(self.unsaved) + 1 > BACKLOG_RECORDS)
 
     def keep(self, u: Unsaved, reason: str) -> Unsaved:
-        """Remember ``u`` until the next commit (lean past the bounds); it."""
+        """Remember ``u`` until the next commit; past the bounds lean, and merged
+        into one record with the others past them (memory stays bounded); it."""
         if self.full(u):
             u = u.lean(reason)
+            if self.overflow:
+                self.kept -= self.unsaved[-1].nbytes
+                u = self.unsaved[-1] = self.unsaved[-1].merged(u)
+                self.kept += u.nbytes
+                return u
+            self.overflow = True
         self.unsaved.append(u)
         self.kept += u.nbytes
         return u
 
     def committed(self, state: fmt.RankState) -> None:
         self.saved = self._copy(state)
-        self.unsaved, self.kept = [], 0
+        self.unsaved, self.kept, self.overflow = [], 0, False
         self.last_committed_step = state.last_step
 
     def start_again(self) -> tuple[fmt.RankState, list[Unsaved]]:

@@ -44,8 +44,9 @@ def register(hookset) -> int:
 
 
 def unregister(i: int) -> None:
-    with _lock:
-        _hooksets.pop(i, None)
+    """Forget ``i``: one dict ``pop``, atomic, and no lock (a finaliser calls this,
+    maybe while this thread is inside ``register``)."""
+    _hooksets.pop(i, None)
 
 
 def hookset(i: int):

@@ -246,20 +246,28 @@ class Recorder:
         if root is None:
             with quiet():
                 root = open_root(self.store_location, cfg.mode, self.rank)
-        store = RunStore(root, self.rank, cfg.compression)
-        state = store.state() if cfg.mode == "a" else fmt.RankState(rank=self.rank)
-        state.rank = self.rank
-        root_base = None
-        if self.rank == 0:
-            old = dict(root.attrs) if cfg.mode == "a" else {}
-            root_base = {**old, **fresh, "created": old.get("created", fresh["created"]),
-                         "metadata": self.metadata or old.get("metadata", {})}
-            store.commit(state, fmt.root_attrs(state, root_base))
-        self._last_step, self._dropped_before = state.last_step, state.dropped
-        self._outside_before = state.outside_steps
-        self._buffer = StepBuffer(cfg, state.layers)
-        self._buffer.warm(self._model)
-        self._writer = Writer(store, state, root_base, cfg, self._claim)
+        store = None
+        try:                                      # a failure here gives the claim back
+            store = RunStore(root, self.rank, cfg.compression)
+            state = store.state() if cfg.mode == "a" else fmt.RankState(rank=self.rank)
+            state.rank = self.rank
+            root_base = None
+            if self.rank == 0:
+                old = dict(root.attrs) if cfg.mode == "a" else {}
+                root_base = {**old, **fresh, "created": old.get("created", fresh["created"]),
+                             "metadata": self.metadata or old.get("metadata", {})}
+                store.commit(state, fmt.root_attrs(state, root_base))
+            self._last_step, self._dropped_before = state.last_step, state.dropped
+            self._outside_before = state.outside_steps
+            self._buffer = StepBuffer(cfg, state.layers)
+            self._buffer.warm(self._model)
+            self._writer = Writer(store, state, root_base, cfg, self._claim)
+        except BaseException:
+            if store is not None:
+                store.close(wait=False)
+            if self._claim is not None:
+                self._claim.release()
+            raise
         self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
         self._model = None
         self._hooks.attach()

@@ -33,11 +33,11 @@ the replay would not be faithful, and the event says so.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import random
 import re
 import sys
-import traceback
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +53,51 @@ __all__ = ["Keeper", "bundle", "from_bundle", "investigate", "replay"]
 REPLAY_CAP = "replay inputs past max_replay_bytes"   # (inputs, outputs and output gradients)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_ROOT = os.path.dirname(_HERE)
+# tensortape's own code, and what only calls on (never the user's line)
+_OURS = (_HERE + os.sep, os.path.join(_ROOT, "analysis") + os.sep, os.path.join(_ROOT, "cli.py"))
+# torch's frames that are dispatch machinery, not a line of a library's op
+_MACHINERY = tuple(os.path.join(_TORCH, f) for f in (
+    "_compile.py", "_dynamo" + os.sep, "utils" + os.sep + "_python_dispatch.py", "_ops.py",
+    "overrides.py"))
+_KINDS: dict[str, str] = {}
+
+
+def _kind(filename: str) -> str:
+    """A code file as the replay sees it: "user", "library" (torch, transformers,
+    anything installed), "machinery" (torch's dispatch) or "ours" (tensortape,
+    contextlib)."""
+    kind = _KINDS.get(filename)
+    if kind is None:
+        f = os.path.abspath(filename)
+        if f.startswith(_OURS) or f.endswith(os.sep + "contextlib.py") or filename.startswith("<frozen"):
+            kind = "ours"
+        elif f.startswith(_MACHINERY):
+            kind = "machinery"
+        elif (f.startswith(_TORCH) or os.sep + "site-packages" + os.sep in f
+              or os.sep + "dist-packages" + os.sep in f):
+            kind = "library"
+        else:
+            kind = "user"
+        _KINDS[filename] = kind
+    return kind
+
+
+def _caller() -> tuple[str, int] | None:
+    """The user's line that is calling a module now: the innermost frame outside
+    torch, the libraries and tensortape, as (file, line); cheap (no traceback)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if _kind(frame.f_code.co_filename) == "user":
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def _line(where: tuple[str, int] | None) -> tuple[str, str]:
+    if not where:
+        return "?", ""
+    return f"{where[0]}:{where[1]}", linecache.getline(where[0], where[1]).strip()
 
 
 def _tensors(obj) -> list[torch.Tensor]:
@@ -89,6 +134,7 @@ class Call:
     order: int = 0                      # when the call began and ended, in the step
     end: int = 0
     grads: dict | None = None           # output path -> its gradient, as backward gave it
+    caller: tuple | None = None         # the user's line that called the module: (file, line)
 
 
 class Keeper:
@@ -136,7 +182,7 @@ class Keeper:
                     {d: torch.cuda.get_rng_state(d) for d in devices},
                     {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                      for d in ("cpu", "cuda")},
-                    torch.is_grad_enabled(), order=self._tick())
+                    torch.is_grad_enabled(), order=self._tick(), caller=_caller())
         stack.append(call)
 
     def _tick(self) -> int:
@@ -264,19 +310,34 @@ def _statistics(t: torch.Tensor) -> dict:
     return out
 
 
-def _user_line(frames=None) -> tuple[str, str]:
-    """The innermost frame of the user's code on the stack (or in ``frames``):
-    ``file:line`` and its code."""
-    for frame in reversed(frames if frames is not None else traceback.extract_stack()):
-        f = os.path.abspath(frame.filename)
-        if not (f.startswith(_TORCH) or f.startswith(_HERE) or "/contextlib.py" in f):
-            return f"{frame.filename}:{frame.lineno}", (frame.line or "").strip()
-    return "?", ""
+def _lines(frames=None) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
+    """The innermost frame of the user's code and of a library's (torch's op line),
+    each (file, line) or None, on the stack (or in ``frames``, a traceback), inside
+    the replay only: what called the replay (tensortape, the training loop's
+    ``with rec.step``, ``run.replay``) is not the call's."""
+    if frames is None:
+        frames, frame = [], sys._getframe(1)
+        while frame is not None and frame.f_code is not replay.__code__:
+            frames.append((frame.f_code.co_filename, frame.f_lineno))
+            frame = frame.f_back
+    else:           # outermost first: keep what is inside the replay's frame
+        start = [i for i, (f, _, name) in enumerate(frames)
+                 if name == "replay" and os.path.abspath(f) == os.path.abspath(__file__)]
+        frames = [(f, n) for f, n, _ in frames[start[-1] + 1 if start else 0:]][::-1]
+    user = library = None
+    for f, n in frames:
+        kind = _kind(f)
+        if kind == "user" and user is None:
+            user = (f, n)
+        elif kind == "library" and library is None and user is None:
+            library = (f, n)
+    return user, library
 
 
-def _node() -> dict:
+def _node(caller) -> dict:
     """In backward: the autograd node running, and the line of the forward op
-    that made it (recorded by anomaly mode during the replay's forward)."""
+    that made it (recorded by anomaly mode during the replay's forward); for a
+    library's module, the user's line that called it."""
     node = torch._C._current_autograd_node()
     if node is None:
         return {}
@@ -284,10 +345,12 @@ def _node() -> dict:
     trace = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
     if trace:
         text = "".join(trace) if isinstance(trace, list) else str(trace)
-        frames = [traceback.FrameSummary(m.group(1), int(m.group(2)), m.group(3), line=m.group(4))
-                  for m in _FRAME.finditer(text)]
-        where, code = _user_line(frames)
+        user, library = _lines([(m.group(1), int(m.group(2)), m.group(3))
+                                for m in _FRAME.finditer(text)])
+        where, code = _line(user or caller)
         out.update(forward_source=where, forward_code=code)
+        if library is not None:
+            out["forward_library_source"] = _line(library)[0]
     return out
 
 
@@ -304,9 +367,10 @@ class _Check(TorchDispatchMode):
     """Stops at the first aten op whose floating inputs are finite and whose
     floating output is not."""
 
-    def __init__(self):
+    def __init__(self, caller=None):
         super().__init__()
         self.found: dict | None = None
+        self.caller = caller            # the user's line that called the module
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -315,9 +379,17 @@ class _Check(TorchDispatchMode):
             if outs and not _all_finite(outs):
                 ins = _tensors((args, kwargs))
                 if _all_finite(ins):
-                    where, code = _user_line()
+                    user, library = _lines()
+                    node = _node(self.caller)
+                    if user is None and "forward_source" in node:   # backward: the forward line
+                        where, code = node["forward_source"], node["forward_code"]
+                    else:                   # a library's module: the user's line that called it
+                        where, code = _line(user or self.caller)
                     self.found = {"op": func.name(), "source": where, "code": code,
-                                  "inputs": [_statistics(t) for t in ins], **_node()}
+                                  "inputs": [_statistics(t) for t in ins], **node}
+                    if library is not None:     # the op's line in the library
+                        self.found["library_source"], self.found["library_code"] = \
+                            _line(library)
                     raise _Found
         return out
 
@@ -432,7 +504,7 @@ def replay(call: Call, paused, backward: bool = False) -> dict:
     args, kwargs = tree_map(lambda x: x.detach().clone().requires_grad_(
         backward and _floating(x) and x.requires_grad) if isinstance(x, torch.Tensor) else x,
         (call.args, call.kwargs))
-    check, guard = _Check(), _NoCollective()
+    check, guard = _Check(call.caller), _NoCollective()
     try:
         torch.set_rng_state(call.rng)
         for d, state in call.cuda_rng.items():
@@ -514,7 +586,8 @@ def bundle(call: Call) -> tuple[dict, dict[str, torch.Tensor]]:
              "micro": call.micro, "grad": call.grad, "structure": structure,
              "autocast": {d: [bool(on), str(dt).removeprefix("torch.")]
                           for d, (on, dt) in call.autocast.items()},
-             "grads": sorted((call.grads or {})), "torch_version": torch.__version__}
+             "grads": sorted((call.grads or {})), "torch_version": torch.__version__,
+             "caller": list(call.caller) if call.caller else None}
     return attrs, arrays
 
 
@@ -547,4 +620,5 @@ def from_bundle(attrs: dict, arrays, model: torch.nn.Module) -> Call:
     return Call(attrs["module"], attrs.get("micro", 0), module, args, kwargs,
                 [t._version for t in _tensors((args, kwargs))], None, arrays("rng_cpu"), {},
                 {d: (on, getattr(torch, dt)) for d, (on, dt) in attrs["autocast"].items()},
-                attrs.get("grad", True), grads=grads or None)
+                attrs.get("grad", True), grads=grads or None,
+                caller=tuple(attrs["caller"]) if attrs.get("caller") else None)

@@ -17,13 +17,14 @@ attributes *after* every write they count has finished.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import errno
 import json
 import math
 import os
 import shutil
+import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from numcodecs import Zstd
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from . import format as fmt
+from ._quiet import quiet
 from .errors import ConfigError, StoreExistsError, StoreFormatError, StoreNotFoundError
 
 __all__ = ["RunStore", "check_mode", "open_root"]
@@ -254,19 +256,69 @@ def write_threads() -> int:
     return 1 if cores <= 4 else min(8, cores // 2)
 
 
+class WritePool:
+    """The threads that encode and write chunks, or none (``threads < 2``: the
+    caller's thread writes at once).
+
+    Daemon threads, unlike ``concurrent.futures``' pool, whose threads the
+    interpreter joins at exit: a store that hangs must not hang the exit.  Each
+    write runs inside ``quiet()`` (a dependency's warning is no fault of the
+    store) and marks ``progress``, the time of the last write that ended, which
+    tells a slow store from one that does not answer."""
+
+    def __init__(self, threads: int):
+        self.inline = threads < 2
+        self.progress = time.monotonic()
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [] if self.inline else [
+            threading.Thread(target=self._serve, name="tensortape-chunks", daemon=True)
+            for _ in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, args: tuple, done) -> None:
+        """Run ``fn(*args)``, then ``done(error or None)``."""
+        if self.inline:
+            done(self._call(fn, args))
+        else:
+            self._tasks.put((fn, args, done))
+
+    def _call(self, fn, args) -> BaseException | None:
+        try:
+            with quiet():
+                fn(*args)
+            return None
+        except BaseException as e:
+            return e
+        finally:
+            self.progress = time.monotonic()
+
+    def _serve(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            fn, args, done = task
+            done(self._call(fn, args))
+
+    def shutdown(self, wait: bool = True) -> None:
+        for _ in self._threads:
+            self._tasks.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()
+
+
 class Lane:
     """At most one write in flight on one array, in the order given.
 
     zarr writes part of a shard by reading it, merging and writing it whole, so
     two writes in flight on one shard lose one of them.  A lane hands its array's
     writes to the pool one after the other: parallel across arrays, serial within
-    one.  With no pool, the caller's thread writes at once.  ``drain`` waits for
-    every write given and raises the first that failed (the writes queued after a
-    failure are not made: the writer starts again from its last commit)."""
+    one.  ``drain`` waits for every write given and raises the first that failed
+    (the writes given after a failure are not made: the writer starts again from
+    its last commit)."""
 
     MAX_WAITING = 8                # blocks queued on one array before the writer waits
 
-    def __init__(self, pool=None):
+    def __init__(self, pool: WritePool):
         self.pool = pool
         self._cond = threading.Condition()
         self._waiting: collections.deque = collections.deque()
@@ -274,9 +326,6 @@ class Lane:
         self._error: BaseException | None = None
 
     def submit(self, fn, *args) -> None:
-        if self.pool is None:
-            fn(*args)
-            return
         with self._cond:
             while len(self._waiting) >= self.MAX_WAITING and self._error is None:
                 self._cond.wait()
@@ -286,30 +335,23 @@ class Lane:
                 self._waiting.append((fn, args))
                 return
             self._busy = True
-        self._start(fn, args)
-
-    def _start(self, fn, args) -> None:
-        try:
-            self.pool.submit(fn, *args).add_done_callback(self._done)
-        except BaseException as e:              # a pool shut down at exit
-            self._finish(e)
-
-    def _done(self, future) -> None:
-        self._finish(future.exception())
+        self.pool.submit(fn, args, self._finish)
 
     def _finish(self, error: BaseException | None) -> None:
-        with self._cond:
-            if error is not None and self._error is None:
-                self._error = error
-            if self._waiting and self._error is None:
-                fn, args = self._waiting.popleft()
-            else:
-                self._waiting.clear()
-                self._busy = False
+        while True:
+            with self._cond:
+                if error is not None and self._error is None:
+                    self._error = error
                 self._cond.notify_all()
+                if not self._waiting or self._error is not None:
+                    self._waiting.clear()
+                    self._busy = False
+                    return
+                fn, args = self._waiting.popleft()
+            if not self.pool.inline:
+                self.pool.submit(fn, args, self._finish)
                 return
-            self._cond.notify_all()
-        self._start(fn, args)
+            error = self.pool._call(fn, args)   # inline: the next write, without recursion
 
     def drain(self) -> None:
         """Wait for every write given; raise the first that failed."""
@@ -328,7 +370,7 @@ class Column:
     when a pool writes it); ``drain`` waits for this column's writes, as every
     resize and every commit must."""
 
-    def __init__(self, array: zarr.Array, rows: int, pool=None):
+    def __init__(self, array: zarr.Array, rows: int, pool: WritePool):
         self.array = array
         self.lane = Lane(pool)
         self.chunk_rows = array.chunks[0]
@@ -366,7 +408,7 @@ class Column:
             self._submit(self.start, self.buf)
             self.dirty = False
             self.start += self.chunk_rows
-            if self.lane.pool is None:
+            if self.lane.pool.inline:
                 self.buf.fill(self.fill)
             else:                                      # the pool still reads the old one
                 self.buf = np.full_like(self.buf, self.fill)
@@ -374,7 +416,7 @@ class Column:
     def write(self) -> None:
         """Write the current chunk whole (padded with the fill value past its rows)."""
         if self.dirty:
-            self._submit(self.start, self.buf if self.lane.pool is None else self.buf.copy())
+            self._submit(self.start, self.buf if self.lane.pool.inline else self.buf.copy())
             self.dirty = False
 
     def _submit(self, start: int, block: np.ndarray) -> None:
@@ -388,7 +430,8 @@ class Column:
 class Table:
     """Columns that share the ``step`` dimension, appended one row at a time."""
 
-    def __init__(self, group: zarr.Group, columns: dict[str, zarr.Array], rows: int, pool=None):
+    def __init__(self, group: zarr.Group, columns: dict[str, zarr.Array], rows: int,
+                 pool: WritePool):
         self.group = group
         self.rows = rows
         self.columns = {name: Column(a, rows, pool) for name, a in columns.items()}
@@ -467,9 +510,7 @@ class RunStore:
         self.compression = compression     # of full tensors: "auto", a zstd level, or None
         self.rank_group = root.require_group(fmt.rank_group(rank))
         self.tables: dict[str, Table] = {}
-        threads = write_threads()
-        self.pool = None if threads < 2 else concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix="tensortape-chunks")
+        self.pool = WritePool(write_threads())
 
     def state(self) -> fmt.RankState:
         """The rank's committed state (empty for a new rank)."""
@@ -585,8 +626,7 @@ class RunStore:
     def close(self, wait: bool = True) -> None:
         """End the write threads (``wait=False``: without waiting for a store that
         does not answer)."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=wait, cancel_futures=not wait)
+        self.pool.shutdown(wait=wait)
 
     def flush(self) -> dict[str, int]:
         """Write every buffered chunk and wait for every write; return the row

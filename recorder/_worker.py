@@ -63,14 +63,15 @@ class Worker:
 
     def __init__(self, handler: Handler, outbox: collections.deque, *, max_bytes: int,
                  max_items: int = 64, poll: float = 0.05, stall: float = 60.0,
-                 name: str = "tensortape-writer"):
+                 progress=lambda: 0.0, name: str = "tensortape-writer"):
         self.handler = handler
         self.max_bytes, self.max_items = max_bytes, max_items
         self.poll, self.stall = poll, stall
         self._inbox: collections.deque = collections.deque()   # (message, bytes)
         self._bytes = 0
         self._cond = threading.Condition()
-        self.beat = time.monotonic()          # the worker's last sign of progress
+        self.beat = time.monotonic()          # the worker's last message handled
+        self.progress = progress              # and the time of its last write that ended
         self.outbox = outbox                  # Notices, for the training thread
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
@@ -80,7 +81,7 @@ class Worker:
         """Why the worker takes nothing more (``DEAD`` or ``STUCK``), or None."""
         if not self.thread.is_alive():
             return DEAD
-        if time.monotonic() - self.beat > self.stall:
+        if time.monotonic() - max(self.beat, self.progress()) > self.stall:
             return STUCK
         return None
 

@@ -70,6 +70,7 @@ class _Rows:
                                                # less often, never back to back
         self._pending = False
         self.abandoned = False                  # close gave up: commit nothing more
+        self.lock = threading.Lock()            # held by a commit's counters and by the give-up
 
     def _tell(self, key: str, message: str, error: BaseException | None = None) -> None:
         self.outbox.append(Notice(key, message, error))
@@ -153,7 +154,10 @@ class _Rows:
         start = time.monotonic()
         self.state.committed.update(self.store.flush())
         root = None if self.root_base is None else fmt.root_attrs(self.state, self.root_base, status)
-        self.store.commit(self.state, root)
+        with self.lock:                        # never after a close that gave up marked the run
+            if self.abandoned:
+                return
+            self.store.commit(self.state, root)
         self.journal.committed(self.state)
         self._last, self._pending = time.monotonic(), False
         self._took = self._last - start
@@ -229,37 +233,39 @@ class Writer:
         self.config = config
         self.store = store
         self.root_base = root_base
-        self._lost: dict[str, int] = {}       # captures the worker was not given, by reason
+        self._carry: StepRecord | None = None  # the counts of records the worker was not given
         self.lost_total = 0
         self._told: set[str] = set()
         self._error: BaseException | None = None
         self._sent_step: int | None = None
-        self.closed_as: str | None = None      # the status the run was closed with
         outbox: collections.deque = collections.deque()
         self.rows = _Rows(store, state, root_base, config, outbox, claim)
         self.worker = Worker(self.rows, outbox, max_bytes=config.max_pending_bytes,
                              poll=min(0.05, config.flush_interval / 4),
-                             stall=config.close_timeout)
+                             stall=config.close_timeout, progress=lambda: store.pool.progress)
 
     # --- training-thread side ------------------------------------------------------------
     def put(self, record: StepRecord) -> None:
         """Hand a step record to the worker (waiting while it is busy and making
         progress); if it cannot take it, the record's captures are counted as
         dropped, with the reason, and ``tell`` says so once."""
-        if self._lost:                   # counted before: they travel with this record
-            for reason, n in self._lost.items():
+        if self._carry is not None:      # what records not handed over had: it travels on
+            for reason, n in self._carry.drops.items():
                 record.drops[reason] = record.drops.get(reason, 0) + n
+            record.layers[:0] = self._carry.layers
+            record.outside += self._carry.outside
         why = self.worker.send(record, record.nbytes)
         if why is None:
-            self._lost = {}
+            self._carry = None
             if record.step >= 0:
                 self._sent_step = record.step
         else:
             n = len(record.metas)
             for row in record.tensors:
                 row.snap.release()
-            self._lost = dict(record.drops)
-            self._lost[why] = self._lost.get(why, 0) + n
+            record.drops[why] = record.drops.get(why, 0) + n
+            self._carry = StepRecord(record.step, layers=record.layers, drops=record.drops,
+                                     outside=record.outside)
             self.lost_total += n
             self._notice(Notice(why, f"tensortape: {why}; the captures of step {record.step} and "
                                      f"of later steps while it stays so are dropped and counted "
@@ -269,7 +275,10 @@ class Writer:
     def flush(self) -> None:
         """Wait until everything put is written and committed (at most
         ``close_timeout`` without progress)."""
-        self.worker.barrier(Barrier(), None)
+        if not self.worker.barrier(Barrier(), None):
+            why = self.worker.trouble() or "it did not finish"
+            self._notice(Notice("flush", f"tensortape: a flush could not be committed ({why}); "
+                                         f"what was not committed is counted when it is lost"))
         self.tell()
 
     def close(self, status: str) -> None:
@@ -280,7 +289,6 @@ class Writer:
         done = self.worker.barrier(Barrier(status, final=True), deadline)
         if done:
             self.worker.thread.join(max(0.0, deadline - time.monotonic()))
-            self.closed_as = status
         else:
             self._give_up(deadline)
         self.tell()
@@ -297,13 +305,14 @@ class Writer:
     def _give_up(self, deadline: float) -> None:
         why = self.worker.trouble() or "it did not finish in time"
         self.rows.abandoned = True
+        if self.rows.claim is not None:           # the worker may still write: kept till exit
+            self.rows.claim.keep()
         last = self.rows.journal.last_committed_step
         after = "nothing was committed" if last is None else f"the last committed step is {last}"
         note = (f"the writer did not commit within close_timeout={self.config.close_timeout:g} s "
                 f"({why}); {after}, and later steps"
                 + (f" (up to step {self._sent_step})" if self._sent_step is not None else "")
                 + " are not stored")
-        self.closed_as = fmt.STATUS_INTERRUPTED
         if self.root_base is not None:            # rank 0 marks the run, if the store answers
             mark = threading.Thread(target=self._mark_interrupted, args=(note,), daemon=True)
             mark.start()
@@ -312,7 +321,8 @@ class Writer:
 
     def _mark_interrupted(self, note: str) -> None:
         try:
-            self.store.root.update_attributes({"status": fmt.STATUS_INTERRUPTED, "note": note})
+            with self.rows.lock:
+                self.store.root.update_attributes({"status": fmt.STATUS_INTERRUPTED, "note": note})
         except Exception:                        # the store does not answer: it stays 'recording'
             pass
 

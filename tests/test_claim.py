@@ -150,10 +150,11 @@ def race(jobs, stores, mode, tmp_path, tag):
     return results
 
 
-def check_race(results, stores):
+def check_race(results, stores, mode):
     for store, outs in zip(stores, results):
         kinds = sorted(o.split()[0] for o in outs)
         if kinds == ["OK", "OK"]:                  # one after the other ("w"): never overlapping
+            assert mode == "w", ("two 'w-' jobs both recorded", store, outs)
             (b1, e1), (b2, e2) = ([float(x) for x in o.split()[1:3]] for o in outs)
             assert e1 < b2 or e2 < b1, ("both recorded at once", store, outs)
             assert_whole_run_of(store, 1 if e1 > e2 else 2)
@@ -185,7 +186,7 @@ def test_two_jobs_started_together_one_records_the_other_is_refused(tmp_path, jo
                 with rec.step():
                     model(torch.randn(2, 8)).sum().backward()
     results = race(jobs, stores, mode, tmp_path, mode)
-    check_race(results, stores)
+    check_race(results, stores, mode)
 
 
 def test_mode_w_while_a_live_job_records_is_refused_naming_it(tmp_path, jobs):
@@ -359,7 +360,7 @@ def test_on_s3_a_live_job_is_refused_and_a_killed_one_taken_over(s3_server, jobs
     for i in range(5):                             # the conditional PUT: one of many wins
         check_one_claim(claims_at_once(f"{s3_server}/claims{i}.zarr"))
     stores = [f"{s3_server}/race{i}.zarr" for i in range(3)]
-    check_race(race(jobs, stores, "w-", tmp_path, "s3"), stores)
+    check_race(race(jobs, stores, "w-", tmp_path, "s3"), stores, "w-")
     for s in stores:
         assert not fs.exists(f"{s.removeprefix('s3://')}/{fmt.CLAIM_NAME}/zarr.json")
     url = f"{s3_server}/run.zarr"

@@ -98,12 +98,12 @@ def check(store, oracle, tensors_lost_ok=False):
     return run
 
 
-def _record(store, layers=6, steps=STEPS, tensors_every=3, **kw):
+def _record(store, layers=6, steps=STEPS, tensors_every=3, flush_interval=0.05, **kw):
     model = _model(layers=layers)
     twin = copy.deepcopy(model)
     oracle = Oracle(twin, "*", ("activations", "gradients"), tensors_every=tensors_every)
-    with Recorder(model, store, layers="*", tensors_every=tensors_every, flush_interval=0.05,
-                  **kw) as rec:
+    with Recorder(model, store, layers="*", tensors_every=tensors_every,
+                  flush_interval=flush_interval, **kw) as rec:
         _train(model, rec, oracle, twin, steps=range(steps))
     oracle.close()
     return oracle
@@ -115,8 +115,8 @@ def test_every_row_is_stored_whatever_the_threads(tmp_path, monkeypatch, threads
     store = str(tmp_path / "run.zarr")
     with warnings.catch_warnings():
         warnings.simplefilter("error")            # a strict CI: no warning of ours or theirs
-        with faulty() as faults:
-            oracle = _record(store)
+        with faulty() as faults:                  # commits at the end: blocks of one shard queue up
+            oracle = _record(store, steps=64, flush_interval=60.0)
     assert faults.overlap == 1                    # never two writes in flight on one key
     check(store, oracle)
 
@@ -371,3 +371,58 @@ def test_the_backlog_of_an_outage_is_bounded_in_records(tmp_path, monkeypatch):
     lost = [k for k in reasons if "backlog" in k]
     assert lost and reasons[lost[0]] == 20 - len(kept), (reasons, kept)
     assert len(kept) <= 1 + 5 + 1
+
+
+HUNG_EXIT = """
+import sys, threading, torch
+sys.path.insert(0, sys.argv[2])
+from faultstore import faulty
+from recorder import Recorder
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+hang = faulty(hang=lambda key: "/c" in key and "/data/" in key, release=threading.Event())
+hang.__enter__()                                   # never released
+rec = Recorder(model, sys.argv[1], layers="*", flush_interval=0.05, close_timeout=1.0).attach()
+for i in range(20):
+    with rec.step(i):
+        model(torch.randn(64, 16)).sum().backward()
+print("trained", flush=True)
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_hung_store_never_hangs_the_interpreter_s_exit(tmp_path, threads):
+    """A script that never closes its Recorder exits (the run closed at exit within
+    close_timeout) although every chunk write hangs for good, with a pool of write
+    threads too (their threads never hold up the exit)."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG_EXIT)
+    env = {**os.environ, "TENSORTAPE_WRITE_THREADS": str(threads)}
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "run.zarr"),
+                        os.path.dirname(__file__)], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "trained" in p.stdout
+    assert time.monotonic() - start < 60
+    assert open_run(str(tmp_path / "run.zarr")).attrs["status"] == "interrupted"
+
+
+def test_the_journal_is_bounded_in_records(monkeypatch):
+    """Past BACKLOG_RECORDS steps, the journal holds one record for all the others:
+    their counts add up, their statistics are counted, memory stays flat."""
+    from recorder import _journal
+    from recorder.format import RankState
+    monkeypatch.setattr(_journal, "BACKLOG_RECORDS", 5)
+    journal = _journal.Journal(RankState())
+    for step in range(1000):
+        rows = type("Rows", (), {"layers": ["a"], "stats": {}, "hist": np.zeros(0)})()
+        journal.keep(_journal.Unsaved(step, [f"l{step}"], {"x": 1}, 1, [], {"k": rows}),
+                     "backlog")
+    assert len(journal.unsaved) == 6
+    last = journal.unsaved[-1]
+    assert last.step == 999 and last.outside == 995 and last.drops == {"x": 995, "backlog": 995}
+    assert last.layers == [f"l{s}" for s in range(5, 1000)]
+    assert sum(len(u.layers) for u in journal.unsaved) == 1000
