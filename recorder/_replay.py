@@ -2,21 +2,33 @@
 
 Under ``on_nonfinite="replay"`` the hooks keep, for every call of a recorded
 module in the step, references to its inputs (args and kwargs) and outputs,
-with the RNG and autocast state and the grad mode at the call (``Keeper``):
-no copy, and no check while the step runs, so no device sync.  The bytes
-kept are bounded by ``max_replay_bytes`` (past it calls are no longer kept,
-and that is counted).
+with the RNG and autocast state, the grad mode and the user's line that
+called the module (a frame walk to the first frame outside torch, the
+libraries and tensortape: a file and a line, no traceback) at the call
+(``Keeper``): no copy, and no check while the step runs, so no device sync.
+The bytes kept, inputs, outputs and output gradients alike, are bounded by
+``max_replay_bytes`` (past it calls are no longer kept, and that is counted).
 
 When the step ends with a non-finite capture (its summaries, read at the
 step's end: the one wait of this mode), ``find`` looks for the *producer*:
 the first call, in completion order (so the deepest module first), whose
-outputs hold NaN/Inf while its inputs are finite; modules that only passed a
+outputs held NaN/Inf (by the capture's own counts: an output cleaned in place
+after the call still counts) while its inputs are finite; modules that only passed a
 NaN on are not producers.  ``replay`` runs that call again (``module.forward``
 on copies of the inputs, the recorder paused) under a ``TorchDispatchMode``
 that checks every aten op: the first op whose floating inputs are finite and
 whose output is not is named, with the Python line that called it and its
-inputs' statistics.  The module's buffers (BatchNorm's running statistics),
-the RNG states and the grad mode are restored, so training is untouched.
+inputs' statistics.  The line is the innermost of the user's code inside the
+replay; for a library's module (torch's ``LayerNorm``) it is the user's line
+that called the module, with the op's line in the library as
+``library_source``.  The module's buffers (BatchNorm's running statistics),
+torch's, Python's and numpy's RNG states and the grad mode are restored, so
+training is untouched.
+
+A replay never runs a collective: a producer that is, or holds, an FSDP-sharded
+module, a DDP wrapper, DTensor parameters or a forward hook of
+``torch.distributed``'s is not replayed (``collective`` says why), and a
+dispatch mode refuses any collective op during a replay, before it starts.
 
 When the step's first NaN/Inf is in backward, the output gradients of the
 calls (kept by reference when backward hands them to the recorder) find the
@@ -24,7 +36,8 @@ backward producer (``find_backward``): a call whose output gradients are
 finite and whose backward, replayed from them (its forward again under anomaly
 mode, which notes each autograd node's forward line, then ``autograd.grad``),
 makes a non-finite gradient, the deepest first.  The check then also names the
-autograd node (``SqrtBackward0``) and the forward line that made it.
+autograd node (``SqrtBackward0``) and the forward line that made it, which is
+then the ``source``.
 
 An input changed in place after the call (its version moved) is not replayed:
 the replay would not be faithful, and the event says so.

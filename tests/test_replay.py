@@ -575,3 +575,41 @@ def test_fsdp2_a_nan_made_in_the_root_or_a_sharded_block_is_not_replayed_across_
         r = first.replay
         assert r["op"] is None and r["module"] == module, r
         assert "FSDP" in r["collective"] and "not replayed" in r["note"], r
+
+
+# --- replay names the user's line ---------------------------------------------------------------
+def big_layernorm_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+
+
+def train_big_layernorm(model, rec):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i in range(2):
+        x = batch6(i) * (1e30 if i == 1 else 1.0)
+        with rec.step(i):
+            out = model(x)
+            out.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_torchs_own_module_is_named_by_the_users_line_that_called_it(tmp_path):
+    m = big_layernorm_model()
+    path = str(tmp_path / "run.zarr")
+    with Recorder(m, path, on_nonfinite="replay", tensors_every=None, layers="*") as rec:
+        train_big_layernorm(m, rec)
+    run = open_run(path)
+    r = run.first_nonfinite().replay
+    assert r["module"] == "1" and r["module_class"] == "LayerNorm", r
+    assert r["op"] == "aten::native_layer_norm"
+    assert r["source"] == line_of(train_big_layernorm, "out = model(x)"), r
+    assert r["code"] == "out = model(x)"
+    assert r["library_source"].split(":")[0].endswith("torch/nn/functional.py"), r
+    again = run.replay(big_layernorm_model())     # offline: the user's frames, not tensortape's
+    assert again["source"] == r["source"] and again["library_source"] == r["library_source"]
+
+
+def test_in_backward_the_source_is_the_forward_line_that_made_the_node(tmp_path):
+    r = record_sqrt(tmp_path).first_nonfinite().replay
+    assert r["source"] == r["forward_source"] == line_of(SqrtAt.forward, "torch.sqrt(")
