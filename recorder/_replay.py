@@ -485,10 +485,12 @@ class _NoCollective(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _not_replayed_collective(why: str) -> dict:
+def _not_replayed_collective(why: str, refused: bool = False) -> dict:
+    said = (f"stopped before {why}: a replay never runs a collective" if refused else
+            f"its call would run a collective ({why})")
     return {"op": None, "collective": why,
-            "note": f"not replayed: its call would run a collective ({why}); a replay on one "
-                    f"rank alone would desynchronise the ranks"}
+            "note": f"not replayed: {said}; a replay on one rank alone would desynchronise "
+                    f"the ranks"}
 
 
 def replay(call: Call, paused, backward: bool = False) -> dict:
@@ -549,8 +551,7 @@ def replay(call: Call, paused, backward: bool = False) -> dict:
     except _Found:
         pass
     except _Collective:
-        return {**where, **_not_replayed_collective(
-            f"{guard.op}, refused: the replay stopped before it")}
+        return {**where, **_not_replayed_collective(f"the collective {guard.op}", refused=True)}
     finally:
         with torch.no_grad():
             for b, saved in buffers:

@@ -613,3 +613,67 @@ def test_torchs_own_module_is_named_by_the_users_line_that_called_it(tmp_path):
 def test_in_backward_the_source_is_the_forward_line_that_made_the_node(tmp_path):
     r = record_sqrt(tmp_path).first_nonfinite().replay
     assert r["source"] == r["forward_source"] == line_of(SqrtAt.forward, "torch.sqrt(")
+
+
+DDP_REPLAY_WORKER = textwrap.dedent("""
+    import os, sys, json
+    import torch, torch.distributed as dist
+    from torch import nn
+    from recorder import Recorder
+    store, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", init_method="env://")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+
+    class GlobalCentre(nn.Module):
+        \"\"\"Centres by the mean over every rank: an all-reduce in its forward.\"\"\"
+
+        def forward(self, x):
+            mean = x.detach().mean(0, keepdim=True)
+            dist.all_reduce(mean)
+            return x - mean / dist.get_world_size()
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.centre, self.head = nn.Linear(4, 4), GlobalCentre(), nn.Linear(4, 2)
+            self.bad = False
+
+        def forward(self, x):
+            h = self.centre(self.lin(x))
+            if self.bad:
+                h = h * 0 / (h * 0)
+            return self.head(h)
+
+    inner = Root()
+    model = nn.parallel.DistributedDataParallel(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = "?"
+    try:
+        with Recorder(model, store, layers="*", on_nonfinite="replay", tensors_every=None) as rec:
+            for i in range(3):
+                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+                inner.bad = rank == 1 and i == 1
+                with rec.step(i):
+                    model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        result = "ok"
+    except Exception as e:
+        result = f"{type(e).__name__}: {e}"
+    open(f"{out}/result{rank}", "w").write(result)
+    dist.destroy_process_group()
+""")
+
+
+def test_ddp_a_producer_with_a_collective_in_its_forward_is_stopped_before_it(tmp_path):
+    # torch.nn.SyncBatchNorm runs on GPUs alone; a hand-written all-reduce in a forward
+    # is what the dispatch-mode guard alone can see
+    store = str(tmp_path / "ddp.zarr")
+    assert _two_ranks(DDP_REPLAY_WORKER, store, tmp_path) == ["ok", "ok"]
+    assert zarr.open_group(store, mode="r").attrs["status"] == "complete"
+    first = open_run(store).first_nonfinite(rank=1)
+    assert first.step == 1, first
+    r = first.replay
+    assert r["op"] is None and r["module"] == "(root)", r
+    assert "c10d::allreduce_" in r["collective"] and "not replayed" in r["note"], r
