@@ -83,7 +83,8 @@ def _kind(filename: str) -> str:
     kind = _KINDS.get(filename)
     if kind is None:
         f = os.path.abspath(filename)
-        if f.startswith(_OURS) or f.endswith(os.sep + "contextlib.py") or filename.startswith("<frozen"):
+        if (f.startswith(_OURS) or f.endswith(os.sep + "contextlib.py")
+                or filename.startswith("<frozen")):
             kind = "ours"
         elif f.startswith(_MACHINERY):
             kind = "machinery"
@@ -459,7 +460,8 @@ def collectives(module: torch.nn.Module) -> str | None:
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
             for h in hooks.values():
                 if _distributed(h):
-                    return f"{who}: a forward hook of torch.distributed's ({getattr(h, '__qualname__', h)!s:.80}) may run a collective"
+                    hook = f"{getattr(h, '__qualname__', h)!s:.80}"
+                    return f"{who}: a forward hook of torch.distributed's ({hook}) may run a collective"
         if DTensor and any(isinstance(t, DTensor) for t in
                            (*m.parameters(recurse=False), *m.buffers(recurse=False))):
             return f"{who}: its DTensor parameters' ops redistribute across the ranks"

@@ -7,6 +7,7 @@ module (not a module that only passed the NaN on), and the op's inputs; and
 that training is untouched (parameters bit-identical to a run without the
 recorder, with dropout and BatchNorm in the producer).
 """
+import functools
 import inspect
 import math
 import os
@@ -677,3 +678,16 @@ def test_ddp_a_producer_with_a_collective_in_its_forward_is_stopped_before_it(tm
     r = first.replay
     assert r["op"] is None and r["module"] == "(root)", r
     assert "c10d::allreduce_" in r["collective"] and "not replayed" in r["note"], r
+
+
+def test_a_forward_hook_of_torch_distributed_on_a_descendant_rules_out_a_replay():
+    from recorder._replay import collectives
+
+    def gather(module, args):                   # stands for FSDP's or TP's pre-forward hook
+        return None
+    gather.__module__ = "torch.distributed.tensor.parallel.style"
+    m = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 2)))
+    assert collectives(m) is None
+    m[1][1].register_forward_pre_hook(functools.partial(gather))
+    assert "'1.1' in it" in collectives(m) and "torch.distributed" in collectives(m)
+    assert collectives(m[0]) is None            # a sibling without it is replayed
