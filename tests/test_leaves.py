@@ -166,6 +166,10 @@ def test_an_evaluation_pass_inside_a_step_is_not_a_micro_batch(tmp_store, policy
     plain.h.remove()
     run = open_run(tmp_store)
     assert run.attrs["outside_steps"] == 2
+    assert run.layers == ["fc1", "fc2"]                # no fc1#1: nothing of the evaluation
+    for kind in ("activations", "gradients"):
+        count = run.stats(kind)["count"].sel(step=0)
+        assert [int(count.sel(layer=n)) for n in ("fc1", "fc2")] == [2 * 4 * 16, 2 * 4 * 4]
     for k in range(2):                                 # the training passes are micro 0 and 1
         np.testing.assert_array_equal(run.tensor("fc1", step=0, micro=k).values,
                                       plain.acts[k].numpy())
@@ -243,3 +247,52 @@ def test_compiled_leaf_outputs_and_evaluation_passes(tmp_store):
                                           want[s, k])
         with pytest.raises(ValueError, match="micro-batch 2"):
             run.tensor("fc", step=s, micro=2)
+    assert run.layers == ["fc", "pos", "(root)"]
+
+
+def test_the_inspector_leaves_no_hook_on_a_leaf_output():
+    """The Inspector's sink says nothing of steps: detach removes the leaf's hook."""
+    from analysis import Inspector
+    model = WithPE()
+    ins = Inspector(model)
+    ins.watch("pos")
+    ins.run_inspection(_x(0))
+    assert _hooks(model.pos.pe) == 0
+    want = torch.autograd.grad(model(_x(0)).sum(), model.pos.pe)[0]
+    np.testing.assert_array_equal(ins.captured_data[("pos", "gradients")].numpy(), want.numpy())
+
+
+def test_the_oracle_agrees_on_leaf_outputs(tmp_store):
+    """A leaf output under accumulation (a backward per micro-batch, then two
+    forwards and one backward), several steps: store and oracle agree, exactly."""
+    import copy
+    model = WithPE(twice=True)
+    twin = copy.deepcopy(model)
+    oracle = Oracle(twin, "*", ("activations", "gradients"))
+    with Recorder(model, tmp_store, layers="*", capture=("activations", "gradients")) as rec:
+        for s in range(3):
+            with rec.step(s):
+                oracle.begin(s)
+                for m in (model, twin):
+                    m(_x(s)).pow(2).sum().backward()
+                    (m(_x(s + 1)).sum() + m(_x(s + 2)).pow(3).sum()).backward()
+                oracle.end()
+            for m in (model, twin):
+                m.zero_grad()
+        assert rec.dropped == 0 == oracle.dropped
+    oracle.close()
+    assert _hooks(twin.pos.pe) == 0 == _hooks(model.pos.pe)
+    run = open_run(tmp_store)
+    assert run.layers == oracle.names()
+    for kind in ("activations", "gradients"):
+        st = run.stats(kind).compute()
+        for s, k, name in oracle.keys():
+            if k != kind:
+                continue
+            want, got = oracle.stats(s, kind, name), st.sel(step=s, layer=name)
+            assert int(got["count"]) == want["count"], (s, kind, name)
+            for stat in ("min", "max", "abs_max"):
+                assert float(got[stat]) == want[stat], (s, kind, name, stat)
+    for (kind, name, s, micro), t in oracle.tensors().items():
+        np.testing.assert_array_equal(run.tensor(name, kind, step=s, micro=micro).values,
+                                      t.numpy(), err_msg=f"{kind} {name} {s} {micro}")
