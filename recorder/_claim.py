@@ -253,11 +253,13 @@ class _Local:
         for _ in range(_TRIES):
             os.makedirs(self.dir, exist_ok=True)
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | cloexec, 0o644)
+                # held read-only (the flock needs no more): an open file for writing
+                # would keep its file system from a read-only remount
+                fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | cloexec, 0o644)
                 created = True
             except FileExistsError:
                 try:
-                    fd = os.open(self.path, os.O_RDWR | cloexec)
+                    fd = os.open(self.path, os.O_RDONLY | cloexec)
                 except FileNotFoundError:  # released meanwhile
                     continue
                 created = False
@@ -273,9 +275,13 @@ class _Local:
                     h = _parse(os.pread(fd, _MAX_BYTES, 0), os.fstat(fd).st_mtime)
                     if h.alive():
                         raise _Held(h)
-                    os.ftruncate(fd, 0)    # gone: taken over, under its flock
-                os.pwrite(fd, doc, 0)
-                os.fsync(fd)
+                w = os.open(self.path, os.O_WRONLY | cloexec)    # under the flock
+                try:
+                    os.ftruncate(w, 0)     # a gone owner's: taken over
+                    os.pwrite(w, doc, 0)
+                    os.fsync(w)
+                finally:
+                    os.close(w)
             except BaseException:
                 if created and _same_file(fd, self.path) and not os.fstat(fd).st_size:
                     os.unlink(self.path)   # the empty file this call made: not left behind
