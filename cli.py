@@ -391,6 +391,10 @@ def _say_replay(found: dict) -> None:
         click.echo(f"made by {found['op']} in {where}, at {found.get('source')}")
         if found.get("code"):
             click.echo(f"    {found['code']}")
+        if found.get("library_source"):
+            click.echo(f"  the op's line in the library: {found['library_source']}")
+            if found.get("library_code"):
+                click.echo(f"    {found['library_code']}")
     for i, t in enumerate(found.get("inputs", [])):
         stats = ", ".join(f"{k} {t[k]:.4g}" if isinstance(t[k], float) else f"{k} {t[k]}"
                           for k in ("min", "max", "abs_max", "nan", "posinf", "neginf") if k in t)
