@@ -26,7 +26,9 @@ model (an EMA or evaluation copy) carries no-op hooks.
 **Evaluation passes.**  A call of the root module under ``no_grad`` or
 ``inference_mode`` inside a step is an evaluation pass (``on_pass`` with
 ``grad=False``): it is not a micro-batch, nothing of it is recorded, and the
-sink counts it (``sink.eval_pass``, where the sink has one).
+sink counts it (``sink.eval_pass``, where the sink has one).  A step of such
+passes alone (recording inference) records them: the sink decides
+(``StepBuffer.eval_pass``).
 
 **Leaf outputs.**  A module whose output is a leaf (``return self.pe``: a
 parameter, a buffer, an input that requires grad) hands the hook a tensor that
@@ -184,8 +186,9 @@ class HookSet:
                     evaluate = getattr(self._sink, "eval_pass", None)
                     if not grad and evaluate is not None \
                             and self._sink.current_token() is not None:
-                        self._evaluating = True
-                        evaluate()
+                        self._evaluating = evaluate()      # False: a micro-batch after all
+                        if not self._evaluating:
+                            self._calls.clear()
                     else:
                         self._evaluating = False
                         self._calls.clear()

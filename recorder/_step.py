@@ -232,6 +232,8 @@ class StepBuffer:
         self.paused = 0                         # nesting of rec.pause()
         self.micro = 0                          # the open step's current micro-batch
         self._passes = 0                        # forward passes of the open step
+        self._trained = False                   # one of them ran with grad
+        self._untrained = 0                     # passes without grad before the first that did
         self._outside = 0
         self.outside_total = 0
         self.on_end: list = []                  # called when a step ends (the hooks' cleanup)
@@ -255,6 +257,7 @@ class StepBuffer:
         self.plan = Plan.at(self.config, step)
         self._captures = []
         self.micro = self._passes = 0
+        self._trained, self._untrained = False, 0
         self.tell()                             # what the last end() held, if not told yet
 
     # --- hook side: start device work, append a typed record ---------------------------
@@ -270,6 +273,7 @@ class StepBuffer:
             return
         if self.token is not None:
             self.micro, self._passes = self._passes, self._passes + 1
+            self._trained = True
             return
         self._outside += 1
         self.outside_total += 1
@@ -285,13 +289,24 @@ class StepBuffer:
                             "training steps in `with rec.step():`; pass outside_step='ignore' to "
                             "silence this")
 
-    def eval_pass(self) -> None:
+    def eval_pass(self) -> bool:
         """A forward pass of the recorded model under ``no_grad``/``inference_mode``
-        inside the open step: an evaluation pass, not a micro-batch; nothing of it
-        is recorded, and it is counted with the passes outside steps (the run's
-        ``outside_steps``), without a warning."""
-        self._outside += 1
-        self.outside_total += 1
+        inside the open step: an evaluation pass (True: record nothing of it), not
+        a micro-batch, counted with the passes outside steps (the run's
+        ``outside_steps``) without a warning.
+
+        Until a pass with grad has run in the step, such a pass is recorded as a
+        micro-batch after all (False): a step of forward passes alone (recording
+        inference) keeps them.  When a pass with grad follows, the step's end
+        drops them (``_without_evaluation``) and its micro-batches are numbered
+        from its first training pass."""
+        if self._trained:
+            self._outside += 1
+            self.outside_total += 1
+            return True
+        self.micro, self._passes = self._passes, self._passes + 1
+        self._untrained += 1
+        return False
 
     def add(self, kind: str, name: str, tensor: torch.Tensor, token: object, micro: int) -> None:
         """One captured tensor of the step whose token is ``token`` (its forward
@@ -403,6 +418,7 @@ class StepBuffer:
         with self._lock:
             caps, self._captures = self._captures, []
             new, self._new = self._new, []
+        caps = self._without_evaluation(caps)
         self.captured = len(caps)
         caps.sort(key=lambda c: (c.kind in fmt.BACKWARD_KINDS, c.order))
         rec = StepRecord(step, plan, layers=new, outside=self._outside)
@@ -418,6 +434,27 @@ class StepBuffer:
             rec.drops, self._drops = self._drops, {}
         self._outside = 0
         return rec
+
+    def _without_evaluation(self, caps: list[Capture]) -> list[Capture]:
+        """A step with a training pass: the passes without grad before it were
+        evaluation passes (``eval_pass``): their captures go (not its weights,
+        taken once a step), they are counted, and the training passes are
+        micro-batches 0, 1, ..."""
+        n, self._untrained = self._untrained, 0
+        if not (n and self._trained):
+            return caps
+        self._outside += n
+        self.outside_total += n
+        kept = []
+        for c in caps:
+            if c.kind == "weights":
+                c.micro = max(c.micro - n, 0)
+            elif c.micro < n:
+                continue
+            else:
+                c.micro -= n
+            kept.append(c)
+        return kept
 
     def _pack(self, caps: list[Capture]) -> tuple[list[Meta], list[Block], Packed | None]:
         """Batch the tiny tensors, stack the other vectors of a device and width into

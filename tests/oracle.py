@@ -16,7 +16,8 @@ every capture as the SPEC defines it, and computes from them:
 - ``dropped``: gradients that arrived after their step ended;
 - ``outside``: forward passes of the root outside a step, and evaluation
   passes (the root called under ``no_grad``/``inference_mode``) inside one:
-  neither is recorded.
+  neither is recorded.  A step whose passes all ran without grad (inference)
+  records them as micro-batches.
 
 A leaf output (a module returning its own parameter) gets a gradient hook that
 takes the first gradient after its call only, and is removed when its step ends.
@@ -126,10 +127,24 @@ class Oracle:
     # --- the schedule ------------------------------------------------------------------
     def begin(self, step):
         self.step, self.micro, self.calls = step, -1, collections.Counter()
+        self.trained, self.untrained = False, 0
         self.weighed = set()
         self.steps.append(step)
 
     def end(self):
+        n = self.untrained
+        if n and self.trained:                 # no-grad passes before a training pass: evaluation
+            self.outside += n
+            kept = []
+            for c in self.caps:
+                if c["step"] == self.step and c["kind"] != "weights":
+                    if c["micro"] < n:
+                        continue
+                    c["micro"] -= n
+                elif c["step"] == self.step:
+                    c["micro"] = max(c["micro"] - n, 0)
+                kept.append(c)
+            self.caps = kept
         if "weight_grads" in self.capture and not self.paused:
             for name, m in self.modules:
                 for pname, p in m.named_parameters(recurse=False):
@@ -165,10 +180,14 @@ class Oracle:
         if self.step is None:
             self.outside += 1
             return
-        if not torch.is_grad_enabled():        # an evaluation pass inside the step
-            self.evaluating = True
-            self.outside += 1
-            return
+        if not torch.is_grad_enabled():
+            if self.trained:                   # an evaluation pass inside the step
+                self.evaluating = True
+                self.outside += 1
+                return
+            self.untrained += 1                # a micro-batch unless a training pass follows
+        else:
+            self.trained = True
         self.micro += 1
         self.calls = collections.Counter()
 
@@ -233,7 +252,8 @@ class Oracle:
 
     def _add(self, kind, name, t, step, micro):
         self.caps.append(dict(step=step, micro=micro, kind=kind, name=name,
-                              tensor=t.detach().clone(), seq=len(self.caps)))
+                              tensor=t.detach().clone(),
+                              seq=self.caps[-1]["seq"] + 1 if self.caps else 0))
 
     def close(self):
         for h in self.handles:

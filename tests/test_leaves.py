@@ -296,3 +296,46 @@ def test_the_oracle_agrees_on_leaf_outputs(tmp_store):
     for (kind, name, s, micro), t in oracle.tensors().items():
         np.testing.assert_array_equal(run.tensor(name, kind, step=s, micro=micro).values,
                                       t.numpy(), err_msg=f"{kind} {name} {s} {micro}")
+
+
+def test_evaluation_before_training_in_a_step_and_inference_steps(tmp_store):
+    """An evaluation pass before the step's first training pass goes too (the
+    training passes are micro-batches 0, 1); a step of no-grad passes alone
+    (recording inference) is recorded, pass by pass."""
+    from conftest import InplaceMLP
+    model = InplaceMLP()
+    plain = _Plain(model)
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Recorder(model, tmp_store, layers="fc*",
+                      capture=("activations", "gradients", "weights")) as rec:
+            with rec.step(0):
+                with torch.no_grad():
+                    model(1e3 * xs[3])                 # evaluation, before any training
+                model(xs[0]).sum().backward()
+                with torch.inference_mode():
+                    model(1e3 * xs[3])                 # evaluation, after
+                model(xs[1]).sum().backward()
+            with rec.step(1), torch.no_grad():         # inference alone: recorded
+                model(xs[2])
+                model(xs[3])
+            assert rec.outside_steps == 2 and rec.dropped == 0
+    plain.h.remove()
+    run = open_run(tmp_store)
+    assert run.layers == ["fc1:weight", "fc1:bias", "fc1", "fc2:weight", "fc2:bias", "fc2"]
+    for k in range(2):
+        np.testing.assert_array_equal(run.tensor("fc1", step=0, micro=k).values,
+                                      plain.acts[k].numpy())
+        np.testing.assert_array_equal(run.tensor("fc1", "gradients", step=0, micro=k).values,
+                                      plain.grads[k].numpy())
+        np.testing.assert_array_equal(run.tensor("fc1", step=1, micro=k).values,
+                                      model.fc1(xs[2 + k]).detach().numpy())
+    with pytest.raises(ValueError, match="micro-batch 2"):
+        run.tensor("fc1", step=0, micro=2)
+    st = run.stats("activations").compute()
+    assert int(st["count"].sel(step=0, layer="fc1")) == 2 * 4 * 16
+    v = np.concatenate([a.numpy().ravel() for a in plain.acts]).astype(np.float64)
+    assert float(st["abs_max"].sel(step=0, layer="fc1")) == np.abs(v).max()
+    np.testing.assert_array_equal(run.tensor("fc1:weight", "weights", step=0).values,
+                                  model.fc1.weight.detach().numpy())
