@@ -512,7 +512,8 @@ class Run:
         each step along ``dim_i`` is the integer coordinate ``extent_dim_i`` (step).
 
         With ``step=s``, that one step at its true shape.  Steps with several
-        micro-batches hold a tensor for each: ``micro=k`` picks one (default 0).
+        micro-batches hold a tensor for each: ``micro=k`` picks one (``None``: 0, the
+        micro-batch every step has).
         A step recorded twice (a resumed job) gives its last recording.
         """
         rank = self._rank(rank)
