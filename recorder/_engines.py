@@ -221,8 +221,7 @@ class Engine:
             self._warned = True
             warn(f"tensortape: torch.compile of the {self.device_type} statistics kernel "
                  f"{fn.__name__} failed ({type(e).__name__}: {str(e)[:120]}); using the eager "
-                 f"kernels, with the same results (set TENSORTAPE_COMPILE=0 to skip compiling)",
-                 stacklevel=2)
+                 f"kernels, with the same results (set TENSORTAPE_COMPILE=0 to skip compiling)")
 
     def _bincount(self, code: torch.Tensor, n: int) -> torch.Tensor:
         ones = torch.ones(1, dtype=torch.int64, device=code.device).expand(code.numel())
@@ -298,7 +297,7 @@ def _triton_class(required: bool):
     except Exception as e:              # no Triton here: the torch kernels, the same numbers
         if required:
             warn(f"tensortape: TENSORTAPE_ENGINE=triton, but Triton is not usable "
-                 f"({type(e).__name__}: {e}); using the torch kernels", stacklevel=4)
+                 f"({type(e).__name__}: {e}); using the torch kernels")
         return None
 
 

@@ -469,7 +469,7 @@ def _see_hooks(model: nn.Module) -> None:
             torch._dynamo.config.skip_nnmodule_hook_guards = False
             from torch._C._dynamo.eval_frame import reset_code
     except Exception as e:  # no Dynamo here: nothing can be compiled
-        warn(f"tensortape: cannot make compiled code see the hooks ({e})", stacklevel=3)
+        warn(f"tensortape: cannot make compiled code see the hooks ({e})")
         return
     for code in _compiled_frames(model):
         reset_code(code)

@@ -42,8 +42,11 @@ Such a piece (the end of a step, whose record must reach the writer) runs
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import os
 import re
+import sys
 import threading
 import warnings
 
@@ -121,14 +124,32 @@ class quiet:
         return False
 
 
-def warn(message: str, stacklevel: int = 1) -> None:
-    """A ``TensortapeWarning`` of ``message``, issued now (``stacklevel`` counts
-    from the caller, as ``warnings.warn`` does), or held inside ``holding``."""
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` (for a ``warnings.warn`` made in ``warn``) of the first
+    frame outside tensortape, torch and contextlib: the user's line that called
+    tensortape, so a warning names it (and ``module`` filters match the user's)."""
+    torch = sys.modules.get("torch")
+    ours = (_HERE, os.path.dirname(contextlib.__file__) + os.sep + "contextlib.py") + (
+        (os.path.dirname(torch.__file__) + os.sep,) if torch is not None else ())
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(ours):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
+def warn(message: str, stacklevel: int | None = None) -> None:
+    """A ``TensortapeWarning`` of ``message``, issued now at the user's line that
+    called tensortape (or ``stacklevel`` from the caller, as ``warnings.warn``
+    counts), or held inside ``holding``."""
     held = _holder.get()
     if held is not None:
         held.append(message)
     else:
-        warnings.warn(message, TensortapeWarning, stacklevel=stacklevel + 1)
+        level = _user_level() if stacklevel is None else stacklevel + 1
+        warnings.warn(message, TensortapeWarning, stacklevel=level)
 
 
 class holding:

@@ -34,7 +34,7 @@ from ._hooks import HookSet
 from ._selection import select_layers, unwrap
 from ._step import StepBuffer
 from ._claim import Claim
-from ._store import RunStore, check_mode, open_root
+from ._store import RunStore, check_mode, open_root, write_threads
 from ._writer import Writer
 from .errors import ConfigError, InspectionError, NonFiniteError
 
@@ -196,7 +196,8 @@ class Recorder:
             close_timeout=close_timeout)
         self.metadata = fmt.to_json(metadata or {})
         self.store_location = os.fspath(store)
-        engine_choice()                   # a bad TENSORTAPE_ENGINE: one line, before any write
+        engine_choice()                   # a bad TENSORTAPE_ENGINE or TENSORTAPE_WRITE_THREADS:
+        write_threads()                   # one line, before anything is written
         self.layers = select_layers(model, layers)
         self.rank, self._world = _rank_and_world()
         self._model_class = type(unwrap(model)).__qualname__
@@ -434,7 +435,7 @@ class Recorder:
             warn(f"tensortape: step {step} ran the model (its gradients changed) but captured "
                  f"nothing: its hooks did not run. Compiled code made without them may be in use "
                  f"(a torch.compile'd function that calls the model); attach the Recorder before "
-                 f"compiling, or call torch.compiler.reset()", stacklevel=3)
+                 f"compiling, or call torch.compiler.reset()")
         if events:
             if raise_nonfinite:
                 e = events[0]

@@ -17,7 +17,6 @@ only ``on_nonfinite="raise"`` resolves it at once, on the training thread.
 from __future__ import annotations
 
 import threading
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +29,7 @@ from ._quiet import holding, warn
 from ._replay import Keeper
 from ._snapshot import Snapshot, Stager, unstorable
 from ._summary import combine, empty_summary, exp_bits_of, moments, widened
-from .errors import InspectionError, TensortapeWarning
+from .errors import InspectionError
 
 __all__ = ["Capture", "Plan", "StepBuffer", "StepRecord", "StatsRows", "TensorRow"]
 
@@ -384,14 +383,14 @@ class StepBuffer:
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warn(message, stacklevel=4)
+            warn(message)
 
     def tell(self) -> None:
         """Issue the warnings that ``end`` held (on the training thread, once its
         record is handed on: a filter that makes them errors raises here)."""
         pending, self.pending = self.pending, []
         for message in pending:
-            warnings.warn(message, TensortapeWarning, stacklevel=4)
+            warn(message)
 
     # --- end of step ---------------------------------------------------------------------
     def idle(self) -> bool:

@@ -248,10 +248,14 @@ def write_threads() -> int:
     """Threads that encode and write chunks.  The codecs release the GIL, so on a
     machine with cores to spare (a GPU machine) chunks are written in parallel; on
     a small one (4 cores or fewer) the writer thread writes them itself, as
-    training already keeps those cores busy.  ``TENSORTAPE_WRITE_THREADS`` sets it."""
-    env = os.environ.get("TENSORTAPE_WRITE_THREADS")
+    training already keeps those cores busy.  ``TENSORTAPE_WRITE_THREADS`` sets it
+    (a positive integer; anything else is a ``ConfigError`` in one line)."""
+    env = os.environ.get("TENSORTAPE_WRITE_THREADS", "").strip()
     if env:
-        return max(1, int(env))
+        if not env.isdigit() or int(env) < 1:
+            raise ConfigError(f"TENSORTAPE_WRITE_THREADS={env!r} is not valid; use a positive "
+                              f"integer (1: the writer thread writes alone), or leave it unset")
+        return int(env)
     cores = os.cpu_count() or 1
     return 1 if cores <= 4 else min(8, cores // 2)
 

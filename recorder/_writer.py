@@ -28,7 +28,6 @@ import collections
 import dataclasses
 import threading
 import time
-import warnings
 from typing import Any
 
 from . import format as fmt
@@ -38,7 +37,8 @@ from ._policy import TensorPolicy
 from ._step import Resolved, StepRecord, TensorRow
 from ._store import RunStore
 from ._worker import Barrier, Notice, Worker
-from .errors import RecorderError, TensortapeWarning
+from ._quiet import warn
+from .errors import RecorderError
 
 __all__ = ["Writer"]
 
@@ -345,4 +345,4 @@ class Writer:
         if n.error is not None:
             self._error = self._error or n.error
         else:
-            warnings.warn(n.message, TensortapeWarning, stacklevel=4)
+            warn(n.message)

@@ -426,3 +426,23 @@ def test_the_journal_is_bounded_in_records(monkeypatch):
     assert last.step == 999 and last.outside == 995 and last.drops == {"x": 995, "backlog": 995}
     assert last.layers == [f"l{s}" for s in range(5, 1000)]
     assert sum(len(u.layers) for u in journal.unsaved) == 1000
+
+
+def test_a_bad_write_threads_setting_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
+    from recorder import ConfigError
+    monkeypatch.setenv("TENSORTAPE_WRITE_THREADS", "abc")
+    with pytest.raises(ConfigError, match="TENSORTAPE_WRITE_THREADS='abc' is not valid"):
+        Recorder(_model(), str(tmp_path / "run.zarr"))
+    assert not (tmp_path / "run.zarr").exists()
+
+
+def test_tensortape_s_warnings_name_the_user_s_line(tmp_path):
+    """A warning points at the user's code that called tensortape (here a forward
+    outside a step), not at tensortape's or torch's frames."""
+    model = _model()
+    with Recorder(model, str(tmp_path / "run.zarr"), layers="*") as rec:
+        with rec.step(0):
+            model(torch.randn(2, 16)).sum().backward()
+        with pytest.warns(TensortapeWarning, match="outside a step") as told:
+            model(torch.randn(2, 16))
+    assert told[0].filename == __file__, told[0].filename
