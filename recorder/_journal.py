@@ -11,7 +11,7 @@ instead of kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from . import format as fmt
 
@@ -36,10 +36,10 @@ class Unsaved:
     bundle: tuple | None = None
     tensors: int = 0            # full-tensor rows stored (lost again at a new start)
     over_budget: int = 0
-    events_total: int = field(default=-1)
+    events_total: int | None = None     # non-finite captures (None: those in ``events``)
 
     def __post_init__(self):
-        if self.events_total < 0:
+        if self.events_total is None:
             self.events_total = len(self.events)
 
     @property
