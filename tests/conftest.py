@@ -102,9 +102,10 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free loopback ports for the S3 test server")
 
 
-@pytest.fixture
-def s3_server(tmp_path, monkeypatch):
-    """A real S3 server (SeaweedFS) on 127.0.0.1, started and stopped by the test."""
+@pytest.fixture(scope="session")
+def _s3_endpoint(tmp_path_factory):
+    """A real S3 server (SeaweedFS) on 127.0.0.1, started once for the session (a
+    start takes seconds) and killed at its end."""
     import shutil
     import subprocess
     import time
@@ -114,38 +115,53 @@ def s3_server(tmp_path, monkeypatch):
     while len(set(ports)) < 4:
         ports = [_free_port_pair() for _ in range(4)]
     master, volume, filer, s3 = ports
-    data = tmp_path / "seaweed"
-    data.mkdir()
-    log = open(tmp_path / "seaweed.log", "w")
+    where = tmp_path_factory.mktemp("seaweed")
+    log = open(where / "seaweed.log", "w")
     proc = subprocess.Popen(
-        [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-s3",
+        [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={where}", "-s3",
          f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
          f"-filer.port={filer}", "-s3.port.iceberg=0", "-s3.port.lance=0",
          "-master.telemetry=false"], stdout=log, stderr=subprocess.STDOUT)
     endpoint = f"http://127.0.0.1:{s3}"
-    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test",
-                 "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
     try:
         import s3fs
-        s3fs.S3FileSystem.clear_instance_cache()     # clients cached for an earlier server
-        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                fs.mkdir("tensortape-test")
-                break
-            except Exception:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"SeaweedFS did not start: see {tmp_path / 'seaweed.log'}")
-                time.sleep(0.5)
-        yield "s3://tensortape-test"
+        with pytest.MonkeyPatch.context() as mp:
+            _s3_env(mp, endpoint)
+            fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint},
+                                   skip_instance_cache=True)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    fs.mkdir("tensortape-test")
+                    break
+                except Exception:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise RuntimeError(f"SeaweedFS did not start: see {where / 'seaweed.log'}")
+                    time.sleep(0.5)
+            s3fs.S3FileSystem.close_session(fs.loop, fs.s3)
+        yield endpoint
     finally:
-        import s3fs
-        s3fs.S3FileSystem.clear_instance_cache()
-        proc.kill()                   # its data is the test's: no need for a clean exit
+        proc.kill()                   # its data is the tests': no need for a clean exit
         proc.wait()
         log.close()
+
+
+def _s3_env(mp, endpoint):
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test",
+                 "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        mp.setenv(k, v)
+
+
+@pytest.fixture
+def s3_server(_s3_endpoint, monkeypatch):
+    """An empty prefix of its own on the session's S3 server, whose address the
+    environment names (``AWS_ENDPOINT_URL``) for this test."""
+    import uuid
+    import s3fs
+    _s3_env(monkeypatch, _s3_endpoint)
+    s3fs.S3FileSystem.clear_instance_cache()         # clients cached without this environment
+    yield f"s3://tensortape-test/{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def record_shapes(store, shapes=((4, 6), (2, 3))):
