@@ -1,7 +1,8 @@
 """Convert a Zarr store of an older format (1 or 2) to the current one:
 ``tensortape migrate OLD NEW``.
 
-Every committed row is copied as it is (a step recorded twice stays twice), so
+Every committed row is copied as it is (a step recorded twice stays twice, with
+its ``recording`` column where a resumed recording gave it one), so
 the ranks' commit counters stay true: statistics into the packed array and the
 sharded histograms (``_store.RunStore``'s own layout), full-tensor tables
 array by array with their chunks, codecs and attributes (format 1's tables gain
@@ -39,21 +40,28 @@ def migrate(old, new, progress=None) -> str:
     for rank, path, n in (progress(tables) if progress else tables):
         g = root.require_group(path)
         table = fmt.parse_path(path)
+        recorded = run.source.has(f"{path}/{fmt.RECORDING}")    # a resumed recording's
         if table.section == "stats":
             width = int(run.source.array(f"{path}/hist").shape[1])
             cols = RunStore._new_stats(g, table.kind, width)
+            if recorded:
+                cols[fmt.RECORDING] = _array(g, fmt.RECORDING, (0,), (SMALL_CHUNK_ROWS,),
+                                             "int64", 0, ["step"])
             for a in cols.values():
                 a.resize((n, *a.shape[1:]))
             for lo in range(0, n, BLOCK_ROWS):
                 hi = min(lo + BLOCK_ROWS, n)
                 rows = np.arange(lo, hi)
                 cols["step"][lo:hi] = np.asarray(run.source.array(f"{path}/step")[lo:hi])
+                if recorded:
+                    cols[fmt.RECORDING][lo:hi] = np.asarray(
+                        run.source.array(f"{path}/{fmt.RECORDING}")[lo:hi])
                 cols["hist"][lo:hi] = np.asarray(run.source.array(f"{path}/hist")[lo:hi])
                 cols["stats"][lo:hi] = np.stack(
                     [np.asarray(run._stat(path, s, rows, slice(None))) for s in fmt.STATS], axis=2)
         else:
             g.update_attributes(run.source.attrs(path))
-            for name in fmt.TENSOR_COLUMNS:
+            for name in fmt.TENSOR_COLUMNS + ((fmt.RECORDING,) if recorded else ()):
                 if not run.source.has(f"{path}/{name}"):          # format 1: no micro
                     _array(g, name, (n,), (SMALL_CHUNK_ROWS,), "int64",
                            fmt.OPTIONAL_COLUMNS[name], ["step"])[:] = 0

@@ -134,6 +134,7 @@ class Run:
                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                                    ) from e
         self._valid: set[str] = set()
+        self._current: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
 
     def _open(self) -> None:
         self.source = open_source(self.path)
@@ -188,7 +189,30 @@ class Run:
         table = fmt.parse_path(path)
         if table.section == "stats" and not self.source.has(f"{path}/stats"):
             return fmt.STATS_COLUMNS_V2            # formats 1 and 2: an array per statistic
+        if self.source.has(f"{path}/{fmt.RECORDING}"):     # a resumed recording appended to it
+            return (*table.columns, fmt.RECORDING)
         return table.columns
+
+    def _rows_of(self, path: str, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """The committed rows of a table that a reader reads, and every row's step:
+        of each step, only the rows of the latest recording that recorded it (a job
+        resumed with mode="a" from an earlier checkpoint records steps again;
+        ``fmt.current_rows``).  Read once: a ``Run`` reads the committed rows of
+        when it was opened."""
+        got = self._current.get((rank, path))
+        if got is None:
+            got = self._current[(rank, path)] = self._read_rows(path, rank)
+        return got
+
+    def _read_rows(self, path: str, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        n = self.checked_rows(path, rank)
+        steps = np.asarray(self.source.array(path + "/step")[:n]) if n else np.zeros(0, np.int64)
+        runs = self._states[rank].rerecorded
+        recordings = None
+        if runs:
+            recordings = np.asarray(self.source.array(f"{path}/{fmt.RECORDING}")[:n]) \
+                if self.source.has(f"{path}/{fmt.RECORDING}") else np.zeros(n, np.int64)
+        return fmt.current_rows(steps, recordings, runs), steps
 
     def checked_rows(self, path: str, rank: int) -> int:
         """A table's committed rows, once its arrays are checked against them: each
@@ -244,6 +268,8 @@ class Run:
         if not self.source.attrs(path).get(fmt.EVERY_CHUNK):
             return
         for name, arr in arrays.items():
+            if name == fmt.RECORDING:    # given to a table with committed rows, which are all
+                continue                 # recording 0's: a chunk not yet written reads as 0
             # the objects of a sharded array are its shards
             chunks = tuple(int(c) for c in (getattr(arr, "shards", None) or arr.chunks))
             if name == "data" and extent is not None:
@@ -298,11 +324,15 @@ class Run:
         return kind
 
     def _tensor_paths(self, kind: str, rank: int) -> dict[str, str]:
-        """Layer name -> table path of the full tensors of one kind."""
+        """Layer name -> table path of the full tensors of one kind (not those whose
+        every row is of steps that a later recording recorded again)."""
         out = {}
+        again = bool(self._states[rank].rerecorded)
         for p, n in self._committed(rank).items():
             t = fmt.parse_path(p)
             if n and t.section == "tensors" and t.kind == kind:
+                if again and not len(self._rows_of(p, rank)[0]):
+                    continue
                 name = self.source.attrs(p).get("name", t.node)
                 out[name if isinstance(name, str) else t.node] = p
         return out
@@ -330,17 +360,16 @@ class Run:
         if not tensors:
             return self._stats_rows(kind, rank)[2]
         paths = [self._tensor_path(layer, kind, rank)] if layer else self._tensor_paths(kind, rank).values()
-        found = [np.asarray(self.source.array(p + "/step")[: self.checked_rows(p, rank)]) for p in paths]
+        found = [steps[rows] for rows, steps in (self._rows_of(p, rank) for p in paths)]
         return np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
 
     # --- statistics and histograms ------------------------------------------------
     def _stats_rows(self, kind: str, rank: int) -> tuple[str, np.ndarray, np.ndarray]:
-        """The stats table's path, its rows to read (the last recording of each
+        """The stats table's path, its rows to read (the latest recording of each
         step, in step order) and their steps."""
         path = fmt.stats_group(rank, kind)
-        n = self.checked_rows(path, rank)
-        steps = np.asarray(self.source.array(path + "/step")[:n]) if n else np.zeros(0, np.int64)
-        rows = fmt.latest_rows(steps)
+        current, steps = self._rows_of(path, rank)
+        rows = current[fmt.latest_rows(steps[current])]
         return path, rows, steps[rows]
 
     def _stats_layers(self, kind: str, rank: int) -> list[str]:
@@ -514,20 +543,21 @@ class Run:
         With ``step=s``, that one step at its true shape.  Steps with several
         micro-batches hold a tensor for each: ``micro=k`` picks one (``None``: 0, the
         micro-batch every step has).
-        A step recorded twice (a resumed job) gives its last recording.
+        A step recorded again (a job resumed with mode="a") gives its latest
+        recording, whole: none of an older recording's micro-batches.
         """
         rank = self._rank(rank)
         path = self._tensor_path(layer, kind, rank)
         n = self.checked_rows(path, rank)
-        steps = np.asarray(self.source.array(path + "/step")[:n])
+        current, steps = self._rows_of(path, rank)
         micros = np.asarray(self.source.array(path + "/micro")[:n]) \
             if self.source.has(path + "/micro") else np.zeros(n, np.int64)
         m = 0 if micro is None else int(micro)
-        mine = np.nonzero(micros == m)[0]
+        mine = current[micros[current] == m]
         rows = mine[fmt.latest_rows(steps[mine])]
         if not len(rows):
             raise ConfigError(f"no full {kind} tensor of {layer!r} has micro-batch {m}; "
-                              f"micro-batches recorded: {sorted(set(micros.tolist()))}")
+                              f"micro-batches recorded: {sorted(set(micros[current].tolist()))}")
         steps, extent = steps[rows], np.asarray(self.source.array(path + "/extent")[:n])[rows]
         data = self._lazy(path + "/data")[:n][_as_slice(rows)]
         logical = dict(self.source.array(path + "/data").attrs).get(fmt.LOGICAL_ATTR)

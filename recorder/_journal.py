@@ -11,7 +11,7 @@ instead of kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from . import format as fmt
 
@@ -37,6 +37,8 @@ class Unsaved:
     tensors: int = 0            # full-tensor rows stored (lost again at a new start)
     over_budget: int = 0
     events_total: int | None = None     # non-finite captures (None: those in ``events``)
+    earlier: list = field(default_factory=list)   # the steps merged into this one past the
+                                        # bounds, as ``fmt.note_step`` runs (recording 0)
 
     def __post_init__(self):
         if self.events_total is None:
@@ -59,7 +61,14 @@ class Unsaved:
         return replace(later, layers=self.layers + later.layers, drops=drops,
                        outside=self.outside + later.outside, tensors=self.tensors + later.tensors,
                        over_budget=self.over_budget + later.over_budget,
-                       events_total=self.events_total + later.events_total)
+                       events_total=self.events_total + later.events_total,
+                       earlier=self._steps_before(later))
+
+    def _steps_before(self, later: "Unsaved") -> list:
+        runs = [list(r) for r in self.earlier]
+        if self.step >= 0:
+            fmt.note_step(runs, 0, self.step)
+        return runs + [list(r) for r in later.earlier]
 
     def lean(self, reason: str) -> "Unsaved":
         """Past the backlog's bounds: statistics and kept events counted, not kept

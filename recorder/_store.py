@@ -521,22 +521,32 @@ class RunStore:
         return fmt.RankState.from_json(dict(self.rank_group.attrs) or {"rank": self.rank})
 
     # --- tables --------------------------------------------------------------
-    def _table(self, path: str, committed: int, create) -> Table:
+    def _table(self, path: str, committed: int, create, recording: int) -> Table:
         """The open table at ``path``: the store's arrays when it has committed
-        rows, else new ones made by ``create(group)``."""
+        rows, else new ones made by ``create(group)``.  A recording after the first
+        (``recording`` > 0, a resumed job) gives the table its ``recording`` column,
+        whose committed rows so far are recording 0's (``fmt.RECORDING``)."""
         table = self.tables.get(path)
         if table is None:
+            names = list(fmt.parse_path(path).columns)
             if committed:
                 g = self.root[path]
                 for n, fill in fmt.OPTIONAL_COLUMNS.items():     # a store of an older format
-                    if n in fmt.parse_path(path).columns and n not in g:
+                    if n in names and n not in g:
                         rows = g["step"].shape[0]
                         _array(g, n, (rows,), (SMALL_CHUNK_ROWS,), "int64", fill, ["step"])
-                cols = {n: g[n].with_config({"write_empty_chunks": True})
-                        for n in fmt.parse_path(path).columns}
+                if recording and fmt.RECORDING not in g:         # every chunk of its rows stored
+                    _array(g, fmt.RECORDING, (g["step"].shape[0],), (SMALL_CHUNK_ROWS,), "int64",
+                           0, ["step"])[:committed] = np.zeros(committed, np.int64)
+                names += [fmt.RECORDING] if fmt.RECORDING in g else []
+                cols = {n: g[n].with_config({"write_empty_chunks": True}) for n in names}
             else:
                 g = self.root.require_group(path)
+                stale = fmt.RECORDING in g                # of rows never committed
                 cols = create(g)
+                if recording or stale:
+                    cols[fmt.RECORDING] = _array(g, fmt.RECORDING, (0,), (SMALL_CHUNK_ROWS,),
+                                                 "int64", 0, ["step"])
             table = self.tables[path] = Table(g, cols, committed, self.pool)
         return table
 
@@ -578,12 +588,14 @@ class RunStore:
 
     # --- rows -------------------------------------------------------------------
     def append_stats(self, kind: str, step: int, names: list[str], layers: list[str],
-                     stats: dict[str, np.ndarray], hist: np.ndarray, committed: int) -> None:
+                     stats: dict[str, np.ndarray], hist: np.ndarray, committed: int,
+                     recording: int = 0) -> None:
         """One step's statistics of ``layers`` as a row of the kind's table, whose
-        layer axis is ``names`` (the run's rows so far); absent layers are NaN."""
+        layer axis is ``names`` (the run's rows so far); absent layers are NaN.
+        ``recording``: the rank's recording that records it (``fmt.RECORDING``)."""
         n = len(names)
         table = self._table(fmt.stats_group(self.rank, kind), committed,
-                            lambda g: self._new_stats(g, kind, n))
+                            lambda g: self._new_stats(g, kind, n), recording)
         index = {name: i for i, name in enumerate(names)}
         rows = [index[layer] for layer in layers]
         row = np.full((n, len(fmt.STATS)), np.nan)
@@ -592,29 +604,31 @@ class RunStore:
         full[rows] = hist
         table.columns["stats"].grow_inner((n, len(fmt.STATS)))
         table.columns["hist"].grow_inner((n, fmt.NBINS))
-        table.append({"step": np.int64(step), "stats": row, "hist": full})
+        table.append(_tagged({"step": np.int64(step), "stats": row, "hist": full}, table,
+                             recording))
 
     def append_tensor(self, kind: str, layer: str, step: int, micro: int, t,
-                      committed: int) -> int | None:
+                      committed: int, recording: int = 0) -> int | None:
         """One step's full tensor (a host torch tensor) as a row of its table; the
         bytes written, or None when its rank or dtype differs from the table's."""
         arr, logical = to_numpy(t)
         table = self._table(fmt.tensor_group(self.rank, kind, layer), committed,
-                            lambda g: self._new_tensor(g, kind, layer, arr, logical))
+                            lambda g: self._new_tensor(g, kind, layer, arr, logical), recording)
         data = table.columns["data"].array
         if data.ndim - 1 != arr.ndim or data.dtype != arr.dtype:
             return None
         extent = np.array(arr.shape if arr.ndim else (1,), dtype=np.int64)
-        table.append({"data": arr, "step": np.int64(step), "micro": np.int64(micro),
-                      "extent": extent})
+        table.append(_tagged({"data": arr, "step": np.int64(step), "micro": np.int64(micro),
+                              "extent": extent}, table, recording))
         return arr.nbytes
 
     def write_bundle(self, path: str, attrs: dict, arrays: dict) -> None:
         """A replay bundle (``format.replay_group``): each host tensor an array (its
         node name encoded, bfloat16 and float8 as bits with ``logical_dtype``), the
         JSON in the group's attributes.  Written whole; the event that names it is
-        committed after."""
-        g = self.root.require_group(path)
+        committed after.  A bundle of an older recording at the same step (a job
+        resumed from before it) is replaced whole, none of its arrays or keys kept."""
+        g = self.root.create_group(path, overwrite=True)
         for name, t in arrays.items():
             arr, logical = to_numpy(t)
             a = _array(g, fmt.node_name(name), arr.shape, arr.shape or (), arr.dtype,
@@ -663,6 +677,13 @@ class RunStore:
                 except Exception:       # the write that failed, or one after it
                     pass
         self.tables = {}
+
+
+def _tagged(values: dict[str, np.ndarray], table: Table, recording: int) -> dict:
+    """A row's values, with its recording where its table has that column."""
+    if fmt.RECORDING in table.columns:
+        values[fmt.RECORDING] = np.int64(recording)
+    return values
 
 
 def to_numpy(t) -> tuple[np.ndarray, str | None]:

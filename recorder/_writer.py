@@ -60,6 +60,12 @@ class _Rows:
         self.claim = claim                     # rank 0's on the store: refreshed, then released
         self.config = config
         self.outbox = outbox                   # Notices for the training thread
+        # mode="a" begins a new recording of the rank: of the steps it records, those up to
+        # the rank's last step so far may be held by an older one, whose rows there are then
+        # not read (``fmt.current_rows``) and whose events there are removed
+        self.upto = state.last_step if config.mode == "a" else None
+        if config.mode == "a":
+            state.recording += 1
         self.policy = TensorPolicy(config, state.bytes_raw)
         self.journal = Journal(state)
         self._skipped: set[str] = set()
@@ -190,6 +196,8 @@ class _Rows:
             self._drop(reason, n)
         st.outside_steps += u.outside
         st.over_budget += u.over_budget
+        if self.upto is not None:
+            self._recorded_again([*u.earlier, [0, u.step, u.step, 0]])
         st.events_total += u.events_total
         st.events.extend(dataclasses.replace(e, rank=st.rank)
                          for e in u.events[:max(fmt.MAX_EVENTS - len(st.events), 0)])
@@ -201,10 +209,30 @@ class _Rows:
             names.extend(layer for layer in rows.layers if layer not in known)
             path = fmt.stats_group(st.rank, kind)
             self.store.append_stats(kind, u.step, names, rows.layers, rows.stats, rows.hist,
-                                    st.committed.get(path, 0))
+                                    st.committed.get(path, 0), st.recording)
         for step, rows in tensors:
             for row in rows:
                 self._write_tensor(step, row)
+
+    def _recorded_again(self, runs: list) -> None:
+        """This recording records the steps of ``runs`` (``fmt.note_step``'s, a
+        record's and those merged into it); those up to ``upto`` an older recording
+        may hold: noted in the state (readers then read none of the older rows
+        there), and the older recordings' events there are removed
+        (``events_total`` with them)."""
+        st = self.state
+        spans = [(first, min(last, self.upto), stride) for _, first, last, stride in runs
+                 if 0 <= first <= self.upto]
+        if not spans:
+            return
+        for first, last, stride in spans:
+            for step in range(first, last + 1, stride or 1):
+                fmt.note_step(st.rerecorded, st.recording, step)
+        kept = [e for e in st.events if not any(
+            first <= e.step <= last and (e.step - first) % (stride or 1) == 0
+            for first, last, stride in spans)]
+        st.events_total -= len(st.events) - len(kept)
+        st.events = kept
 
     def _write_tensor(self, step: int, row: TensorRow) -> None:
         st = self.state
@@ -212,7 +240,7 @@ class _Rows:
         row.snap.unpin()                 # the store may write it later: the slot goes back now
         host = row.snap.host()
         n = self.store.append_tensor(row.kind, row.layer, step, row.micro, host,
-                                     st.committed.get(path, 0))
+                                     st.committed.get(path, 0), st.recording)
         if n is not None:
             st.bytes_raw += n
             return

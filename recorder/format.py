@@ -13,6 +13,8 @@ Layout of a store (Zarr v3)::
                                     attrs: stats (the names along ``stat``)
         tensors/<kind>/<node>/      data (step, dim_0, ...), step (step), micro (step),
                                     extent (step, axis); attrs: name, kind
+                                    (either table: recording (step) once a resumed
+                                    recording appended to it)
         replay/step<S>/             on_nonfinite="replay": the producer call's bundle
                                     (``replay_group``), named by its event's replay
 
@@ -24,8 +26,15 @@ Readers read all three; ``tensortape migrate`` converts a store to format 3.
 
 A step's statistics are one row (over all its micro-batches); its full
 tensors are a row per micro-batch.  A step recorded again (a job resumed
-from an earlier checkpoint) appends rows: readers take the last row of each
-(step, micro).
+with ``mode="a"`` from an earlier checkpoint) appends rows.  Each attach with
+``mode="a"`` begins a new *recording* of the rank (``RankState.recording``: 0
+for the first, then 1, 2, ...); a table that a recording after the first
+appends to gains a ``recording`` column (step), the number of the recording
+that wrote each row (absent: every row is recording 0), and the rank's state
+lists the steps a recording recorded again (``RankState.rerecorded``).  A
+reader returns, of each step, the rows of the latest recording that recorded
+it, and none of an older one's (``current_rows``); an older recording's events
+at such a step are removed by the writer.
 
 This module owns: the names (kinds, statistics, statuses), the table paths
 and their parsing, the columns of each table, the rank state and the events
@@ -80,6 +89,8 @@ STAT_AXIS = "stat"
 BIN_COLUMNS = ("bin_lo", "bin_hi")            # fixed: one value per bin
 TENSOR_COLUMNS = ("data", "step", "micro", "extent")
 OPTIONAL_COLUMNS = {"micro": 0}               # absent in format 1: every row is micro-batch 0
+RECORDING = "recording"      # a column of a table a resumed recording appended to (any format-3
+                             # table may have it; absent: every row is recording 0)
 EVERY_CHUNK = "every_chunk"  # a table attribute: each chunk of its rows is stored, even one all
                              # fill, so a chunk missing from the committed rows is damage
 
@@ -164,6 +175,44 @@ def latest_rows(keys: np.ndarray) -> np.ndarray:
     last = np.ones(len(k), bool)
     last[:-1] = (k[1:] != k[:-1]).any(axis=1)
     return order[last]
+
+
+def note_step(runs: list[list[int]], recording: int, step: int) -> None:
+    """Add ``step``, recorded again by ``recording``, to ``runs``: arithmetic runs
+    ``[recording, first, last, stride]`` (stride 0: one step), in recording order;
+    a recording's steps increase, so its steps recorded every k steps are one run."""
+    if runs and runs[-1][0] == recording:
+        run = runs[-1]
+        if run[1] == run[2] and step > run[2]:
+            run[2], run[3] = step, step - run[1]
+            return
+        if run[3] and step - run[2] == run[3]:
+            run[2] = step
+            return
+    runs.append([int(recording), int(step), int(step), 0])
+
+
+def superseding(runs, steps: np.ndarray) -> np.ndarray:
+    """Of each of ``steps``, the latest recording that recorded it again (0: none)."""
+    steps = np.asarray(steps, np.int64)
+    out = np.zeros(len(steps), np.int64)
+    for recording, first, last, stride in runs:
+        hit = (steps >= first) & (steps <= last)
+        if stride:
+            hit &= (steps - first) % stride == 0
+        out[hit] = np.maximum(out[hit], recording)
+    return out
+
+
+def current_rows(steps: np.ndarray, recordings: np.ndarray | None, runs) -> np.ndarray:
+    """Indices of the rows of a table (their ``steps`` and ``recordings``) that belong
+    to the latest recording of their step: a row of a step that a later recording
+    recorded again is not read (that recording's rows are the step's, whole, even
+    where it has none of this table)."""
+    steps = np.asarray(steps, np.int64)
+    if not runs or recordings is None:
+        return np.arange(len(steps))
+    return np.nonzero(np.asarray(recordings, np.int64) >= superseding(runs, steps))[0]
 
 
 def parse_path(path: str) -> TablePath:
@@ -330,6 +379,10 @@ class RankState:
     committed: dict[str, int] = field(default_factory=dict)
     stats_layers: dict[str, list[str]] = field(default_factory=dict)   # kind -> layer rows
     bytes_raw: int = 0
+    recording: int = 0               # the number of the rank's latest recording: 0 for the
+                                     # first, one more at each attach with mode="a"
+    rerecorded: list[list[int]] = field(default_factory=list)   # the steps a recording recorded
+                                     # again (``note_step`` runs): older rows there are not read
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -356,11 +409,20 @@ class RankState:
                 last_step=None if d.get("last_step") is None else _int(d["last_step"]),
                 committed=committed,
                 stats_layers={str(k): _strings(v) for k, v in dict(d.get("stats_layers", {})).items()},
-                bytes_raw=_int(d.get("bytes_raw", 0)))
+                bytes_raw=_int(d.get("bytes_raw", 0)),
+                recording=_int(d.get("recording", 0)),
+                rerecorded=[_run(r) for r in list(d.get("rerecorded", []))])
         except StoreFormatError:
             raise
         except (TypeError, ValueError, AttributeError) as e:
             raise StoreFormatError(f"the rank state of {where} is malformed: {e}") from e
+
+
+def _run(v) -> list[int]:
+    recording, first, last, stride = (_int(x) for x in v)
+    if first > last or stride < 0:
+        raise ValueError(f"{v!r:.60} is not a run of steps")
+    return [recording, first, last, stride]
 
 
 def _strings(v) -> list[str]:
