@@ -36,17 +36,55 @@ outlives the forward pass, so a gradient hook on it would stay for good.  Such
 a hook (``leaf_hook``) is registered only for a recorded call, acts once (the
 gradient of that call's backward), and is removed when its step ends (the
 sink's ``on_end``), at the next step and at ``detach``.
+
+**Checkpointing.**  ``torch.utils.checkpoint`` runs a region's forward again
+inside backward, so its hooks fire again.  A hook that fires while the
+autograd engine runs (``_current_graph_task_id() != -1``, one C call) is such
+a recomputation: it records nothing, is no new call (no name, no micro-batch,
+no pass of the root, nothing kept for replay), and only decides which serial
+the recomputed output's gradient carries: that of the forward call it
+repeats.  The activations are the forward's own, once.
+
+- Non-reentrant (Hugging Face's default): the forward's outputs are in the
+  graph, and their gradient hooks fire; the recomputed outputs are never
+  backpropagated.  Nothing to do (-1).
+- Reentrant: the forward runs without grad inside ``CheckpointFunction``'s
+  forward, and the gradients flow through the recomputation that its
+  backward runs.  An eager call without grad looks for that frame on the
+  stack (``_checkpoint``); inside one, its outputs get serials as if they had
+  a gradient, listed under the checkpoint's ctx (``_segments``, weak keys).
+  The recomputation finds the same ctx on the stack and takes the serials of
+  the forward's calls in order: the j-th call of a module there is its j-th
+  call in the forward (``_Segment``).  The root called there is a training
+  pass, not an evaluation.  A reentrant checkpoint inside another is listed
+  under the outer one too; its forward inside the outer one's recomputation
+  is the k-th listed (``_nested``).  A non-reentrant recomputation (which a
+  reentrant backward may start, reading its saved inputs) hides the frames
+  behind it.
+- Compiled (AOTAutograd, Inductor): a checkpointed region is recomputed
+  inside the backward graph, capture ops included, and the gradient carries
+  the serial of the recomputed capture.  Each traced capture has a site of
+  its own (``_ops._site``), the same in the recomputation, which returns the
+  serial of its site's latest forward capture in this step that no
+  recomputation has taken yet (``_of_site``): the graph run whose backward
+  this is (the backward of several forward passes runs the latest first).
+  Run eagerly (``backend="eager"``), the recomputed outputs are never
+  backpropagated, as in eager mode.
+
+The common path pays one C call per capture, and a grad-mode check per call.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointFunction
 
 from . import _ops
 from ._naming import input_leaves, leaves
@@ -62,6 +100,29 @@ __all__ = ["HookSet"]
 # a TensortapeWarning raised as an error is a policy too: the user's filter chose it
 _POLICY = (InspectionError, NonFiniteError, TensortapeWarning)
 _STALE = object()          # the token of a step that is gone: never the open step's
+_graph_task = torch._C._current_graph_task_id      # -1 unless the autograd engine runs here
+_CHECKPOINT_FORWARD = CheckpointFunction.forward.__code__
+_CHECKPOINT_BACKWARD = CheckpointFunction.backward.__code__
+# where a non-reentrant checkpoint recomputes (its saved tensors' unpack hook)
+_NON_REENTRANT = (CheckpointFunction.forward.__code__.co_filename, ("unpack_hook", "recompute_fn"))
+
+
+def _checkpoint(code, outer: int = 0):
+    """The ctx of the innermost reentrant checkpoint whose ``forward`` or
+    ``backward`` (``code``) runs on this thread's stack (``outer``: of the one that
+    many levels further out), or None; none behind a non-reentrant checkpoint's
+    recomputation (which a reentrant one's backward may start)."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code is code:
+            if not outer:
+                return f.f_locals.get("ctx")
+            outer -= 1
+        elif f.f_code.co_name in _NON_REENTRANT[1] \
+                and f.f_code.co_filename == _NON_REENTRANT[0]:
+            return None
+        f = f.f_back
+    return None
 
 
 class Sink(Protocol):
@@ -90,8 +151,13 @@ class HookSet:
         self._calls: dict[tuple[str, str], int] = {}          # calls in this forward pass
         self._weighed: set[str] = set()                       # weights captured this step
         self._names: dict[str, str] = {}                     # module -> base name of its call
-        self._serials: dict[int, tuple] = {}   # gradients expected: (token, name, micro)
-        self._older: dict[int, tuple] = {}     # and those of the step before
+        # gradients expected: (token, name, micro, site); and those of the step before
+        self._serials: dict[int, tuple] = {}
+        self._older: dict[int, tuple] = {}
+        self._segments = weakref.WeakKeyDictionary()   # reentrant checkpoint ctx -> _Segment
+        self._call: _Call | None = None        # the call whose outputs are being captured
+        self._by_site: dict[int, list] = {}    # site -> serials of this step not recomputed
+        self._indexed = 0                      # the last serial in _by_site
         self._serial = 0
         self._probe: tuple | None = None
         self._depth = 0                                      # nesting of root-module calls
@@ -151,6 +217,7 @@ class HookSet:
         self._depth = 0
         self._evaluating = False
         self._older, self._serials = self._serials, {}
+        self._by_site, self._indexed = {}, self._serial
         self._probe = self._grad_state()
 
     def weight_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -180,9 +247,14 @@ class HookSet:
         call without grad (``grad=False``) inside a step is an evaluation pass: no
         micro-batch, nothing recorded until it ends, counted by the sink."""
         try:
+            if _graph_task() != -1:             # a checkpoint recomputing the root: no pass
+                return
             if enter:
                 self._depth += 1
                 if self._depth == 1:
+                    ctx = None if grad else _reentrant_forward()
+                    if ctx is not None and any(ctx.needs_input_grad):
+                        grad = True                 # a reentrant checkpoint's forward trains
                     evaluate = getattr(self._sink, "eval_pass", None)
                     if not grad and evaluate is not None \
                             and self._sink.current_token() is not None:
@@ -202,10 +274,14 @@ class HookSet:
         except Exception as e:
             self._sink.fault(e, "forward pass", self._root_label)
 
-    def on_forward(self, x: torch.Tensor, module: str, path: str, what: str, first: bool) -> int:
-        """One tensor of a module call; the serial its gradient will carry (or -1)."""
+    def on_forward(self, x: torch.Tensor, module: str, path: str, what: str, first: bool,
+                   site: int = 0) -> int:
+        """One tensor of a module call; the serial its gradient will carry (or -1).
+        ``site``: the capture op's in compiled code (0: eager)."""
         try:
-            return self._forward(x, module, path, what, first)
+            if _graph_task() != -1:             # inside backward: a checkpoint recomputes
+                return self._recomputed(module, path, what, first, site)
+            return self._forward(x, module, path, what, first, site)
         except _POLICY:
             raise
         except Exception as e:
@@ -217,7 +293,8 @@ class HookSet:
         """A recorded module's call begins or ends (``on_nonfinite="replay"``): the
         keeper holds its inputs and outputs until the step ends."""
         try:
-            if self._sink.current_token() is None or self._evaluating:   # not recorded
+            if self._sink.current_token() is None or self._evaluating \
+                    or _graph_task() != -1:     # not recorded, or a checkpoint recomputing it
                 return
             if enter:
                 k = self._calls.get(("keep", module), 0)
@@ -240,7 +317,7 @@ class HookSet:
         found = self._serials.get(serial) or self._older.get(serial)
         if found is None:
             found = (_STALE, "an output of an earlier step", 0) if serial > 0 else (None, "?", 0)
-        token, name, micro = found
+        token, name, micro = found[:3]
         try:
             if self._keeper is not None and token is self._sink.current_token():
                 self._keeper.grad(serial, g)
@@ -258,7 +335,8 @@ class HookSet:
             return
         self._leaf_handles.append(t.register_hook(_Once(serial, self.id)))
 
-    def _forward(self, x: torch.Tensor, module: str, path: str, what: str, first: bool) -> int:
+    def _forward(self, x: torch.Tensor, module: str, path: str, what: str, first: bool,
+                 site: int) -> int:
         if self._evaluating:                    # an evaluation pass: nothing is recorded
             return -1
         token = self._sink.current_token()
@@ -267,7 +345,9 @@ class HookSet:
         if first:                                   # a new call of the module
             k = self._calls.get((phase, module), 0)
             self._calls[(phase, module)] = k + 1
-            self._names[phase + module] = self._label(module) + (f"#{k}" if k else "")
+            self._names[phase + module] = base = self._label(module) + (f"#{k}" if k else "")
+            if phase == "post" and not site and not torch.is_grad_enabled():
+                self._call = self._segment_call(module, base, token, micro)
         if what == "weights":            # a module's weights: once a step, not per micro-batch
             name = f"{self._label(module)}:{path}"
             if token is not None and name not in self._weighed:    # recorded, not paused
@@ -279,11 +359,137 @@ class HookSet:
             self._sink.add(what.split("+")[0], name, x, token, micro)
         if "gradients" not in what or token is None:
             return -1
+        call = None
+        if not site and not torch.is_grad_enabled():    # no gradient, unless the call is
+            call = self._call                           # a reentrant checkpoint's forward
+            if call is None or call.module != module:
+                return -1
         self._serial += 1
-        self._serials[self._serial] = (token, name, micro)
+        self._serials[self._serial] = (token, name, micro, site)
+        if call is not None:
+            call.serials[path] = self._serial
         if self._keeper is not None:            # on_nonfinite="replay": its gradient is kept
             self._keeper.bind(module, path, self._serial)
         return self._serial
+
+    # --- checkpointing (see the module's docstring) -------------------------------------
+    def _segment_call(self, module: str, base: str, token, micro: int) -> _Call | None:
+        """A call without grad: inside a reentrant checkpoint's forward (whose
+        recomputation will need its serials), its record in the checkpoint's list."""
+        if token is None:
+            return None
+        ctx = _reentrant_forward()
+        if ctx is None:
+            return None
+        segment = self._segments.get(ctx)
+        if segment is None:
+            segment = self._segments[ctx] = _Segment()
+            outer = _checkpoint(_CHECKPOINT_FORWARD, 1)      # a checkpoint inside another
+            if outer is not None:
+                if outer not in self._segments:
+                    self._segments[outer] = _Segment()
+                self._segments[outer].inner.append(segment)
+        call = _Call(module, base, token, micro)
+        segment.calls.setdefault(module, []).append(call)
+        return call
+
+    def _recomputed(self, module: str, path: str, what: str, first: bool, site: int) -> int:
+        """A capture while backward runs: a checkpoint recomputing a forward call.
+        Nothing is recorded; the serial its gradient must carry (-1: none)."""
+        if what in ("inputs", "weights"):
+            return -1
+        if site:                                # compiled
+            return self._of_site(site) if "gradients" in what else -1
+        if not torch.is_grad_enabled():         # a checkpoint inside the one recomputed
+            self._nested()
+            return -1
+        if first:
+            self._call = None
+            ctx = _checkpoint(_CHECKPOINT_BACKWARD)
+            segment = self._segments.get(ctx) if ctx is not None else None
+            if segment is None:                 # non-reentrant: the forward's own outputs
+                return -1                       # carry the gradients
+            calls = segment.calls.get(module)
+            if not calls:
+                raise RuntimeError("a checkpoint's recomputation called a module its forward "
+                                   "did not call (does its control flow depend on state that "
+                                   "changed?); the gradient is not recorded")
+            j = segment.replayed.get(module, 0)
+            segment.replayed[module] = j + 1
+            self._call = calls[j % len(calls)]  # again from the start: another backward
+        call = self._call
+        if "gradients" not in what or call is None or call.module != module:
+            return -1
+        serial = call.serials.get(path)
+        if serial is None:                      # an output that had no capture in the forward
+            self._serial += 1
+            serial = self._serial
+            call.serials[path] = serial
+            self._serials[serial] = (call.token, join(call.base, path), call.micro, 0)
+        return serial
+
+    def _nested(self) -> None:
+        """A reentrant checkpoint's forward inside the recomputation of another: the
+        k-th such of the outer one is its k-th in the forward, whose calls its own
+        recomputation will repeat."""
+        self._call = None
+        ctx = _reentrant_forward()
+        if ctx is None or ctx in self._segments:
+            return
+        recomputed = _checkpoint(_CHECKPOINT_BACKWARD)
+        outer = self._segments.get(recomputed) if recomputed is not None else None
+        if outer is not None and outer.inner:
+            segment = outer.inner[outer.nested % len(outer.inner)]
+            outer.nested += 1
+            segment.replayed = {}
+            self._segments[ctx] = segment
+
+    def _of_site(self, site: int) -> int:
+        """The serial of the forward capture that a compiled recomputation with
+        ``site`` repeats: the latest of this step not taken yet, else the step
+        before's latest (a late gradient), else -1 (not recorded)."""
+        for s in range(self._indexed + 1, self._serial + 1):   # index the new ones
+            found = self._serials.get(s)
+            if found is not None and found[3]:
+                self._by_site.setdefault(found[3], []).append(s)
+        self._indexed = self._serial
+        latest = self._by_site.get(site)
+        if latest:
+            return latest.pop()
+        for s, found in reversed(self._older.items()):
+            if found[3] == site:
+                return s
+        return -1
+
+
+class _Segment:
+    """A reentrant checkpoint's forward: its calls by module, in order, and how
+    many of each its recomputation has repeated so far; the checkpoints inside it,
+    in order, and how many of them its recomputation has run."""
+
+    __slots__ = ("calls", "replayed", "inner", "nested")
+
+    def __init__(self):
+        self.calls: dict[str, list[_Call]] = {}
+        self.replayed: dict[str, int] = {}
+        self.inner: list[_Segment] = []
+        self.nested = 0
+
+
+class _Call:
+    """A module call inside a reentrant checkpoint's forward: its name, step and
+    micro-batch, and the serials of its outputs by path."""
+
+    __slots__ = ("module", "base", "token", "micro", "serials")
+
+    def __init__(self, module: str, base: str, token, micro: int):
+        self.module, self.base, self.token, self.micro = module, base, token, micro
+        self.serials: dict[str, int] = {}
+
+
+def _reentrant_forward():
+    """The ctx of the reentrant checkpoint whose forward runs here, or None."""
+    return _checkpoint(_CHECKPOINT_FORWARD)
 
 
 class _Hook:
@@ -363,12 +569,15 @@ class _PreHook(_Hook):
 class _PostHook(_Hook):
     def run(self, module, args, output):
         acts, grads = "activations" in self.kinds, "gradients" in self.kinds
+        # eager, without grad: maybe a reentrant checkpoint's forward, whose outputs
+        # get their gradients through its recomputation (HookSet._segment_call)
+        later = grads and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
         first = True
         for path, t in leaves(output):
             wants_grad = grads and t.requires_grad
-            if not (acts or wants_grad):
+            if not (acts or wants_grad or later):
                 continue
-            what = "activations+gradients" if acts and wants_grad else \
+            what = "activations+gradients" if acts and (wants_grad or later) else \
                 "activations" if acts else "gradients"
             serial = _ops.capture(t, self.hookset, self.module, path, what, first)
             first = False

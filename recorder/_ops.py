@@ -14,7 +14,11 @@ root module: a new forward pass, a micro-batch of the step.
 ``capture`` returns the capture's serial (a CPU int64 scalar from the op).
 The gradient hook carries it to ``capture_grad``, so a gradient is named (and
 assigned to its step and micro-batch) by the forward call that produced it,
-also in compiled code.
+also in compiled code.  Each capture that Dynamo traces also gets a number of
+its own, its *site*, fixed in the compiled code (``_site``): a compiled
+backward graph that recomputes a checkpointed region runs the same capture op,
+with the same site, again, and the site tells which forward capture it
+repeats (see "Checkpointing" in ``_hooks``).  Eager captures have site 0.
 
 The custom ops are used only while compiling: in eager mode a hook calls the
 Python body directly (an op's dispatch costs about ten times its body).
@@ -60,14 +64,25 @@ def _hookset(i: int):
 
 
 def _on_forward(x: torch.Tensor, hookset: int, module: str, path: str, what: str,
-                first: bool) -> int:
+                first: bool, site: int = 0) -> int:
     hs = _hookset(hookset)
-    return hs.on_forward(x, module, path, what, first) if hs is not None else -1
+    return hs.on_forward(x, module, path, what, first, site) if hs is not None else -1
 
 
 def _capture(x: torch.Tensor, hookset: int, module: str, path: str, what: str,
-             first: bool) -> torch.Tensor:
-    return torch.full((), _on_forward(x, hookset, module, path, what, first), dtype=torch.int64)
+             first: bool, site: int) -> torch.Tensor:
+    return torch.full((), _on_forward(x, hookset, module, path, what, first, site),
+                      dtype=torch.int64)
+
+
+_sites = itertools.count(1)
+
+
+@torch.compiler.assume_constant_result
+def _site() -> int:
+    """A new number, each time Dynamo traces a capture: Dynamo runs this while
+    tracing and puts its result in the graph as a constant."""
+    return next(_sites)
 
 
 def fault(hookset: int, error: BaseException, module: str) -> None:
@@ -98,7 +113,7 @@ if hasattr(torch.library, "custom_op"):           # torch >= 2.4
                                                mutates_args=())(_capture_grad)
 
     @_capture_op.register_fake
-    def _(x, hookset, module, path, what, first):
+    def _(x, hookset, module, path, what, first, site):
         return torch.empty((), dtype=torch.int64)
 
     @_capture_grad_op.register_fake
@@ -124,7 +139,7 @@ def capture(x, hookset, module, path, what, first):
     """Hand one tensor of a module call over; its serial (an int, or an int64 scalar
     while compiling)."""
     if torch.compiler.is_compiling():
-        return _ops[0](x, hookset, module, path, what, first)
+        return _ops[0](x, hookset, module, path, what, first, _site())
     return _on_forward(x, hookset, module, path, what, first)
 
 
