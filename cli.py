@@ -1,89 +1,69 @@
-"""The tensortape command line: thin click commands over ``analysis`` and ``recorder``.
+"""The tensortape command line: parse the arguments, call ``analysis`` or
+``recorder``, print what they return.
 
 Every library error becomes a ``click.ClickException`` (one line on stderr, exit
 status 2) in one place, the group's ``invoke``; ``--debug`` shows the traceback
-instead.  torch is imported only by ``demo`` and ``record``; matplotlib only by
-the commands that draw.
+instead.  Everything a command prints goes through ``_out``, which turns a closed
+stdout (``tensortape nan RUN | head -1``) into silence, so the exit status stays
+the command's own; the CLI changes no process state (``sys.stdout``,
+``sys.path``) beyond a command's own scope.  torch is imported only by ``demo``,
+``record`` and ``replay``; matplotlib only by the commands that draw.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import sys
 
 import click
 
-KINDS = ("activations", "gradients", "inputs", "weights", "weight_grads")
-STATS = ("count", "mean", "std", "min", "max", "abs_max", "norm", "zero_frac", "nan", "posinf",
-         "neginf")
-COUNTS = ("count", "nan", "posinf", "neginf")
-INTEGERS = COUNTS + ("delta_count", "delta_nan", "delta_posinf", "delta_neginf", "worst_step",
-                     "rel_l2_step")
+from recorder.errors import RecorderError
+from recorder.format import COUNT_STATS, KINDS, STATS
+
+INTEGERS = COUNT_STATS + ("delta_count", "delta_nan", "delta_posinf", "delta_neginf",
+                          "worst_step", "rel_l2_step")
 EXIT_ERROR = 2
 
 
-class TensortapeError(click.ClickException):
-    """A library error, or a store that cannot be read: one line, exit status 2."""
-    exit_code = EXIT_ERROR
-
-
-class _Group(click.Group):
-    def parse_args(self, ctx, args):
-        """``--debug`` anywhere on the line (before a ``--``) is the group's flag."""
-        cut = args.index("--") if "--" in args else len(args)
-        if "--debug" in args[:cut]:
-            args = ["--debug"] + [a for i, a in enumerate(args) if a != "--debug" or i > cut]
-        return super().parse_args(ctx, args)
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
-            raise
-        except Exception as e:
-            if ctx.params.get("debug"):
-                raise
-            from recorder.errors import RecorderError
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            if not isinstance(e, (RecorderError, OSError)):
-                msg = f"{type(e).__name__}: {msg} (run with --debug for the traceback)"
-            raise TensortapeError(msg) from e
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+# --- output ------------------------------------------------------------------------
+def _out(text: str = "", nl: bool = True, color: bool | None = None) -> None:
+    """Write to stdout.  A reader that went away silences the rest of the output
+    instead of failing, so the command runs on to its own exit status."""
     try:
-        return version("tensortape")
-    except PackageNotFoundError:
-        return "unknown"
+        click.echo(text, nl=nl, color=color)
+    except BrokenPipeError:
+        _stdout_to_devnull()
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(_version(), "--version", prog_name="tensortape")
-@click.option("--debug", is_flag=True, help="show the traceback of an error")
-def cli(debug):
-    """Record and study what flows through a PyTorch model (tensortape)."""
+def _stdout_to_devnull() -> None:
+    """stdout's reader closed the pipe: point file descriptor 1 at devnull, so that
+    later writes and the interpreter's flush at exit succeed (the note on SIGPIPE
+    in Python's ``signal`` docs).  ``sys.stdout`` itself stays as it is."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):      # no file descriptor to point
+        pass
+    finally:
+        os.close(devnull)
 
 
-def _open(path):
-    from analysis import open_run
-    return open_run(path)
-
-
-def _progress(label: str):
-    """A progress bar over items on a terminal; plain iteration otherwise."""
-    def wrap(items):
-        if sys.stderr.isatty():
-            with click.progressbar(list(items), file=sys.stderr, label=label) as bar:
-                yield from bar
-        else:
-            yield from items
-    return wrap
+def _flush_stdout() -> None:
+    """Flush what is left in stdout's buffer (a recorded script's prints) before
+    the interpreter's flush at exit, which would turn a closed pipe into status 120."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+    except (AttributeError, OSError, ValueError):      # no stdout, or the script closed it
+        pass
 
 
 def _json(obj) -> None:
-    click.echo(json.dumps(obj, indent=1, allow_nan=False, default=str))
+    _out(json.dumps(obj, indent=1, allow_nan=False, default=str))
 
 
 def _number(name: str, v):
@@ -102,18 +82,108 @@ def _table(columns, rows) -> None:
     t = Table(*columns, box=None, pad_edge=False, header_style="bold")
     for r in rows:
         t.add_row(*map(str, r))
-    Console(soft_wrap=True).print(t)
+    console = Console(soft_wrap=True)
+    with console.capture() as text:
+        console.print(t)
+    _out(text.get(), nl=False, color=True)             # rich chose whether to colour
 
 
-def _step_range(text):
-    """``A:B`` (either side may be empty) -> (A or None, B or None)."""
+# --- the group: errors, --help and --version ------------------------------------------
+class TensortapeError(click.ClickException):
+    """A library error, or a store that cannot be read: one line, exit status 2."""
+    exit_code = EXIT_ERROR
+
+
+def _show_help(ctx, param, value) -> None:
+    if value and not ctx.resilient_parsing:
+        _out(ctx.get_help(), color=ctx.color)
+        ctx.exit()
+
+
+def _show_version(ctx, param, value) -> None:
+    if value and not ctx.resilient_parsing:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            number = version("tensortape")
+        except PackageNotFoundError:
+            number = "unknown"
+        _out(f"tensortape, version {number}", color=ctx.color)
+        ctx.exit()
+
+
+class _HelpThroughOut:
+    """``--help`` printed by ``_out``: click's own printing, on a closed stdout,
+    would replace ``sys.stdout`` and exit 1."""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.callback = _show_help
+        return option
+
+
+class _Command(_HelpThroughOut, click.Command):
+    pass
+
+
+class _Group(_HelpThroughOut, click.Group):
+    command_class = _Command
+
+    def parse_args(self, ctx, args):
+        """``--debug`` anywhere on the line (before a ``--``) is the group's flag."""
+        cut = args.index("--") if "--" in args else len(args)
+        if "--debug" in args[:cut]:
+            args = ["--debug"] + [a for i, a in enumerate(args) if a != "--debug" or i > cut]
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
+            raise
+        except Exception as e:
+            if ctx.params.get("debug"):
+                raise
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if not isinstance(e, (RecorderError, OSError)):
+                msg = f"{type(e).__name__}: {msg} (run with --debug for the traceback)"
+            raise TensortapeError(msg) from e
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=_show_version, help="Show the version and exit.")
+@click.option("--debug", is_flag=True, help="show the traceback of an error")
+def cli(debug):
+    """Record and study what flows through a PyTorch model (tensortape)."""
+
+
+# --- arguments -------------------------------------------------------------------------
+def _open(path):
+    from analysis import open_run
+    return open_run(path)
+
+
+def _progress(label: str):
+    """A progress bar over items on a terminal; plain iteration otherwise."""
+    def wrap(items):
+        if sys.stderr.isatty():
+            with click.progressbar(list(items), file=sys.stderr, label=label) as bar:
+                yield from bar
+        else:
+            yield from items
+    return wrap
+
+
+def _span(text):
+    """``--steps A:B`` (either side may be empty) as a slice of step numbers (None: all)."""
     if text is None:
         return None
     lo, sep, hi = text.partition(":")
     try:
         if not sep:
             raise ValueError
-        return (int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
+        return slice(int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
     except ValueError:
         raise click.BadParameter(f"{text!r} is not a step range; write A:B (steps A to B-1), "
                                  f"A: or :B", param_hint="--steps") from None
@@ -127,15 +197,20 @@ def _check_step(step, have) -> None:
                                  f"{steps_text(have)}", param_hint="--step")
 
 
-def _span(steps):
-    """``--steps A:B`` as a slice of step numbers (None: all)."""
-    rng = _step_range(steps)
-    return None if rng is None else slice(*rng)
+@contextlib.contextmanager
+def _importable_from(folder: str):
+    """``folder`` first on ``sys.path`` for the block (where ``python -m`` puts the
+    working directory), and off it after."""
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(folder)
 
 
 steps_option = click.option("--steps", default=None, metavar="A:B",
                             help="only steps A to B-1 (A: from A on, :B before B)")
-
 kind_option = click.option("--kind", type=click.Choice(KINDS), default="activations",
                            show_default=True, help="which recorded tensors")
 format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]),
@@ -143,24 +218,24 @@ format_option = click.option("--format", "fmt", type=click.Choice(["table", "jso
                              help="json: for scripts (counts are integers, NaN is null)")
 
 
+# --- the commands ----------------------------------------------------------------------
 @cli.command()
 @click.argument("out", type=click.Path())
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="training steps")
 @click.option("--diverge", is_flag=True, help="use a learning rate that diverges to NaN")
 def demo(out, steps, diverge):
     """Record a sample training run (a transformer learning to sort digits) into OUT."""
-    import os
     from sample_runs.task import record
     if os.path.exists(out):
         raise click.BadParameter(f"{out!r} already exists; choose a new OUT", param_hint="OUT")
     record(out, steps=steps, diverge=diverge, log=lambda s: click.echo(s, err=True))
-    click.echo(repr(_open(out)))
-    click.echo("\nTry next:")
-    click.echo(f"  tensortape info {out}")
-    click.echo(f"  tensortape nan {out}")
+    _out(repr(_open(out)))
+    _out("\nTry next:")
+    _out(f"  tensortape info {out}")
+    _out(f"  tensortape nan {out}")
     layer = "encoder.layers.0.linear1"
-    click.echo(f"  tensortape plot {out} --layer {layer} --type distribution -o dist.png")
-    click.echo(f"  tensortape stats {out} --layer 'encoder.*' --format csv")
+    _out(f"  tensortape plot {out} --layer {layer} --type distribution -o dist.png")
+    _out(f"  tensortape stats {out} --layer 'encoder.*' --format csv")
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -208,7 +283,8 @@ def record(out, mode, layers, capture, tensors_every, stats_every, ring, on_nonf
 @click.argument("run")
 @click.option("--interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
               help="seconds between refreshes")
-@click.option("--layer", "pattern", default=None, help="glob pattern of layers to show (default: all)")
+@click.option("--layer", "pattern", default=None,
+              help="glob pattern of layers to show (default: all)")
 @kind_option
 def watch(run, interval, pattern, kind):
     """Follow RUN while it is recorded: latest statistics per layer, non-finite alerts,
@@ -220,12 +296,12 @@ def watch(run, interval, pattern, kind):
         lines = render(view)
         if live:
             click.clear()
-            click.echo("\n".join(lines))
+            _out("\n".join(lines))
         else:                          # piped: a status line a refresh, alerts as they come
-            click.echo("\n".join([lines[0]] + [x for x in lines if x.startswith("ALERT")]))
+            _out("\n".join([lines[0]] + [x for x in lines if x.startswith("ALERT")]))
     if view is not None and not live:
-        click.echo("\n".join(render(dict(view, alerts=[]))[1:]))
-    click.echo(f"run {view['status'] if view else 'unknown'}: {run}")
+        _out("\n".join(render(dict(view, alerts=[]))[1:]))
+    _out(f"run {view['status'] if view else 'unknown'}: {run}")
 
 
 @cli.command()
@@ -239,30 +315,30 @@ def info(run, fmt):
     s["disk_bytes"] = r.disk_bytes()
     if fmt == "json":
         return _json(s)
-    click.echo(f"run      {run}")
-    click.echo(f"status   {s['status']}    ranks {s['ranks']}    format {s['format']}")
-    click.echo(f"model    {s['model_class']}    torch {s['torch_version']}")
+    _out(f"run      {run}")
+    _out(f"status   {s['status']}    ranks {s['ranks']}    format {s['format']}")
+    _out(f"model    {s['model_class']}    torch {s['torch_version']}")
     raw, disk = s["bytes_raw"], s["disk_bytes"]
     ratio = f"    (full tensors recorded: {format_bytes(raw)}, {raw / disk:.2f}x the store)" \
         if disk and raw else ""
-    click.echo(f"size     {format_bytes(disk)} on disk{ratio}")
+    _out(f"size     {format_bytes(disk)} on disk{ratio}")
     for k, v in s["steps"].items():
-        click.echo(f"{k:<13} statistics at {v['count']} steps ({v['first']}..{v['last']}), "
-                   f"full tensors at {v['tensor_steps']} steps" if v["count"] else f"{k}: none")
-    click.echo()
+        _out(f"{k:<13} statistics at {v['count']} steps ({v['first']}..{v['last']}), "
+             f"full tensors at {v['tensor_steps']} steps" if v["count"] else f"{k}: none")
+    _out()
     _table(["layer", *s["kinds"]],
            [[layer] + [("S" if m[k]["stats"] else "") + (
                f"T {format_bytes(m[k]['tensor_bytes'])}" if m[k]["tensor_bytes"] is not None
                else "") or "-" for k in s["kinds"]] for layer, m in s["layers"].items()])
-    click.echo("(S = statistics, T = full tensors, with their size decoded)")
+    _out("(S = statistics, T = full tensors, with their size decoded)")
     ev = s["events"]
     several = s["per_rank"] is not None
     where = f" on rank {ev[0]['rank']}" if ev and several else ""
-    click.echo(f"\nnon-finite events: {s['events_total']}" + (
+    _out(f"\nnon-finite events: {s['events_total']}" + (
         f"; first at step {ev[0]['step']}{where} in {ev[0]['layer']} ({ev[0]['kind']})"
         if ev else ""))
     if several:
-        click.echo(f"(layers and steps above: rank {s['rank']}; every rank below)")
+        _out(f"(layers and steps above: rank {s['rank']}; every rank below)")
         _table(["rank", "last step", "events", "dropped"],
                [[p["rank"], p["last_step"], p["events_total"], p["dropped"]]
                 for p in s["per_rank"]])
@@ -270,7 +346,7 @@ def info(run, fmt):
                       ("outside_steps", "forward passes outside a step"),
                       ("over_budget", "full tensors not stored (max_bytes)")):
         if s[key]:
-            click.echo(f"{what}: {s[key]}")
+            _out(f"{what}: {s[key]}")
 
 
 @cli.command()
@@ -288,15 +364,15 @@ def stats(run, kind, pattern, step, steps, fmt):
     _check_step(step, ds.step.values)
     ds = ds.sel(step=[step]) if step is not None else within(ds, _span(steps))
     df = ds.compute().to_dataframe().reset_index()
-    for c in COUNTS:
+    for c in COUNT_STATS:
         df[c] = df[c].astype("Int64")
     if fmt == "json":
         _json([{k: (_number(k, v) if k in STATS else (int(v) if k == "step" else v))
                 for k, v in row.items()} for row in df.to_dict(orient="records")])
     elif fmt == "csv":
-        click.echo(df.to_csv(index=False), nl=False)
+        _out(df.to_csv(index=False), nl=False)
     else:
-        click.echo(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        _out(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
 
 
 @cli.command()
@@ -312,29 +388,29 @@ def nan(run, around, fmt):
     if fmt == "json":
         _json(None if first is None else first.to_json())
     elif first is None:
-        click.echo("clean: no NaN or Inf recorded")
+        _out("clean: no NaN or Inf recorded")
     else:
         ranks = len(r.ranks) > 1
         where = f" on rank {first.rank}" if ranks else ""
-        click.echo(f"first non-finite: step {first.step}{where}, layer {first.layer}, {first.kind} "
-                   f"({first.phase}, micro-batch {first.micro}): {first.nan} NaN, "
-                   f"{first.posinf} +Inf, {first.neginf} -Inf")
+        _out(f"first non-finite: step {first.step}{where}, layer {first.layer}, {first.kind} "
+             f"({first.phase}, micro-batch {first.micro}): {first.nan} NaN, "
+             f"{first.posinf} +Inf, {first.neginf} -Inf")
         if first.replay:
             _say_replay(first.replay)
         if first.history is not None:
-            click.echo(f"\n{first.layer} ({first.kind}) in the steps before:")
+            _out(f"\n{first.layer} ({first.kind}) in the steps before:")
             h = first.history[["mean", "std", "abs_max", "norm", "nan", "posinf", "neginf"]]
             df = h.to_dataframe().drop(columns="layer", errors="ignore")
             for c in ("nan", "posinf", "neginf"):
                 df[c] = df[c].astype("Int64")
-            click.echo(df.to_string(float_format=lambda v: f"{v:.4g}"))
+            _out(df.to_string(float_format=lambda v: f"{v:.4g}"))
         if first.same_step:
-            click.echo(f"\nalso non-finite at step {first.step}:")
+            _out(f"\nalso non-finite at step {first.step}:")
             for e in first.same_step[:20]:
-                click.echo(f"  {f'rank {e.rank}: ' if ranks else ''}{e.layer} ({e.kind}): "
-                           f"{e.nan} NaN, {e.posinf} +Inf, {e.neginf} -Inf")
+                _out(f"  {f'rank {e.rank}: ' if ranks else ''}{e.layer} ({e.kind}): "
+                     f"{e.nan} NaN, {e.posinf} +Inf, {e.neginf} -Inf")
             if len(first.same_step) > 20:
-                click.echo(f"  ... and {len(first.same_step) - 20} more")
+                _out(f"  ... and {len(first.same_step) - 20} more")
     sys.exit(0 if first is None else 1)
 
 
@@ -371,41 +447,42 @@ def plot(run, layer, kind, plot_type, stat, step, steps, density, output):
     else:
         fig = r.plot_distribution(layer, kind=kind, steps=span)
     fig.savefig(output, dpi=120)
-    click.echo(output)
+    _out(output)
 
 
 def _say_replay(found: dict) -> None:
     """What ``on_nonfinite="replay"`` found: the op, its line and its inputs."""
     if not found.get("op"):
         of = f" of {found['module'] or '(root)'}" if "module" in found else ""
-        click.echo(f"replay{of}: {found.get('note')}")
+        _out(f"replay{of}: {found.get('note')}")
         return
     where = f"{found.get('module') or '(root)'} ({found.get('module_class')})"
     if found.get("phase") == "backward":
-        click.echo(f"made by {found['op']} in {found.get('node', '?')}, in the backward of "
-                   f"{where}; the forward op that made that node, at "
-                   f"{found.get('forward_source', '?')}")
+        _out(f"made by {found['op']} in {found.get('node', '?')}, in the backward of "
+             f"{where}; the forward op that made that node, at "
+             f"{found.get('forward_source', '?')}")
         if found.get("forward_code"):
-            click.echo(f"    {found['forward_code']}")
+            _out(f"    {found['forward_code']}")
     else:
-        click.echo(f"made by {found['op']} in {where}, at {found.get('source')}")
+        _out(f"made by {found['op']} in {where}, at {found.get('source')}")
         if found.get("code"):
-            click.echo(f"    {found['code']}")
+            _out(f"    {found['code']}")
         if found.get("library_source"):
-            click.echo(f"  the op's line in the library: {found['library_source']}")
+            _out(f"  the op's line in the library: {found['library_source']}")
             if found.get("library_code"):
-                click.echo(f"    {found['library_code']}")
+                _out(f"    {found['library_code']}")
     for i, t in enumerate(found.get("inputs", [])):
         stats = ", ".join(f"{k} {t[k]:.4g}" if isinstance(t[k], float) else f"{k} {t[k]}"
                           for k in ("min", "max", "abs_max", "nan", "posinf", "neginf") if k in t)
-        click.echo(f"  input {i}: {t['dtype']}{t['shape']}  {stats}")
+        _out(f"  input {i}: {t['dtype']}{t['shape']}  {stats}")
 
 
 @cli.command()
 @click.argument("run_a")
 @click.argument("run_b")
 @kind_option
-@click.option("--layer", "pattern", default=None, help="glob pattern of layers to compare (default: all both runs hold)")
+@click.option("--layer", "pattern", default=None,
+              help="glob pattern of layers to compare (default: all both runs hold)")
 @click.option("--rtol", type=click.FloatRange(min=0), default=1e-3, show_default=True,
               help="relative tolerance: runs differ where rel_l2 (full tensors) or any "
                    "statistic's relative difference is above it")
@@ -445,28 +522,28 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank):
                           for layer in table.layer.values}})
     else:
         if first is None:
-            click.echo("no divergence")
+            _out("no divergence")
         else:
-            click.echo(f"first divergence: step {first[0]}, layer {first[1]} ({kind}), shown by {by}")
+            _out(f"first divergence: step {first[0]}, layer {first[1]} ({kind}), shown by {by}")
             if by == "statistics" and ds.attrs["tensor_steps"] and bool(
                     (ds["rel_l2"].fillna(0) <= rtol).all()):
-                click.echo("  the full tensors agree at every step both runs hold them; the verdict "
-                           "follows the statistics at the steps without full tensors")
-        click.echo(f"compared {kind} of {ds.sizes['layer']} layers both runs hold:")
-        click.echo(f"  statistics (delta_*, stat_rel): {ds['stat_rel'].attrs['covers'][12:]}")
-        click.echo("  full tensors (rel_l2, cosine, max_abs, sqnr_db): " +
-                   (ds["rel_l2"].attrs["covers"][14:] if "rel_l2" in ds else
-                    "none (not both runs hold them)"))
-        click.echo("per layer, each metric at its worst step (worst_step: where the statistics "
-                   "differ most):")
+                _out("  the full tensors agree at every step both runs hold them; the verdict "
+                     "follows the statistics at the steps without full tensors")
+        _out(f"compared {kind} of {ds.sizes['layer']} layers both runs hold:")
+        _out(f"  statistics (delta_*, stat_rel): {ds['stat_rel'].attrs['covers'][12:]}")
+        _out("  full tensors (rel_l2, cosine, max_abs, sqnr_db): " +
+             (ds["rel_l2"].attrs["covers"][14:] if "rel_l2" in ds else
+              "none (not both runs hold them)"))
+        _out("per layer, each metric at its worst step (worst_step: where the statistics "
+             "differ most):")
         frame = table.to_dataframe()
-        click.echo(frame.to_string(float_format=lambda v: f"{v:.4g}"))
+        _out(frame.to_string(float_format=lambda v: f"{v:.4g}"))
     if output:
         layer = first[1] if first else str(ds.layer.values[0])
         plot_comparison(a, b, layer, kind=kind, rtol=rtol, ds=ds, first=first,
                         rank=rank).savefig(output, dpi=120)
         if fmt != "json":
-            click.echo(output)
+            _out(output)
     sys.exit(0 if first is None else 1)
 
 
@@ -476,14 +553,13 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank):
 @click.option("--force", is_flag=True, help="overwrite OUT if it exists")
 def export(run, out, force):
     """Export RUN to one HDF5 file OUT (open_run reads it back with the same API)."""
-    import os
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
         raise click.BadParameter(f"the folder {folder!r} does not exist; create it first",
                                  param_hint="OUT")
     if os.path.exists(out) and not force:
         raise click.BadParameter(f"{out!r} exists; pass --force to overwrite it", param_hint="OUT")
-    click.echo(_open(run).to_hdf5(out, progress=_progress("exporting")))
+    _out(_open(run).to_hdf5(out, progress=_progress("exporting")))
 
 
 @cli.command()
@@ -493,7 +569,7 @@ def migrate(old, new):
     """Convert OLD, a store of an older tensortape format, into NEW in the current one
     (OLD is not changed; NEW must not exist)."""
     from analysis._migrate import migrate as convert
-    click.echo(convert(old, new, progress=_progress("converting")))
+    _out(convert(old, new, progress=_progress("converting")))
 
 
 @cli.command()
@@ -505,58 +581,21 @@ def replay(run, factory):
     """Repeat RUN's replay (on_nonfinite="replay") in a model you build, and name the op
     and the line again; exit 0 when it is named, 1 when not."""
     import importlib
-    import os
     module, _, name = factory.partition(":")
     if not module or not name:
         raise click.BadParameter(f"{factory!r} is not pkg.module:factory", param_hint="--model")
-    sys.path.insert(0, os.getcwd())
-    try:
-        build = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise click.BadParameter(f"cannot import {factory!r} ({e})", param_hint="--model")
-    found = _open(run).replay(build())
+    with _importable_from(os.getcwd()):
+        try:
+            build = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise click.BadParameter(f"cannot import {factory!r} ({e})", param_hint="--model")
+        found = _open(run).replay(build())
     _say_replay(found)
     sys.exit(0 if found.get("op") else 1)
 
 
-class _Stdout:
-    """stdout that a closed pipe (``tensortape nan RUN | head -1``) silences instead
-    of failing: the command's exit status stays its own."""
-
-    def __init__(self, stream):
-        self._stream = stream
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-    def _quiet(self) -> None:
-        import os
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, self._stream.fileno())     # so the exit's own flush succeeds
-        except (OSError, ValueError):
-            pass
-        finally:
-            os.close(devnull)
-
-    def write(self, text):
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            self._quiet()
-            return len(text)
-
-    def flush(self):
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            self._quiet()
-
-
 def main(argv=None) -> None:
     """The console script: every error is one line on stderr (no usage block)."""
-    if not isinstance(sys.stdout, _Stdout):
-        sys.stdout = _Stdout(sys.stdout)
     try:
         rv = cli.main(args=argv, prog_name="tensortape", standalone_mode=False)
     except click.exceptions.Exit as e:
@@ -567,6 +606,8 @@ def main(argv=None) -> None:
     except click.ClickException as e:
         click.echo(f"Error: {e.format_message().splitlines()[0]}", err=True)
         sys.exit(e.exit_code)
+    finally:
+        _flush_stdout()
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

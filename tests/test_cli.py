@@ -32,10 +32,14 @@ def invoke(*args):
     return CliRunner().invoke(cli.cli, list(args), prog_name="tensortape")
 
 
-def script(*args):
+def tensortape():
+    """The installed script, or cli.py where it is not installed."""
     exe = shutil.which("tensortape")
-    cmd = [exe, *args] if exe else [sys.executable, os.path.join(ROOT, "cli.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    return [exe] if exe else [sys.executable, os.path.join(ROOT, "cli.py")]
+
+
+def script(*args, cwd=ROOT):
+    return subprocess.run([*tensortape(), *args], capture_output=True, text=True, cwd=cwd)
 
 
 def test_info_text_and_json(runs):
@@ -184,15 +188,90 @@ def test_export_refuses_an_existing_file_unless_forced(runs, tmp_path):
 
 
 @pytest.mark.parametrize("args,code", [(("nan", "DIVERGE"), 1), (("nan", "STABLE"), 0),
-                                       (("stats", "STABLE"), 0), (("info", "STABLE"), 0)])
+                                       (("stats", "STABLE"), 0), (("info", "STABLE"), 0),
+                                       (("--help",), 0), (("info", "--help"), 0),
+                                       (("--version",), 0)])
 def test_a_closed_stdout_keeps_the_exit_status(runs, args, code):
     """`tensortape nan RUN | head -1`: the reader goes away, the status stays."""
-    exe = shutil.which("tensortape")
-    cmd = [exe] if exe else [sys.executable, os.path.join(ROOT, "cli.py")]
     args = [runs["diverge"] if a == "DIVERGE" else runs["stable"] if a == "STABLE" else a
             for a in args]
-    p = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    p = subprocess.Popen([*tensortape(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=ROOT)
     p.stdout.close()             # like `| head -1`, and before anything is written
     with p.stderr:
         err = p.stderr.read().decode()
     assert p.wait(60) == code and "Broken pipe" not in err and "Error" not in err, err
+
+
+PRINTS = """import torch
+m = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for i in range(3):
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    print("step", i, flush=FLUSH)
+"""
+
+
+@pytest.mark.parametrize("flush,code,status", [(False, 0, "complete"), (True, 1, "interrupted")])
+def test_a_closed_stdout_under_record_is_the_scripts_own(tmp_path, flush, code, status):
+    """`tensortape record ... | head -1`: the script's prints meet the closed pipe as under
+    python (sys.stdout is python's own): buffered ones are dropped at exit, a flushed one
+    raises in the script; either way the status is the script's (never 120, a failed flush
+    at exit) and the run is closed."""
+    (tmp_path / "train.py").write_text(PRINTS.replace("FLUSH", str(flush)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    store = str(tmp_path / "run.zarr")
+    p = subprocess.Popen([*tensortape(), "record", "-o", store, "--", "python", "train.py"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                         env=dict(env, TENSORTAPE_COMPILE="0"))
+    p.stdout.close()
+    with p.stderr:
+        err = p.stderr.read().decode()
+    assert p.wait(120) == code, err
+    assert ("BrokenPipeError" in err) == flush and "Exception ignored" not in err, err
+    assert open_run(store).status == status
+
+
+def test_the_cli_imports_no_torch_unless_a_command_needs_it(runs):
+    """`import cli`, the readers' --help and the readers themselves leave torch unloaded
+    (only record, demo and replay need it); the CLI's names are the format's."""
+    code = ("import sys, cli\n"
+            "assert 'torch' not in sys.modules, 'import cli'\n"
+            "stable, diverge = sys.argv[1:]\n"
+            "for args, status in [(['info', '--help'], 0), (['stats', '--help'], 0),\n"
+            "                     (['nan', '--help'], 0), (['info', stable], 0),\n"
+            "                     (['stats', stable], 0), (['nan', diverge], 1)]:\n"
+            "    try:\n"
+            "        cli.main(args)\n"
+            "    except SystemExit as e:\n"
+            "        assert e.code == status, (args, e.code)\n"
+            "    assert 'torch' not in sys.modules, args\n")
+    p = subprocess.run([sys.executable, "-c", code, runs["stable"], runs["diverge"]], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    from recorder import format as fmt
+    assert (cli.KINDS, cli.STATS) == (fmt.KINDS, fmt.STATS)
+    assert set(fmt.COUNT_STATS) <= set(cli.INTEGERS)
+
+
+def test_replay_imports_the_model_from_the_working_directory_and_leaves_sys_path(
+        runs, tmp_path, monkeypatch):
+    """--model pkg.module:factory is found in the working directory (as python -m finds
+    it) while the command runs; sys.path is as it was after it."""
+    (tmp_path / "tt_factory.py").write_text(
+        "import os, pathlib, sys\n"
+        "def build():\n"
+        "    pathlib.Path('built').write_text(str(os.getcwd() in sys.path))\n")
+    p = script("replay", runs["stable"], "--model", "tt_factory:build", cwd=tmp_path)
+    assert p.returncode == 2 and "holds no replay bundle" in p.stderr, p.stderr  # built first
+    assert (tmp_path / "built").read_text() == "True"
+    (tmp_path / "built").unlink()
+    monkeypatch.chdir(tmp_path)
+    path = list(sys.path)
+    r = invoke("replay", runs["stable"], "--model", "tt_factory:build")
+    assert r.exit_code == 2 and "holds no replay bundle" in r.output
+    assert (tmp_path / "built").read_text() == "True" and sys.path == path
+    sys.modules.pop("tt_factory", None)
+
