@@ -84,19 +84,27 @@ class _Holder:
         return self.session.recorder
 
 
-def _calling_trainer(trainer_class, callback):
-    """The Trainer whose ``__init__`` is calling ``callback`` (a few frames up), or None."""
-    import sys
-    frame = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            return None
-        obj = frame.f_locals.get("self")
-        if isinstance(obj, trainer_class) and callback in getattr(
-                getattr(obj, "callback_handler", None), "callbacks", ()):
-            return obj
-        frame = frame.f_back
-    return None
+def _initialising_trainer(trainer_class, callback):
+    """The ``trainer_class`` instance whose ``__init__`` is calling ``callback``'s
+    ``on_init_end``, or None.
+
+    Hugging Face's callback events hand a callback the model, the optimizer, the
+    scheduler, the data loaders and the trainer's args, state and control, but
+    never the Trainer, and no event tells of an exception: closing the run when
+    ``train`` raises takes the Trainer's ``train``.  The base ``__init__`` (which a
+    subclass reaches through ``super()``) calls ``on_init_end``; its frame is the
+    one running that function's code."""
+    import inspect
+    init = inspect.unwrap(trainer_class.__init__).__code__
+    frame = inspect.currentframe()
+    try:
+        while frame is not None and frame.f_code is not init:
+            frame = frame.f_back
+        trainer = None if frame is None else frame.f_locals.get("self")
+    finally:
+        del frame
+    handler = getattr(trainer, "callback_handler", None)
+    return trainer if callback in getattr(handler, "callbacks", ()) else None
 
 
 def _closing_on_error(train, session):
@@ -123,7 +131,7 @@ def _trainer_callback():
         def on_init_end(self, args, state, control, **kwargs):
             """The Trainer tells its callbacks of no exception: its ``train`` is wrapped
             so that one (or a KeyboardInterrupt) closes the run as ``interrupted``."""
-            trainer = _calling_trainer(transformers.Trainer, self)
+            trainer = _initialising_trainer(transformers.Trainer, self)
             if trainer is not None and not hasattr(trainer.train, "_tensortape"):
                 trainer.train = _closing_on_error(trainer.train, self.session)
 

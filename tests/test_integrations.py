@@ -145,3 +145,46 @@ def test_lightning_records_optimizer_steps_and_skips_validation(tmp_path):
     batches = [{"input_ids": b["input_ids"], "labels": b["labels"]} for b in seen.seen]
     check_against_hand_loop(run, batches, model0, tmp_path, lambda bs: [1 / ACCUM] * len(bs),
                             prefix="model.", **dict(kw, layers=LAYERS))
+
+
+def test_a_trainer_subclass_that_raises_closes_its_run(tmp_path):
+    """The callback finds the Trainer by the frame of the base ``Trainer.__init__``, which a
+    subclass reaches through ``super()``: an exception in its ``train`` closes the run as
+    ``interrupted``, with the steps trained before it, while the trainer lives on."""
+    pytest.importorskip("accelerate")
+    from recorder.integrations import TrainerCallback
+
+    class Breaks(torch.utils.data.Dataset):
+        def __init__(self):
+            self.rows, self.fetched = token_rows(64, 0), 0
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            self.fetched += 1
+            if self.fetched == 2 * 2 + 1:                # the first row of step 2
+                raise RuntimeError("a broken sample")
+            return dict(self.rows[i], labels=self.rows[i]["input_ids"])
+
+    class MyTrainer(transformers.Trainer):
+        def __init__(self, *args, note, **kwargs):
+            self.note = note
+            super().__init__(*args, **kwargs)
+
+    store = str(tmp_path / "hf.zarr")
+    callback = TrainerCallback(store, layers=LAYERS, flush_interval=60.0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=10,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+        logging_strategy="no")
+    trainer = MyTrainer(model=gpt2(), args=args, train_dataset=Breaks(), note="mine",
+                        callbacks=[callback])
+    with pytest.raises(RuntimeError, match="a broken sample"):
+        trainer.train()
+    run = open_run(store)
+    assert trainer.state.global_step >= 1                 # trained before the failure
+    assert run.status == "interrupted"
+    assert run.steps().tolist() == list(range(trainer.state.global_step))
+    other = transformers.Trainer(model=gpt2(), args=args, train_dataset=Breaks())
+    assert not hasattr(other.train, "_tensortape")   # only the callback's own trainer
