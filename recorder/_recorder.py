@@ -2,7 +2,7 @@
 
 It wires the one-way flow and owns the lifecycle, nothing more::
 
-    hooks (_hooks) -> captures -> step buffer and ring (_step) -> writer (_writer)
+    hooks (_hooks) -> captures -> step buffer (_buffer) -> records (_record) -> writer (_writer)
         -> tables (_store) -> commit
 
 Settings are validated once (``_config``); the run's durable state lives with
@@ -32,7 +32,7 @@ from ._engines import engine_choice
 from ._quiet import quiet, warn
 from ._hooks import HookSet
 from ._selection import select_layers, unwrap
-from ._step import StepBuffer
+from ._buffer import StepBuffer
 from ._claim import Claim
 from ._store import RunStore, check_mode, open_root, write_threads
 from ._writer import Writer
@@ -67,7 +67,7 @@ def _forgotten(writer: Writer, hooks: HookSet, buffer: StepBuffer, location: str
     holding one of tensortape's locks, so this takes no lock it could wait for and
     waits for nothing."""
     hooks.detach()
-    if buffer.step is not None and buffer.idle():
+    if buffer.state.step is not None and buffer.idle():
         writer.post_nowait(buffer.end())
     writer.close_nowait()
     _ending.add(writer)
@@ -261,7 +261,7 @@ class Recorder:
             self._last_step, self._dropped_before = state.last_step, state.dropped
             self._outside_before = state.outside_steps
             self._buffer = StepBuffer(cfg, state.layers)
-            self._buffer.warm(self._model)
+            self._buffer.summarizer.warm(self._model)
             self._writer = Writer(store, state, root_base, cfg, self._claim)
         except BaseException:
             if store is not None:
@@ -288,7 +288,7 @@ class Recorder:
         if self._finalizer is not None:
             self._finalizer.detach()
         try:
-            if self._buffer is not None and self._buffer.step is not None:
+            if self._buffer is not None and self._buffer.state.step is not None:
                 self._end_step(raise_nonfinite=False)
         finally:
             self._model = None
@@ -316,7 +316,7 @@ class Recorder:
         """Captures dropped so far in this run: late gradients, full tensors of a
         dtype the store cannot hold, captures that failed (the run's
         ``drop_reasons`` say which); the writer's own drops are counted in the store."""
-        return (self._dropped_before + (self._buffer.drops_total if self._buffer else 0)
+        return (self._dropped_before + (self._buffer.drops.total if self._buffer else 0)
                 + (self._writer.lost_total if self._writer else 0))
 
     # --- steps ----------------------------------------------------------------
@@ -326,7 +326,7 @@ class Recorder:
             if self._closed:
                 raise InspectionError("this Recorder is closed; create a new one to record again")
             self.attach()
-        if self._buffer.step is not None:
+        if self._buffer.state.step is not None:
             self._end_step(raise_nonfinite=True)
         if i is None:
             i = 0 if self._last_step is None else self._last_step + 1
@@ -348,11 +348,11 @@ class Recorder:
         """``with rec.pause():`` records nothing inside it, within a step or not."""
         if self._buffer is None:
             self.attach()
-        self._buffer.paused += 1
+        self._buffer.state.paused += 1
         try:
             yield self
         finally:
-            self._buffer.paused -= 1
+            self._buffer.state.paused -= 1
 
     def _micro_batch(self, enter: bool) -> None:
         """A training framework's batch begins or ends (``integrations``): the
@@ -363,7 +363,7 @@ class Recorder:
     @property
     def outside_steps(self) -> int:
         """Forward passes of the model outside any step in this run."""
-        return self._outside_before + (self._buffer.outside_total if self._buffer else 0)
+        return self._outside_before + (self._buffer.state.outside_total if self._buffer else 0)
 
     def flush(self) -> None:
         """Block until every finished step is written and committed (while the
@@ -401,14 +401,14 @@ class Recorder:
 
     def _end_step(self, raise_nonfinite: bool) -> None:
         buffer, cfg = self._buffer, self.config
-        step = buffer.step
+        step = buffer.state.step
         if step is None:
             return
         try:
             if "weight_grads" in cfg.capture:
                 try:
                     for name, g in self._hooks.weight_grads():
-                        buffer.add("weight_grads", name, g, buffer.token, 0)
+                        buffer.add("weight_grads", name, g, buffer.state.token, 0)
                 except Exception as e:          # the guard, as in the hooks
                     buffer.fault(e, "weight_grads", "(parameters)")
         finally:

@@ -6,9 +6,15 @@ per histogram bin, then NaN, +Inf and -Inf.  The device counts the elements'
 histogram codes (``codes``; see ``format.encode``) and maps them to slots
 (``format.code_slots``), so every float dtype gives a vector of one width.
 Integer, bool and complex tensors have no vector: their element count is all.
+What a vector holds is said by its ``Holds``, never read from its width, and
+what form a tensor's summary takes is decided in one place, ``form``.
 A statistics engine (``_engines``) computes vectors on the device with the
 kernels below; ``moments`` and ``combine`` turn blocks of them, on the host,
 into the statistics and histograms of the store in vectorised passes.
+
+Pure functions: they run on whichever thread calls them (the kernels on the
+training thread, and on autograd's for gradients; ``moments``, ``combine`` and
+``finalize`` on the writer thread).
 
 Sums accumulate in float64 around a shift taken from the tensor itself, so
 the variance does not cancel.
@@ -16,6 +22,8 @@ the variance does not cancel.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,9 +31,10 @@ import torch
 
 from . import format as fmt
 
-__all__ = ["COUNTS", "FIELDS", "LANES", "NARROW", "VECTOR", "Summaries", "codes", "combine",
-           "empty_summary", "exp_bits_of", "finalize", "lane_codes", "memory_order", "moments",
-           "nonfinite_counts", "reductions", "segment_reductions", "widened"]
+__all__ = ["COUNTS", "FIELDS", "LANES", "NARROW", "SMALL", "VECTOR", "Form", "Holds", "Summaries",
+           "codes", "combine", "empty_summary", "exp_bits_of", "finalize", "form", "lane_codes",
+           "memory_order", "moments", "nonfinite_counts", "prepared", "reductions",
+           "segment_reductions", "widened"]
 
 FIELDS = ("count", "shift", "dsum", "dsq", "min", "max")
 COUNTS = ("nan", "posinf", "neginf")     # the vector of ``nonfinite_counts``
@@ -38,15 +47,63 @@ NARROW = frozenset(getattr(torch, n) for n in (
     if hasattr(torch, n))
 
 
+_EXP_BITS: dict[torch.dtype, int] = {}        # per dtype, as met (torch has a few dozen)
+
+
 def exp_bits_of(x: torch.Tensor) -> int:
     """The code width a tensor's summary uses: 11 (float64), 8 (other floats),
     or 0 (integer, bool or complex: a count only)."""
-    if x.is_complex() or not x.is_floating_point():
-        return 0
-    return 11 if x.dtype == torch.float64 else 8
+    bits = _EXP_BITS.get(x.dtype)
+    if bits is None:
+        dtype = x.dtype
+        bits = _EXP_BITS[dtype] = 0 if dtype.is_complex or not dtype.is_floating_point else \
+            11 if dtype == torch.float64 else 8
+    return bits
 
 
 VECTOR = len(FIELDS) + fmt.SLOTS         # the length of a summary vector
+SMALL = 1 << 13     # float elements below which a tensor waits for its step's batch (``form``)
+
+
+class Holds(enum.Enum):
+    """What a vector holds: its layout, never told by its width."""
+    SUMMARY = "summary"          # ``FIELDS``, then ``format.SLOTS`` counts (``VECTOR`` values)
+    NONFINITE = "nonfinite"      # ``COUNTS``: NaN, +Inf and -Inf (a step without statistics)
+
+
+class Form(enum.Enum):
+    """What form a tensor's summary takes (``form`` decides)."""
+    COUNT = "count"              # no vector: its element count is all (integer, bool, complex;
+                                 # an empty float tensor at a step without statistics)
+    EMPTY = "empty"              # an empty float tensor: ``empty_summary``
+    SMALL = "small"              # a tiny float tensor: a copy, summarised with its step's batch
+    SUMMARY = "summary"          # an engine's summary vector (``Holds.SUMMARY``)
+    NONFINITE = "nonfinite"      # an engine's NaN/Inf counts (``Holds.NONFINITE``)
+
+
+# the members as module constants: an Enum attribute costs a lookup per capture
+_COUNT, _EMPTY, _SMALL, _SUMMARY, _NONFINITE = (Form.COUNT, Form.EMPTY, Form.SMALL, Form.SUMMARY,
+                                                Form.NONFINITE)
+
+
+def form(exp_bits: int, numel: int, stats: bool, batched: bool = True) -> Form:
+    """What form the summary of a tensor takes, from its code width (``exp_bits_of``)
+    and element count: statistics (``stats``), or at a step without them the exact
+    NaN/Inf counts; tiny float tensors wait for the step's batch (``batched``: a
+    kernel call on them costs more than the work)."""
+    if not exp_bits:
+        return _COUNT
+    if not numel:
+        return _EMPTY if stats else _COUNT
+    if not stats:
+        return _NONFINITE
+    return _SMALL if batched and numel < SMALL else _SUMMARY
+
+
+def prepared(x: torch.Tensor) -> torch.Tensor:
+    """A float tensor as the engines take it: widened (``widened``), with its
+    dimensions in memory order (``memory_order``)."""
+    return memory_order(widened(x))
 
 
 def empty_summary() -> torch.Tensor:
@@ -118,7 +175,8 @@ def lane_codes(x: torch.Tensor) -> torch.Tensor:
     neighbouring elements land in different counters."""
     code = codes(x)
     lane = torch.arange(code.numel(), device=code.device, dtype=code.dtype) % LANES
-    return code + lane * fmt.code_width(exp_bits_of(x))
+    exp_bits = 11 if x.dtype == torch.float64 else 8     # as ``codes``: no dict in a kernel
+    return code + lane * fmt.code_width(exp_bits)
 
 
 def segment_reductions(flat: torch.Tensor, seg: torch.Tensor, starts: torch.Tensor,
@@ -155,22 +213,22 @@ class Summaries:
 _COUNTED = ("count", "n", "zeros", "nan", "posinf", "neginf", "floats")
 
 
-def moments(blocks: list[np.ndarray]) -> tuple[dict, np.ndarray]:
-    """Blocks of summary vectors, each a (rows x ``VECTOR``) matrix, or (rows x 1) of
-    element counts (tensors without float statistics), in one vectorised pass a
-    block: per row (blocks concatenated) its counts, shifted sums, min and max, and
-    its histogram."""
-    n = sum(len(mat) for mat in blocks)
+def moments(summaries: list[np.ndarray], counts: Sequence[float] = ()) -> tuple[dict, np.ndarray]:
+    """Blocks of summary vectors (``Holds.SUMMARY``), each a (rows x ``VECTOR``)
+    matrix, then the element ``counts`` of tensors without float statistics
+    (integer, bool or complex: a count and nothing else), in one vectorised pass a
+    block: per row (the blocks' rows, then a row per count) its counts, shifted
+    sums, min and max, and its histogram."""
+    n = sum(len(mat) for mat in summaries) + len(counts)
     m = {k: np.zeros(n) for k in (*_COUNTED, "c", "s1", "s2")}
     m["lo"], m["hi"] = np.full(n, np.inf), np.full(n, -np.inf)
     hist = np.zeros((n, fmt.NBINS), dtype=np.int64)
     at, head = 0, len(FIELDS)
-    for mat in blocks:
+    m["count"][n - len(counts):] = counts
+    for mat in summaries:
         rows = slice(at, at + len(mat))
         at += len(mat)
         m["count"][rows] = mat[:, 0]
-        if mat.shape[1] == 1:               # integer, bool or complex: a count and nothing else
-            continue
         m["floats"][rows] = 1
         hist[rows] = mat[:, head: head + fmt.NBINS]
         m["zeros"][rows] = mat[:, head + fmt.ZERO_BIN]
@@ -209,18 +267,12 @@ def combine(m: dict, hist: np.ndarray, rows: list[list[int]]) -> Summaries:
     return _statistics(out)
 
 
-def finalize(vecs: list[np.ndarray]) -> Summaries:
-    """Host summary vectors (or 1-element counts) -> statistics and histograms, a row each."""
-    by_width: dict[int, list[int]] = {}
-    for i, v in enumerate(vecs):
-        by_width.setdefault(len(v), []).append(i)
-    blocks, position, at = [], {}, 0
-    for idx in by_width.values():
-        blocks.append(np.stack([vecs[i] for i in idx]))
-        for i in idx:
-            position[i], at = at, at + 1
-    m, hist = moments(blocks)
-    return combine(m, hist, [[position[i]] for i in range(len(vecs))])
+def finalize(summaries: list[np.ndarray], counts: Sequence[float] = ()) -> Summaries:
+    """Host summary vectors (``Holds.SUMMARY``), then the element ``counts`` of
+    tensors without float statistics -> statistics and histograms, a row each, in
+    that order."""
+    m, hist = moments([np.stack(summaries)] if summaries else [], counts)
+    return combine(m, hist, [[i] for i in range(len(summaries) + len(counts))])
 
 
 def _statistics(m: dict) -> Summaries:

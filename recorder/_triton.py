@@ -19,9 +19,16 @@ device and stream and zeroed by one memset per tensor, so a tensor costs its
 own read, not a histogram buffer's.  Nothing is read back to the host: the
 vector stays on the device until the step's one copy.
 
-float64 tensors take the torch kernels (``DeviceEngine``); so do a step's tiny
-tensors (batched, ``reduce_many``).  Triton runs on CPU tensors too under
+float64 tensors take the torch kernels (``_engine.Engine``); so do a step's
+tiny tensors (batched, ``reduce_many``).  Triton runs on CPU tensors too under
 ``TRITON_INTERPRET=1``, which is how CI tests this engine against the CPU one.
+
+The engine registers itself in the family ``"triton"`` (``_engine``);
+``_engines.ORDER`` says where it stands in the demotion order, and imports
+this module only when a chain reaches it.
+
+Training thread (and autograd's threads); ``warm`` compiles the kernel on a
+background thread of its own (``_compiler``).
 """
 
 from __future__ import annotations
@@ -35,9 +42,8 @@ import triton
 import triton.language as tl
 
 from . import format as fmt
-from ._engines import DeviceEngine
+from ._engine import Engine
 from ._quiet import quiet
-from ._summary import exp_bits_of, memory_order, widened
 
 __all__ = ["TritonEngine"]
 
@@ -106,10 +112,11 @@ def _summary_kernel(x_ptr, n, parts_ptr, hist_ptr, BLOCK: tl.constexpr, RAW: tl.
     tl.store(parts_ptr + pid * 4 + 3, tl.max(acc_hi, axis=0).to(tl.float64))
 
 
-class TritonEngine(DeviceEngine):
+class TritonEngine(Engine):
     """Accelerator statistics in one fused pass (falls back to the torch kernels
     for float64 and for a step's tiny tensors)."""
 
+    family = "triton"
     BLOCK = 1024
     SLICES = 32
 
@@ -163,8 +170,7 @@ class TritonEngine(DeviceEngine):
 
     @torch.compiler.disable
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        x = memory_order(widened(x.detach()))
-        if exp_bits_of(x) != 8 or not x.numel():     # float64, integers, empty: torch kernels
+        if x.dtype == torch.float64:            # the torch kernels (11-bit codes)
             return super().reduce(x)
         if not x.is_contiguous():
             x = x.contiguous()

@@ -1,0 +1,38 @@
+"""The drop ledger: what a recording dropped instead of recording, counted by reason.
+
+Nothing tensortape drops goes uncounted: a late gradient, a full tensor of a
+dtype the store cannot hold, a capture that failed, a snapshot past a memory
+cap.  Each drop is counted here with its reason (a short sentence, the key of
+the run's ``drop_reasons``); a step's record takes the counts since the last
+one (``take``) to the writer, which adds them to the run's.
+
+Any thread: the training thread, autograd's threads (gradients), and the
+writer thread (its own drops) count here; one lock guards the counts.
+"""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["DropLedger"]
+
+
+class DropLedger:
+    """Drops counted by reason since the last ``take``, and in all."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._since: dict[str, int] = {}
+        self.total = 0                        # every drop counted here, taken or not
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        """Count ``n`` captures (or rows) dropped for ``reason``."""
+        with self._lock:
+            self._since[reason] = self._since.get(reason, 0) + n
+            self.total += n
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last ``take`` (for a record), by reason."""
+        with self._lock:
+            since, self._since = self._since, {}
+        return since

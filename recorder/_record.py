@@ -1,0 +1,193 @@
+"""The thread contract: what crosses from the training thread to the writer thread.
+
+The training thread builds a ``StepRecord`` when a step ends (``_buffer``)
+and hands it to the writer (``Writer.put``); from then on the writer thread
+owns it, and the training thread keeps no reference to it, except:
+
+- ``on_nonfinite="raise"`` and ``"replay"`` call ``StepRecord.resolve`` on the
+  training thread before handing the record on (they need the step's events
+  at once); the writer then finds it resolved.  ``resolve`` runs once, on one
+  thread at a time.
+
+What a record holds:
+
+- ``plan``: what the step did with its captures (``Plan``, immutable);
+- ``metas`` and ``blocks``: each capture, and where its vector sits in the
+  step's ``Packed`` vectors (none for a count only); a ``Block`` says what
+  its vectors hold (``Holds``), never its width;
+- ``packed``: the step's vectors, their copies to the host started on the
+  training thread (a pinned buffer and an event on CUDA); ``Packed.host``
+  waits for them, on the writer thread;
+- ``tensors``: the full tensors kept (``Snapshot``: the writer gives their
+  pinned slots back once stored);
+- ``drops``, ``outside``: what was counted, not recorded.
+
+``resolve`` (``_resolve``) turns the packed vectors into ``Resolved``:
+statistics per kind (``StatsRows``) and non-finite events.  It runs on the
+writer thread, but for the two policies above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import format as fmt
+from ._config import RecorderConfig
+from ._snapshot import Snapshot
+from ._summary import Holds, combine, moments
+
+__all__ = ["Block", "Meta", "Packed", "Plan", "Resolved", "StatsRows", "StepRecord", "TensorRow"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a step does with each capture, decided once when it begins."""
+    step: int
+    stats: bool                  # statistics and histograms (else: exact NaN/Inf counts)
+    persist: bool                # full tensors are stored
+    keep: bool                   # full tensors are snapshotted (persisted, or for the ring)
+
+    @classmethod
+    def at(cls, config: RecorderConfig, step: int) -> "Plan":
+        persist = config.persists(step)
+        keep = persist or config.ring > 0 or config.on_nonfinite != "record"
+        return cls(step, config.stats_at(step), persist, keep)
+
+
+@dataclass(frozen=True)
+class Meta:
+    """A capture as the record keeps it: which row of which block holds its vector
+    (``block`` None: none, its element count is all)."""
+    order: int
+    kind: str
+    name: str
+    micro: int
+    numel: int
+    block: int | None = None
+    row: int = 0
+
+
+@dataclass(frozen=True)
+class Block:
+    """A (rows x width) matrix of a step's vectors, as one engine call or one stack
+    made them: what they hold, and where it starts in the packed host vector."""
+    holds: Holds
+    rows: int
+    width: int
+    start: int
+
+
+@dataclass
+class StatsRows:
+    """One kind's statistics of a step: a row per layer."""
+    layers: list[str]
+    stats: dict[str, np.ndarray]
+    hist: np.ndarray
+
+
+@dataclass
+class TensorRow:
+    """A full tensor kept: stored by the writer, or held by its ring."""
+    kind: str
+    layer: str
+    micro: int
+    snap: Snapshot
+
+
+class Packed:
+    """A step's vectors, packed per device, on their way to the host."""
+
+    def __init__(self, parts: list[Snapshot]):
+        self._parts = parts            # a float64 host copy per device
+
+    def host(self) -> np.ndarray:
+        """Every vector, on the host (waits for the copies: the writer thread does)."""
+        for part in self._parts:
+            part.unpin()
+        arrays = [part.host().numpy() for part in self._parts]
+        return np.concatenate(arrays) if arrays else np.zeros(0)
+
+
+@dataclass
+class Resolved:
+    """A step record interpreted: statistics per kind, and its non-finite events."""
+    stats: dict[str, StatsRows] = field(default_factory=dict)
+    events: list[fmt.NonFiniteEvent] = field(default_factory=list)
+
+
+@dataclass
+class StepRecord:
+    """A finished step, handed from the training thread to the writer."""
+    step: int
+    plan: Plan | None = None
+    layers: list[str] = field(default_factory=list)          # new names, in capture order
+    metas: list[Meta] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
+    packed: Packed | None = None
+    tensors: list[TensorRow] = field(default_factory=list)
+    drops: dict[str, int] = field(default_factory=dict)      # what was dropped, by reason
+    outside: int = 0                                          # forward passes outside a step
+    bundle: tuple | None = None          # on_nonfinite="replay": (group path, attrs, arrays)
+    _resolved: Resolved | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.snap.nbytes for t in self.tensors)
+
+    def resolve(self) -> Resolved:
+        """Statistics and events from the packed vectors (once; waits for the copies)."""
+        if self._resolved is None:
+            self._resolved = _resolve(self)
+            self.packed = None
+        return self._resolved
+
+
+def _resolve(rec: StepRecord) -> Resolved:
+    """The writer thread's work on a record (see the module): every capture with
+    statistics is a row of ``moments``, the summary blocks' rows first, then a row
+    for each capture without a vector (its element count)."""
+    out = Resolved()
+    if not rec.metas:
+        return out
+    flat = rec.packed.host() if rec.packed is not None else np.zeros(0)
+    mats = [flat[b.start: b.start + b.rows * b.width].reshape(b.rows, b.width) for b in rec.blocks]
+    summary = [i for i, b in enumerate(rec.blocks) if b.holds is Holds.SUMMARY]
+    base, at = {}, 0
+    for i in summary:
+        base[i], at = at, at + rec.blocks[i].rows
+    counted_only = [i for i, m in enumerate(rec.metas) if m.block is None]
+    position = {i: at + j for j, i in enumerate(counted_only)}
+    for i, m in enumerate(rec.metas):
+        if m.block is not None and rec.blocks[m.block].holds is Holds.SUMMARY:
+            position[i] = base[m.block] + m.row
+    m, hist = moments([mats[i] for i in summary], [float(rec.metas[i].numel) for i in counted_only])
+    for i, meta in enumerate(rec.metas):
+        if i in position:
+            p = position[i]
+            bad = (int(m["nan"][p]), int(m["posinf"][p]), int(m["neginf"][p]))
+        elif meta.block is not None:                # Holds.NONFINITE: the counts themselves
+            bad = tuple(int(v) for v in mats[meta.block][meta.row])
+        else:
+            continue
+        if any(bad):
+            out.events.append(fmt.NonFiniteEvent(
+                rec.step, meta.name, meta.kind, *bad, order=meta.order,
+                phase="backward" if meta.kind in fmt.BACKWARD_KINDS else "forward",
+                micro=meta.micro))
+    out.events.sort(key=lambda e: e.sort_key)
+    if not rec.plan.stats:
+        return out
+    per_kind: dict[str, dict[str, list[int]]] = {}        # kind -> layer -> its rows
+    for i, meta in enumerate(rec.metas):
+        if i in position:
+            per_kind.setdefault(meta.kind, {}).setdefault(meta.name, []).append(position[i])
+    s = combine(m, hist, [rows for layers in per_kind.values() for rows in layers.values()])
+    at = 0                                             # micro-batches: one row over all of them
+    for kind, layers in per_kind.items():
+        part = slice(at, at + len(layers))
+        out.stats[kind] = StatsRows(list(layers), {k: v[part] for k, v in s.stats.items()},
+                                    s.hist[part])
+        at += len(layers)
+    return out
