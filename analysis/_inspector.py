@@ -1,54 +1,20 @@
 """The in-memory, one-batch sibling of the Recorder, for notebooks.
 
-It registers hooks with the recorder's own ``HookSet`` and summarises with the
-recorder's statistics engine, so its numbers are the store's numbers.  For one
-batch it runs the eager kernels: compiling them would cost seconds.
+The batch runs on the torch side (``recorder.inspection``: the recorder's own
+hooks and statistics engine, so its numbers are the store's numbers); this
+module keeps what it captured and shows it as the reader shows a run (an
+``xr.DataArray``, a Figure).  It imports no torch itself: the model's side
+loads at the first ``watch``.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import torch
 import xarray as xr
-from torch import nn
 
 from recorder import format as fmt
-from recorder._config import RecorderConfig
-from recorder._engines import summarize
-from recorder._hooks import HookSet
-from recorder._naming import leaves
-from recorder._selection import select_layers
 from recorder.errors import ConfigError, LayerNotFoundError
 
 __all__ = ["Inspector"]
-
-
-class _Sink:
-    """What the recorder's ``HookSet`` hands its captures to: here, memory."""
-
-    micro = 0
-
-    def __init__(self, inspector: "Inspector"):
-        self._inspector = inspector
-        self.token: object | None = None
-
-    def current_token(self) -> object:
-        return self.token
-
-    def begin_pass(self) -> None:
-        return None
-
-    def fault(self, error, kind, name) -> None:
-        raise error
-
-    def add(self, kind, name, tensor, token, micro=0) -> None:
-        if token is None or token is not self.token:
-            return
-        t = tensor.detach()
-        self._inspector.captured_data[(name, kind)] = t.to("cpu", copy=True)
-        s = summarize(t, compile=False)
-        stats = {k: (int(v[0]) if k in fmt.COUNT_STATS else float(v[0])) for k, v in s.stats.items()}
-        self._inspector._stats[(name, kind)] = (stats, s.hist[0])
 
 
 class Inspector:
@@ -61,14 +27,13 @@ class Inspector:
     ``{(layer, kind): tensor on the CPU}``).  Nothing is written to disk.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model):
         """model: any ``nn.Module``; it is not changed (hooks live only inside
         ``run_inspection``, and parameters' ``.grad`` are restored)."""
         self.model = model
         self._watched: list[tuple[list[str], tuple[str, ...]]] = []
-        self.captured_data: dict[tuple[str, str], torch.Tensor] = {}
-        self._stats: dict[tuple[str, str], tuple[dict, np.ndarray]] = {}
-        self._sink = _Sink(self)
+        self.captured_data: dict = {}          # (layer, kind) -> torch.Tensor on the CPU
+        self._captures: dict = {}              # (layer, kind) -> recorder.inspection.Capture
 
     def watch(self, pattern, what=("activations", "gradients"), *, capture=None) -> list[str]:
         """Watch the layers a glob pattern (or list of them) selects; returns their names.
@@ -77,9 +42,11 @@ class Inspector:
         ``inputs``, ``weights``, ``weight_grads`` (``capture=`` is a synonym, as in
         ``Recorder``).  A pattern that matches no layer raises
         ``LayerNotFoundError`` naming the closest."""
+        from recorder import select_layers
+        from recorder.inspection import watched_kinds
         if capture is not None:
             what = capture
-        kinds = RecorderConfig.build(capture=what).capture
+        kinds = watched_kinds(what)
         names = select_layers(self.model, pattern)
         self._watched.append((names, kinds))
         return names
@@ -98,60 +65,35 @@ class Inspector:
         if not self._watched:
             raise ConfigError("nothing is watched; call inspector.watch(pattern) before "
                               "run_inspection")
-        self.captured_data, self._stats = {}, {}
-        self._sink.token = token = object()
-        backward = any(k in fmt.BACKWARD_KINDS for _, kinds in self._watched for k in kinds)
-        saved = {p: p.grad for p in self.model.parameters()} if backward else {}
-        hooksets = [HookSet(self.model, names, kinds, self._sink) for names, kinds in self._watched]
+        from recorder.inspection import inspect_batch
+        self._captures = {}
         try:
-            for h in hooksets:
-                h.attach()
-            if isinstance(data, dict):
-                out = self.model(**data)
-            elif isinstance(data, (tuple, list)):
-                out = self.model(*data)
-            else:
-                out = self.model(data)
-            if backward:
-                for p in saved:
-                    p.grad = None
-                if loss_fn is not None:
-                    loss = loss_fn(out, target)
-                else:
-                    loss = sum(t.float().sum() for _, t in leaves(out) if t.requires_grad)
-                loss.backward()
-                for h, (_, kinds) in zip(hooksets, self._watched):
-                    if "weight_grads" in kinds:
-                        for name, g in h.weight_grads():
-                            self._sink.add("weight_grads", name, g, token, 0)
+            out, _ = inspect_batch(self.model, self._watched, data, target, loss_fn,
+                                   into=self._captures)
         finally:
-            self._sink.token = None
-            for h in hooksets:
-                h.detach()
-            for p, g in saved.items():
-                p.grad = g
+            self.captured_data = {k: c.tensor for k, c in self._captures.items()}
         return out
 
-    def _key(self, layer: str, what: str) -> tuple[str, str]:
-        if (layer, what) not in self._stats:
-            names = sorted({n for n, k in self._stats if k == what})
+    def _capture(self, layer: str, what: str):
+        if (layer, what) not in self._captures:
+            names = sorted({n for n, k in self._captures if k == what})
             shown = fmt.closest(layer, names) if names else "none yet (call run_inspection first)"
             raise LayerNotFoundError(f"no {what} captured for layer {layer!r}; captured: {shown}")
-        return layer, what
+        return self._captures[(layer, what)]
 
     def get_statistics(self, layer: str, what: str = "activations") -> dict[str, float]:
         """The statistics of one capture (the store's names; counts are ints).
         layer: a watched layer's name; what: its kind."""
-        return dict(self._stats[self._key(layer, what)][0])
+        return dict(self._capture(layer, what).stats)
 
     def get_histogram(self, layer: str, what: str = "activations") -> xr.DataArray:
         """The histogram of one capture in the shared bins: dims (bin,), coords
         ``bin_lo``/``bin_hi``, and the ``nan``/``posinf``/``neginf`` counts."""
-        stats, hist = self._stats[self._key(layer, what)]
+        c = self._capture(layer, what)
         lo, hi = fmt.bin_edges()
         coords = {"bin": fmt.bin_centers(), "bin_lo": ("bin", lo), "bin_hi": ("bin", hi)}
-        coords.update({k: int(stats[k]) for k in ("nan", "posinf", "neginf")})
-        return xr.DataArray(hist, dims=("bin",), coords=coords, name=f"{layer} {what}",
+        coords.update({k: int(c.stats[k]) for k in ("nan", "posinf", "neginf")})
+        return xr.DataArray(c.hist, dims=("bin",), coords=coords, name=f"{layer} {what}",
                             attrs={"layer": layer, "kind": f"{what} (one batch)"})
 
     def plot_histogram(self, layer: str, what: str = "activations", ax=None):
@@ -161,4 +103,3 @@ class Inspector:
         for k in ("nan", "posinf", "neginf"):
             h.coords[k] = ("step", [int(h.coords[k])])
         return _plots.histogram(h, steps=[0], ax=ax)
-

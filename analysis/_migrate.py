@@ -1,19 +1,15 @@
 """Convert a Zarr store of an older format (1 or 2) to the current one:
 ``tensortape migrate OLD NEW``.
 
-Every committed row is copied as it is (a step recorded twice stays twice, with
-its ``recording`` column where a resumed recording gave it one), so
-the ranks' commit counters stay true: statistics into the packed array and the
-sharded histograms (``_store.RunStore``'s own layout), full-tensor tables
-array by array with their chunks, codecs and attributes (format 1's tables gain
-their ``micro`` column).  The data goes first, each rank's state after it, the
-root's last: a conversion that stops half way is not a run (no root yet), and
-``OLD`` is never changed.
+This side reads: every committed row of every table of ``OLD``, checked as any
+read is (``Run.checked_rows``), a block at a time, in the current format's
+terms (format 1 and 2's statistics packed as format 3 packs them, format 1's
+tensor rows as micro-batch 0).  The recorder writes (``recorder.migrate``):
+the same store code as a recording, so the layout has one writer.  ``OLD`` is
+never changed, and ``NEW`` must not exist.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
@@ -28,55 +24,41 @@ BLOCK_ROWS = 1024
 
 def migrate(old, new, progress=None) -> str:
     """Write ``old`` (a path or URL) to ``new`` in the current format; ``new``."""
-    import zarr
-
-    from recorder._store import SMALL_CHUNK_ROWS, RunStore, _array, check_mode
+    from recorder.migrate import TableRows, write_run
     run = open_run(old)
-    new = os.fspath(new)
-    check_mode(new, "w-")                     # never over anything
-    root = zarr.open_group(new, mode="w-", zarr_format=3)
-    tables = [(r, p, run.checked_rows(p, r)) for r in run.ranks
+    listed = [(r, p, run.checked_rows(p, r)) for r in run.ranks
               for p, n in run.state(r).committed.items() if n]
-    for rank, path, n in (progress(tables) if progress else tables):
-        g = root.require_group(path)
-        table = fmt.parse_path(path)
-        recorded = run.source.has(f"{path}/{fmt.RECORDING}")    # a resumed recording's
-        if table.section == "stats":
-            width = int(run.source.array(f"{path}/hist").shape[1])
-            cols = RunStore._new_stats(g, table.kind, width)
-            if recorded:
-                cols[fmt.RECORDING] = _array(g, fmt.RECORDING, (0,), (SMALL_CHUNK_ROWS,),
-                                             "int64", 0, ["step"])
-            for a in cols.values():
-                a.resize((n, *a.shape[1:]))
+
+    def tables():
+        for rank, path, n in (progress(listed) if progress else listed):
+            yield _table(run, path, n, TableRows)
+    return write_run(new, run.attrs, {r: run.state(r) for r in run.ranks}, tables())
+
+
+def _table(run, path: str, n: int, TableRows):
+    """The table at ``path`` (``n`` committed rows) as the writer takes it."""
+    source, tables = run.source, run._index.tables
+    recorded = source.has(f"{path}/{fmt.RECORDING}")      # a resumed recording's
+    table = fmt.parse_path(path)
+    if table.section == "stats":
+        names = ("step", "hist", *((fmt.RECORDING,) if recorded else ()))
+
+        def blocks():
             for lo in range(0, n, BLOCK_ROWS):
                 hi = min(lo + BLOCK_ROWS, n)
-                rows = np.arange(lo, hi)
-                cols["step"][lo:hi] = np.asarray(run.source.array(f"{path}/step")[lo:hi])
-                if recorded:
-                    cols[fmt.RECORDING][lo:hi] = np.asarray(
-                        run.source.array(f"{path}/{fmt.RECORDING}")[lo:hi])
-                cols["hist"][lo:hi] = np.asarray(run.source.array(f"{path}/hist")[lo:hi])
-                cols["stats"][lo:hi] = np.stack(
-                    [np.asarray(run._stat(path, s, rows, slice(None))) for s in fmt.STATS], axis=2)
-        else:
-            g.update_attributes(run.source.attrs(path))
-            for name in fmt.TENSOR_COLUMNS + ((fmt.RECORDING,) if recorded else ()):
-                if not run.source.has(f"{path}/{name}"):          # format 1: no micro
-                    _array(g, name, (n,), (SMALL_CHUNK_ROWS,), "int64",
-                           fmt.OPTIONAL_COLUMNS[name], ["step"])[:] = 0
-                    continue
-                src = run.source.array(f"{path}/{name}")
-                dst = g.create_array(
-                    name, shape=(n, *src.shape[1:]), chunks=src.chunks, dtype=src.dtype,
-                    fill_value=src.fill_value, attributes=dict(src.attrs),
-                    dimension_names=getattr(src.metadata, "dimension_names", None),
-                    compressors=getattr(src, "compressors", None) or None,
-                    config={"write_empty_chunks": True})
-                step = max(1, int(src.chunks[0]))
-                for lo in range(0, n, step):
-                    dst[lo: lo + step] = np.asarray(src[lo: min(lo + step, n)])
-    for rank in run.ranks:                    # the counters after the data
-        root.require_group(fmt.rank_group(rank)).update_attributes(run.state(rank).to_json())
-    root.update_attributes({**run.attrs, "tensortape_format": fmt.FORMAT_VERSION})
-    return new
+                block = {c: np.asarray(source.array(f"{path}/{c}")[lo:hi]) for c in names}
+                yield {**block, "stats": tables.stats_block(path, lo, hi)}
+        return TableRows(path, blocks, recorded, width=int(source.array(f"{path}/hist").shape[1]))
+    data = source.array(f"{path}/data")
+    names = ("data", "step", "extent", *((fmt.RECORDING,) if recorded else ()))
+    step = max(1, int(data.chunks[0]))
+
+    def blocks():
+        micros = tables.micros(path, n)                   # format 1: every row's is 0
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            block = {c: np.asarray(source.array(f"{path}/{c}")[lo:hi]) for c in names}
+            yield {**block, "micro": micros[lo:hi]}
+    name = source.attrs(path).get("name", table.node)
+    return TableRows(path, blocks, recorded, name=name if isinstance(name, str) else table.node,
+                     logical=dict(data.attrs).get(fmt.LOGICAL_ATTR))

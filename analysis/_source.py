@@ -3,27 +3,34 @@
 Both give the same three things: JSON attributes of a node, an array by path
 (lazily sliceable), and whether a node exists.  Nothing from a store is ever
 executed: attributes are JSON, arrays are numbers.
+
+A chunk read that fails is made again only where the store may be changing
+under the reader (a live run, ``may_change``): a finished run's shard is never
+replaced, so a damaged one fails at once.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
 import stat
+import threading
 import time
 
 import numpy as np
 
 from recorder import format as fmt
-from recorder._quiet import quiet
+from recorder.quiet import quiet
 from recorder.errors import StoreFormatError, StoreNotFoundError
 
 __all__ = ["open_source", "ZarrSource", "H5Source"]
 
 JSON_ATTR = "tensortape_json"
-RETRIES = 5               # reads again of a chunk that fails (a shard replaced mid-read),
-PAUSE = 0.05              # after a pause that doubles each time: 1.55 s in all
+RETRIES = 5               # reads again of a chunk of a live run that fails (a shard replaced
+PAUSE = 0.05              # mid-read), after a pause that doubles each time: 1.55 s in all
+SOURCES = 8               # sources a process keeps open to unpickle arrays (dask workers)
 
 
 class Guarded:
@@ -31,12 +38,16 @@ class Guarded:
     whatever a damaged chunk makes the decoder raise.  Everything else is the
     array's own (shape, dtype, chunks, attrs, ...).
 
+    A read that fails is made again (``RETRIES``) while its source may change
+    (``may_change``: a live run, whose writer may replace a shard mid-read).
+
     It pickles as the store's location and the array's path, and is opened again
     where it is unpickled (a dask.distributed worker): no store object, lock or
     file handle travels."""
 
-    def __init__(self, array, where: str, location: str):
+    def __init__(self, array, where: str, location: str, source=None):
         self._array, self._where, self._location = array, where, location
+        self._source = source
 
     def __getattr__(self, name):
         if name.startswith("__") or "_array" not in self.__dict__:
@@ -58,21 +69,31 @@ class Guarded:
                 # a live run: a shard is read in two moves (its index, then its chunks),
                 # and the writer may replace it between them; the chunks' checksums
                 # catch that, and a read again sees the new shard whole (a shard
-                # rewritten often may need a few, further apart)
-                if attempt < RETRIES:
-                    time.sleep(PAUSE * 2 ** attempt)
+                # rewritten often may need a few, further apart).  A finished run's
+                # shards are never replaced: its failure is damage, at once
+                if attempt == RETRIES or self._source is None or not self._source.may_change():
+                    break
+                time.sleep(PAUSE * 2 ** attempt)
         raise StoreFormatError(f"{self._where}: a chunk cannot be read ({type(error).__name__}: "
                                f"{str(error).splitlines()[0] if str(error) else ''}); the store "
                                f"is damaged") from error
 
 
-_opened: dict = {}                        # this process's sources, by location (workers)
+# this process's sources by location, the latest used last (where arrays are
+# unpickled: a dask worker reads a few runs at a time, not every run it ever read)
+_opened: collections.OrderedDict = collections.OrderedDict()
+_opened_lock = threading.Lock()
 
 
 def _reopen(location: str, path: str) -> Guarded:
-    source = _opened.get(location)
+    with _opened_lock:
+        source = _opened.pop(location, None)
     if source is None:
-        source = _opened[location] = open_source(location)
+        source = open_source(location)
+    with _opened_lock:
+        _opened[location] = source
+        while len(_opened) > SOURCES:
+            _opened.popitem(last=False)
     return source.array(path)
 
 
@@ -92,6 +113,20 @@ class ZarrSource:
         if self.root.metadata.zarr_format != 3:     # never written by tensortape: unread
             raise StoreFormatError(f"{location!r} is a Zarr v{self.root.metadata.zarr_format} "
                                    f"store; tensortape runs are Zarr v3")
+        self.live = _status(self.root) == fmt.STATUS_RECORDING
+
+    def may_change(self) -> bool:
+        """Whether a chunk may be replaced while it is read: the run was being
+        recorded when it was opened, or is now (recorded again at its path)."""
+        if self.live:
+            return True
+        import zarr
+        try:
+            with quiet():
+                root = zarr.open_group(self.root.store, path=self.root.path, mode="r")
+        except Exception:                   # no root to read: not a run being recorded
+            return False
+        return _status(root) == fmt.STATUS_RECORDING
 
     # zarr warns of what it meets in a store (a killed writer's temporary files: "not
     # recognized as a component of a Zarr hierarchy"); the reader goes on (``quiet``)
@@ -101,7 +136,7 @@ class ZarrSource:
 
     def array(self, path: str):
         with quiet():
-            return Guarded(self.root[path], path, self.location)
+            return Guarded(self.root[path], path, self.location, self)
 
     def has(self, path: str) -> bool:
         try:
@@ -127,6 +162,14 @@ class ZarrSource:
         from zarr.core.sync import collect_aiterator
         stored = {k[len(base) + 1:] for k in collect_aiterator(store.list_prefix(base + "/c/"))}
         return next((k for k in keys if k not in stored), None)
+
+
+def _status(group) -> object:
+    """A root group's ``status`` attribute (None where it has none, or no object)."""
+    try:
+        return dict(group.attrs).get("status")
+    except Exception:
+        return None
 
 
 def _checked_store(location: str):
@@ -186,7 +229,10 @@ class H5Source:
         return json.loads(raw) if raw is not None else {}
 
     def array(self, path: str):
-        return Guarded(self.file[path], path, self.location)
+        return Guarded(self.file[path], path, self.location, self)
+
+    def may_change(self) -> bool:
+        return False         # an export is written whole, once
 
     def has(self, path: str) -> bool:
         return path in self.file

@@ -46,12 +46,16 @@ class _Rate:
         return self.value
 
 
+ROOT_FILES = ("zarr.json", ".zgroup", ".zarray")   # a Zarr root of any version: a store
+
+
 def _has_root(path) -> bool:
-    """Whether the store's root metadata file exists (so it is not being created)."""
+    """Whether the store's root metadata file exists (so it is not being created:
+    a Zarr v2 root, which tensortape never writes, is a store too)."""
     import fsspec
     try:
         fs, root = fsspec.core.url_to_fs(str(path))
-        return fs.exists(root.rstrip("/") + "/zarr.json")
+        return any(fs.exists(root.rstrip("/") + "/" + name) for name in ROOT_FILES)
     except Exception:
         return True
 

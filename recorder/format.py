@@ -111,6 +111,13 @@ def rank_group(rank: int) -> str:
     return f"rank{int(rank)}"
 
 
+def rank_of(name) -> int | None:
+    """The rank whose group is ``name`` (``rank3`` -> 3), or None for any other name:
+    the one place a rank group's name is read back (``rank_group`` makes it)."""
+    digits = name[4:] if isinstance(name, str) and name.startswith("rank") else ""
+    return int(digits) if digits.isascii() and digits.isdigit() else None
+
+
 CLAIM_NAME = "tensortape.lock"   # a group at the root whose zarr.json names the job that
                                  # records the run (``recorder._claim``); gone at close
 
@@ -120,8 +127,8 @@ def is_own_entry(name: str) -> bool:
     (``zarr.json``, the rank groups, the claim ``tensortape.lock`` of the job that
     records there, and a temporary file of zarr's that a kill left): ``mode="w"``
     deletes these and nothing else (a live job's claim refuses it first)."""
-    return name == "zarr.json" or (name.startswith("rank") and name[4:].isdigit()) \
-        or name == CLAIM_NAME or is_partial(name)
+    return name == "zarr.json" or rank_of(name) is not None or name == CLAIM_NAME \
+        or is_partial(name)
 
 
 def is_partial(name: str) -> bool:
@@ -218,13 +225,14 @@ def current_rows(steps: np.ndarray, recordings: np.ndarray | None, runs) -> np.n
 def parse_path(path: str) -> TablePath:
     """The parts of a table path; ``StoreFormatError`` for anything else."""
     parts = path.split("/") if isinstance(path, str) else []
-    ok = (len(parts) in (3, 4) and parts[0].startswith("rank") and parts[0][4:].isdigit()
+    rank = rank_of(parts[0]) if parts else None
+    ok = (len(parts) in (3, 4) and rank is not None
           and parts[2] in KINDS and ((parts[1] == "stats" and len(parts) == 3)
                                      or (parts[1] == "tensors" and len(parts) == 4
                                          and parts[3] == node_name_safe(parts[3]))))
     if not ok:
         raise StoreFormatError(f"{path!r} is not a table path of a tensortape store")
-    return TablePath(int(parts[0][4:]), parts[1], parts[2], parts[3] if len(parts) == 4 else None)
+    return TablePath(rank, parts[1], parts[2], parts[3] if len(parts) == 4 else None)
 
 
 # --- names -------------------------------------------------------------------

@@ -199,11 +199,6 @@ def test_a_shard_replaced_while_it_is_read_is_read_again(tmp_path, monkeypatch):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     path = str(tmp_path / "run.zarr")
-    with Recorder(m, path, tensors_every=None) as rec:
-        for i in range(5):
-            with rec.step(i):
-                m(torch.randn(3, 4)).sum().backward()
-    want = open_run(path).stats().compute()
     real, spoiled = zarr.storage.LocalStore.get, []
 
     async def get(self, key, prototype=None, byte_range=None):
@@ -213,10 +208,24 @@ def test_a_shard_replaced_while_it_is_read_is_read_again(tmp_path, monkeypatch):
             raw = bytes(got.to_bytes())
             return got.from_bytes(bytes(b ^ 0x5A for b in raw))
         return got
-    monkeypatch.setattr(zarr.storage.LocalStore, "get", get)
-    got = open_run(path).stats().compute()
-    assert spoiled and got.identical(want)
+    with Recorder(m, path, tensors_every=None) as rec:      # read while the run is live
+        for i in range(5):
+            with rec.step(i):
+                m(torch.randn(3, 4)).sum().backward()
+        rec.flush()
+        want = open_run(path).stats().compute()
+        with monkeypatch.context() as patch:
+            patch.setattr(zarr.storage.LocalStore, "get", get)
+            got = open_run(path).stats().compute()
+            assert spoiled and got.identical(want)
+            spoiled.clear()
+            patch.setattr(_source, "RETRIES", 0)             # without reading again: refused
+            with pytest.raises(Exception, match="cannot be read"):
+                open_run(path).stats().compute()
+    # a finished run's shards are never replaced: the same read fails at once
     spoiled.clear()
-    monkeypatch.setattr(_source, "RETRIES", 0)             # without reading again: refused
+    monkeypatch.setattr(zarr.storage.LocalStore, "get", get)
+    monkeypatch.setattr(_source.time, "sleep", lambda s: pytest.fail("a finished run waited"))
     with pytest.raises(Exception, match="cannot be read"):
         open_run(path).stats().compute()
+    assert len(spoiled) == 1

@@ -108,18 +108,38 @@ def _record(path, steps=3):
 
 def test_a_read_that_fails_for_a_while_is_made_again_for_a_bounded_time(tmp_path, monkeypatch):
     path = str(tmp_path / "run.zarr")
+    rec = _record(path)[0]                                     # live: a shard may be replaced
+    try:
+        want = _local(path)
+        slept = []
+        monkeypatch.setattr(_source.time, "sleep", slept.append)   # the pauses, not waited
+        failed = _failing(monkeypatch, 4)                          # more than 3 tries in a row
+        assert _local(path).identical(want) and len(failed) == 4
+        assert slept == [0.05, 0.1, 0.2, 0.4]                      # each pause twice the last
+        slept.clear()
+        failed = _failing(monkeypatch, None)                       # a chunk that is damaged
+        with pytest.raises(StoreFormatError, match="cannot be read"):
+            _local(path)
+        assert 1 < sum(slept) <= 2 and len(failed) == len(slept) + 1
+    finally:
+        monkeypatch.undo()
+        rec.close()
+
+
+def test_a_finished_run_that_fails_a_read_fails_at_once(tmp_path, monkeypatch):
+    """A finished run's shards are never replaced: a chunk that fails is damage,
+    refused at the first read, with no pause."""
+    path = str(tmp_path / "run.zarr")
     _record(path)[0].close()
     want = _local(path)
     slept = []
-    monkeypatch.setattr(_source.time, "sleep", slept.append)   # the pauses, not waited
-    failed = _failing(monkeypatch, 4)                          # more than 3 tries in a row
-    assert _local(path).identical(want) and len(failed) == 4
-    assert slept == [0.05, 0.1, 0.2, 0.4]                      # each pause twice the last
-    slept.clear()
-    failed = _failing(monkeypatch, None)                       # a chunk that is damaged
+    monkeypatch.setattr(_source.time, "sleep", slept.append)
+    failed = _failing(monkeypatch, 1)                          # one failure is enough
     with pytest.raises(StoreFormatError, match="cannot be read"):
         _local(path)
-    assert 1 < sum(slept) <= 2 and len(failed) == len(slept) + 1
+    assert slept == [] and len(failed) == 1
+    monkeypatch.undo()
+    assert _local(path).identical(want)
 
 
 def test_watch_notes_a_failed_read_of_a_live_run_and_reads_again(tmp_path, monkeypatch):

@@ -1,0 +1,83 @@
+"""``run.plot``: a run's pictures, in the style of xarray's plot accessor
+(``run.plot.histogram(...)``, ``run.plot.evolution(...)``,
+``run.plot.distribution(...)``).  Each reads one rank (default: the first) and
+returns a matplotlib Figure; matplotlib loads at the first picture."""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+from recorder.errors import ConfigError
+
+from ._select import within
+
+__all__ = ["RunPlotAccessor", "UncachedAccessor"]
+
+_A = TypeVar("_A")
+
+
+class UncachedAccessor(Generic[_A]):
+    """An accessor made anew at each access (``run.plot``), as xarray's: the class
+    itself on the class (so its methods' docs show), bound to the run on a run."""
+
+    def __init__(self, accessor: type[_A]):
+        self._accessor = accessor
+
+    def __get__(self, obj, cls) -> type[_A] | _A:
+        if obj is None:
+            return self._accessor
+        return self._accessor(obj)
+
+
+def _with_range(h, st):
+    """Histogram ``h`` with each step's true ``min`` and ``max`` (from ``st``) as coords."""
+    return h.assign_coords(min=("step", st["min"].values.astype(float)),
+                           max=("step", st["max"].values.astype(float)))
+
+
+class RunPlotAccessor:
+    """The pictures of a run: ``run.plot.histogram``, ``run.plot.evolution`` and
+    ``run.plot.distribution`` (``run.plot_histogram`` and the others are the same)."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run):
+        self._run = run
+
+    def histogram(self, layer, kind="activations", steps=None, rank=None, ax=None,
+                  density: bool = False):
+        """Histogram of ``layer`` at some steps (an int or a list; default: the last
+        with finite values) over values: bars of the bins' true widths on a
+        symmetric-log axis, NaN/+Inf/-Inf as their own bars -> Figure.
+        ``density``: counts per unit of value instead of counts per bin."""
+        run = self._run
+        rank = run._rank(rank)                   # one rank's picture (default: the first)
+        from . import _plots
+        h = run.histogram(layer, kind, rank=rank).compute()
+        st = run.stats(kind, [layer], rank=rank).isel(layer=0).compute()
+        return _plots.histogram(_with_range(h, st), steps, ax, density=density)
+
+    def evolution(self, layers=None, kind="activations", stat="std", rank=None, ax=None,
+                  steps: slice | None = None):
+        """One statistic over the steps (``steps``: a slice of step numbers, half-open;
+        default all), a line per layer (small multiples past 6 layers), each layer's
+        NaN/Inf steps marked with their counts -> Figure."""
+        run = self._run
+        rank = run._rank(rank)
+        from . import _plots
+        ds = within(run.stats(kind, layers, rank=rank), steps)
+        if stat not in ds:
+            raise ConfigError(f"stat {stat!r} is not recorded; use one of {', '.join(ds.data_vars)}")
+        return _plots.evolution(ds.compute().assign_attrs(run=run.name), stat, ax)
+
+    def distribution(self, layer, kind="activations", rank=None, ax=None,
+                     steps: slice | None = None):
+        """Step x value picture of ``layer``'s histogram (``steps``: a half-open slice of
+        step numbers; default all): bands from the true min and max and the
+        percentiles, the median, NaN/Inf counts below -> Figure."""
+        run = self._run
+        rank = run._rank(rank)
+        from . import _plots
+        h = within(run.histogram(layer, kind, rank=rank), steps).compute()
+        st = within(run.stats(kind, [layer], rank=rank), steps).isel(layer=0)
+        return _plots.distribution(_with_range(h, st), ax)

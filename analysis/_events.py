@@ -1,0 +1,88 @@
+"""The run's non-finite events: in order, the first with its neighbourhood for
+a post-mortem, and the replay bundle a replay left."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import xarray as xr
+
+from recorder import format as fmt
+from recorder.errors import ConfigError, StoreFormatError
+from recorder.format import NonFiniteEvent
+
+from ._index import RunIndex
+
+__all__ = ["FirstNonFinite", "bundle", "events_of", "first_nonfinite"]
+
+
+@dataclass(frozen=True)
+class FirstNonFinite(NonFiniteEvent):
+    """The first non-finite capture, with its neighbourhood for a post-mortem."""
+    history: xr.Dataset | None = field(default=None, compare=False, repr=False)
+    same_step: tuple[NonFiniteEvent, ...] = field(default=(), compare=False, repr=False)
+
+    def to_json(self) -> dict:
+        """The event, the other events of its step, and the statistics before it
+        (counts as integers, NaN as null)."""
+        out = NonFiniteEvent(**{k: getattr(self, k) for k in NonFiniteEvent.__dataclass_fields__}).to_json()
+        out["same_step"] = [e.to_json() for e in self.same_step]
+        if self.history is not None:
+            h = self.history
+            out["history"] = [{"step": int(s), **{k: _plain(k, h[k].sel(step=s).item())
+                                                  for k in fmt.STATS}} for s in h.step.values]
+        return out
+
+
+def _plain(name: str, v: float):
+    if np.isnan(v):
+        return None
+    if np.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return int(v) if name in ("count", "nan", "posinf", "neginf") else float(v)
+
+
+def events_of(index: RunIndex, rank: int | None = None) -> list[NonFiniteEvent]:
+    """One rank's events, or with ``rank=None`` every rank's, ordered by step, then
+    forward before backward, then execution order (then rank)."""
+    ranks = index.ranks if rank is None else [index.rank(rank)]
+    return sorted((e for r in ranks for e in index.states[r].events), key=lambda e: e.sort_key)
+
+
+def first_nonfinite(index: RunIndex, stats, rank: int | None = None,
+                    history: int = 5) -> FirstNonFinite | None:
+    """The earliest non-finite capture across every rank (or of ``rank``), with the
+    ``history`` steps of statistics before it (``stats(kind, layers, rank)``) and
+    the other events of its step."""
+    evs = events_of(index, rank)
+    if not evs:
+        return None
+    first = evs[0]
+    rank = first.rank
+    hist = None
+    if first.kind in index.kinds_of(rank) and first.layer in index.stats_layers(first.kind, rank):
+        ds = stats(first.kind, [first.layer], rank).isel(layer=0)
+        hist = ds.sel(step=ds.step[ds.step <= first.step][-(history + 1):]).compute()
+    same = tuple(e for e in evs if e.step == first.step and e is not first)
+    return FirstNonFinite(**{k: getattr(first, k) for k in first.__dataclass_fields__},
+                          history=hist, same_step=same)
+
+
+def bundle(index: RunIndex, rank: int | None = None):
+    """The replay bundle of the first event that stored one: its attributes, and
+    a reader of its arrays (name -> numpy array and logical dtype), as
+    ``recorder.replay.replay_bundle`` takes them."""
+    hits = [e for e in events_of(index, rank) if e.replay and e.replay.get("bundle")]
+    if not hits:
+        raise ConfigError(f"{index.path!r} holds no replay bundle; record with "
+                          f"on_nonfinite='replay' (a bundle is stored when a replay names "
+                          f"an op)")
+    path = hits[0].replay["bundle"]
+
+    def read(name: str) -> tuple[np.ndarray, str | None]:
+        arr = index.source.array(f"{path}/{fmt.node_name(name)}")
+        if np.dtype(arr.dtype).name not in fmt.STORED_DTYPES:
+            raise StoreFormatError(f"{index.path!r}: {path}/{name} holds {arr.dtype}")
+        return np.asarray(arr[...]), dict(arr.attrs).get(fmt.LOGICAL_ATTR)
+    return index.source.attrs(path), read

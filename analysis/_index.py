@@ -1,0 +1,223 @@
+"""What a run holds, and whether it can be trusted: its attributes, its ranks'
+committed states, each table's committed rows (checked against the arrays
+before any is read) and, of those rows, the ones a reader reads.
+
+``RunIndex`` reads attributes only when it opens; a table is checked the first
+time it is read, once.  It answers for the readers (``_stats``, ``_tensors``,
+``_events``), which never read a row it has not checked.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+
+import numpy as np
+
+from recorder import format as fmt
+from recorder.errors import ConfigError, RecorderError, StoreFormatError
+
+from ._source import open_source
+from ._tables import Tables, for_version
+
+__all__ = ["RunIndex"]
+
+
+def _data_chunks(extent: np.ndarray, chunks: tuple[int, ...], shape, n: int):
+    """The chunk indices a data array's first ``n`` rows fill: in each block of
+    rows, the chunks that its rows' extents reach (never beyond the array)."""
+    for i in range(-(-n // chunks[0])):
+        block = extent[i * chunks[0]: (i + 1) * chunks[0]]
+        reach = block.max(axis=0) if len(block) else np.zeros(len(chunks) - 1, np.int64)
+        counts = [min(-(-int(e) // c), -(-int(s) // c))
+                  for e, c, s in zip(reach, chunks[1:], shape[1:])]
+        for inner in itertools.product(*map(range, counts)):
+            yield (i, *inner)
+
+
+class RunIndex:
+    """A run's attributes, ranks and committed rows, and the checks that make its
+    tables safe to read.  ``tables``: the reader of its format version."""
+
+    MAX_ROW_BYTES = 1 << 36          # one step of one tensor: 64 GiB at the most
+
+    def __init__(self, path):
+        self.path = str(path)
+        try:
+            self._open()
+        except RecorderError:
+            raise
+        except Exception as e:           # anything else a damaged or hostile store raises
+            raise StoreFormatError(f"{self.path!r} cannot be read as a tensortape store "
+                                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                                   ) from e
+        self._valid: set[str] = set()
+        self._current: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
+
+    def _open(self) -> None:
+        self.source = open_source(self.path)
+        attrs = self.source.attrs()
+        if not isinstance(attrs, dict):
+            raise StoreFormatError(f"{self.path!r}: its root attributes are not a JSON object")
+        version = attrs.get("tensortape_format")
+        if version is None:
+            raise StoreFormatError(f"{self.path!r} is not a tensortape store (no "
+                                   f"'tensortape_format' attribute); pass a recorded run")
+        if version not in fmt.READS_VERSIONS:
+            raise StoreFormatError(f"{self.path!r} has format version {version!r}, newer than "
+                                   f"this tensortape reads ({fmt.FORMAT_VERSION}); upgrade tensortape")
+        self.attrs = attrs
+        if not isinstance(attrs.get("status", ""), str) or not isinstance(attrs.get("layers", []), list):
+            raise StoreFormatError(f"{self.path!r}: its 'status' or 'layers' attribute has the "
+                                   f"wrong type")
+        self.ranks = sorted(r for r in map(fmt.rank_of, self.source.groups()) if r is not None)
+        self.states = {r: fmt.RankState.from_json(self.source.attrs(fmt.rank_group(r)),
+                                                  f"{self.path!r} rank {r}") for r in self.ranks}
+        for r, st in self.states.items():          # the group says which rank an event is
+            st.events = [dataclasses.replace(e, rank=r) for e in st.events]
+        self.tables: Tables = for_version(version)(self.source, self.path, attrs.get("created"),
+                                                   self.table_rows)
+
+    def only(self, rank: int) -> "RunIndex":
+        """The index of one rank (its checks and rows shared with this one)."""
+        rank = self.rank(rank)
+        view = copy.copy(self)
+        view.ranks, view.states = [rank], {rank: self.states[rank]}
+        return view
+
+    # --- ranks, kinds and layers -------------------------------------------------
+    def rank(self, rank: int | None) -> int:
+        """``rank``, checked; None: the first rank (0 in an empty run)."""
+        if rank is None:
+            if not self.ranks:           # killed while attaching: an empty run, not an error
+                self.states.setdefault(0, fmt.RankState())
+                return 0
+            return self.ranks[0]
+        if rank not in self.ranks:
+            raise ConfigError(f"rank {rank} is not in this run; its ranks are {self.ranks}")
+        return rank
+
+    def state(self, rank: int | None = None) -> fmt.RankState:
+        return self.states[self.rank(rank)]
+
+    def committed(self, rank: int) -> dict[str, int]:
+        return self.states[rank].committed
+
+    def table_rows(self, path: str) -> int:
+        """The committed rows of the table at ``path`` (0: none, or no such rank)."""
+        st = self.states.get(fmt.parse_path(path).rank)
+        return st.committed.get(path, 0) if st is not None else 0
+
+    def kinds_of(self, rank: int | None = None) -> list[str]:
+        found = {fmt.parse_path(p).kind for p, n in self.state(rank).committed.items() if n}
+        return [k for k in fmt.KINDS if k in found]
+
+    def layers_of(self, rank: int | None = None) -> list[str]:
+        return list(self.state(rank).layers)
+
+    def kind(self, kind: str, rank: int) -> str:
+        """``kind``, checked: one that ``rank`` recorded."""
+        if kind not in self.kinds_of(rank):
+            raise ConfigError(f"kind {kind!r} was not recorded in this run; recorded kinds: "
+                              f"{', '.join(self.kinds_of(rank)) or 'none'}")
+        return kind
+
+    def stats_layers(self, kind: str, rank: int) -> list[str]:
+        """The layer columns of ``rank``'s stats table of ``kind``."""
+        return list(self.states[rank].stats_layers.get(kind, []))
+
+    # --- rows ---------------------------------------------------------------------
+    def current_rows(self, path: str, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """The committed rows of a table that a reader reads, and every row's step:
+        of each step, only the rows of the latest recording that recorded it (a job
+        resumed with mode="a" from an earlier checkpoint records steps again;
+        ``fmt.current_rows``).  Read once: a run reads the committed rows of when
+        it was opened."""
+        got = self._current.get((rank, path))
+        if got is None:
+            got = self._current[(rank, path)] = self._read_rows(path, rank)
+        return got
+
+    def _read_rows(self, path: str, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        n = self.checked_rows(path, rank)
+        steps = np.asarray(self.source.array(path + "/step")[:n]) if n else np.zeros(0, np.int64)
+        runs = self.states[rank].rerecorded
+        recordings = None
+        if runs:
+            recordings = np.asarray(self.source.array(f"{path}/{fmt.RECORDING}")[:n]) \
+                if self.source.has(f"{path}/{fmt.RECORDING}") else np.zeros(n, np.int64)
+        return fmt.current_rows(steps, recordings, runs), steps
+
+    # --- checks -------------------------------------------------------------------
+    def checked_rows(self, path: str, rank: int) -> int:
+        """A table's committed rows, once its arrays are checked against them: each
+        array is there, holds the committed rows, and a row has a sane size."""
+        n = self.committed(rank).get(path, 0)
+        if path in self._valid or not n:
+            return n
+        table = fmt.parse_path(path)
+        try:
+            arrays = {}
+            for name in self.tables.columns(path):
+                if name in fmt.OPTIONAL_COLUMNS and not self.source.has(f"{path}/{name}"):
+                    continue
+                arr = arrays[name] = self.source.array(f"{path}/{name}")
+                self._check_array(f"{path}/{name}", arr, n)
+            if table.section == "stats":
+                width = int(arrays[self.tables.width_column].shape[1])
+                if width < len(self.states[rank].stats_layers.get(table.kind, [])):
+                    raise StoreFormatError(f"{self.path!r}: {path} has {width} layer columns, "
+                                           f"fewer than its layer names")
+            self._check_chunks(path, arrays, n)
+        except RecorderError:
+            raise
+        except Exception as e:
+            raise StoreFormatError(f"{self.path!r}: table {path} cannot be read "
+                                   f"({type(e).__name__}: {e})") from e
+        self._valid.add(path)
+        return n
+
+    def _check_array(self, where: str, arr, n: int) -> None:
+        """An array holds ``n`` rows of a dtype tensortape writes, each of a sane size."""
+        shape = tuple(int(s) for s in arr.shape)
+        if not shape or shape[0] < n:
+            raise StoreFormatError(f"{self.path!r}: {where} holds {shape[0] if shape else 0} "
+                                   f"rows, fewer than the {n} committed")
+        if np.dtype(arr.dtype).name not in fmt.STORED_DTYPES:
+            raise StoreFormatError(f"{self.path!r}: {where} holds {arr.dtype}, which "
+                                   f"tensortape never writes; refusing to decode it")
+        row = int(np.prod(shape[1:], dtype=object)) * np.dtype(arr.dtype).itemsize
+        if row > self.MAX_ROW_BYTES:
+            raise StoreFormatError(f"{self.path!r}: {where} claims {row} bytes a row; "
+                                   f"refusing to read it")
+
+    def _check_chunks(self, path: str, arrays: dict, n: int) -> None:
+        """A table's extents fit its data; and in a table that stores every chunk
+        (``fmt.EVERY_CHUNK``), each chunk its first ``n`` rows need is there (a
+        half-copied store is refused, not read as NaN).  Each chunk read is checked
+        by the source itself (a regular file of a sane size)."""
+        data = arrays.get("data")
+        extent = None
+        if data is not None and data.ndim > 1:
+            extent = np.asarray(arrays["extent"][:n])[:, : data.ndim - 1]
+            if extent.size and ((extent < 0) | (extent > np.array(data.shape[1:]))).any():
+                raise StoreFormatError(f"{self.path!r}: {path}/extent claims a tensor larger "
+                                       f"than {path}/data holds")
+        if not self.source.attrs(path).get(fmt.EVERY_CHUNK):
+            return
+        for name, arr in arrays.items():
+            if name == fmt.RECORDING:    # given to a table with committed rows, which are all
+                continue                 # recording 0's: a chunk not yet written reads as 0
+            # the objects of a sharded array are its shards
+            chunks = tuple(int(c) for c in (getattr(arr, "shards", None) or arr.chunks))
+            if name == "data" and extent is not None:
+                need = _data_chunks(extent, chunks, arr.shape, n)
+            else:                        # the first chunk across of each block of rows
+                need = ((i, *(0,) * (len(chunks) - 1)) for i in range(-(-n // chunks[0])))
+            missing = self.source.missing_chunk(f"{path}/{name}",
+                                                ("c/" + "/".join(map(str, i)) for i in need))
+            if missing is not None:
+                raise StoreFormatError(f"{self.path!r}: chunk {path}/{name}/{missing} of the "
+                                       f"committed rows is missing; the store is incomplete "
+                                       f"(a partial copy?)")

@@ -1,0 +1,97 @@
+"""Full tensors of a run: which layers hold them, at which steps, and the
+tensors themselves as lazy, NaN-padded xarray objects with their true extents."""
+
+from __future__ import annotations
+
+import numpy as np
+import xarray as xr
+
+from recorder import format as fmt
+from recorder.errors import ConfigError, LayerNotFoundError
+
+from ._index import RunIndex
+from ._select import missing, steps_text
+from ._tables import as_slice
+
+__all__ = ["Tensors"]
+
+
+class Tensors:
+    """The reads of a run's tensor tables (``Run.tensor``, ``Run.tensor_layers``,
+    ``Run.steps(tensors=True)``)."""
+
+    def __init__(self, index: RunIndex):
+        self.index = index
+
+    def paths(self, kind: str, rank: int) -> dict[str, str]:
+        """Layer name -> table path of the full tensors of one kind (not those whose
+        every row is of steps that a later recording recorded again)."""
+        ix = self.index
+        out = {}
+        again = bool(ix.states[rank].rerecorded)
+        for p, n in ix.committed(rank).items():
+            t = fmt.parse_path(p)
+            if n and t.section == "tensors" and t.kind == kind:
+                if again and not len(ix.current_rows(p, rank)[0]):
+                    continue
+                name = ix.source.attrs(p).get("name", t.node)
+                out[name if isinstance(name, str) else t.node] = p
+        return out
+
+    def layers(self, kind: str, rank: int) -> list[str]:
+        """The layers of ``kind`` that hold full tensors, in execution order."""
+        if kind not in self.index.kinds_of(rank):
+            return []
+        found = self.paths(kind, rank)
+        order = {n: i for i, n in enumerate(self.index.layers_of(rank))}
+        return sorted(found, key=lambda n: order.get(n, len(order)))
+
+    def path(self, layer: str, kind: str, rank: int) -> str:
+        paths = self.paths(self.index.kind(kind, rank), rank)
+        if layer not in paths:
+            raise LayerNotFoundError(missing(layer, list(paths), f"full {kind} tensors"))
+        return paths[layer]
+
+    def steps(self, kind: str, rank: int, layer: str | None = None) -> np.ndarray:
+        """Steps that hold full tensors (of ``layer``, or of any layer)."""
+        paths = [self.path(layer, kind, rank)] if layer else self.paths(kind, rank).values()
+        found = [steps[rows] for rows, steps in (self.index.current_rows(p, rank) for p in paths)]
+        return np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
+
+    def nbytes(self, path: str, rank: int) -> int:
+        """Bytes of one table's full tensors as decoded (committed rows, padded shape)."""
+        data = self.index.source.array(path + "/data")
+        return self.index.committed(rank)[path] * int(np.prod(data.shape[1:])) * data.dtype.itemsize
+
+    def tensor(self, layer: str, kind: str, step, micro: int | None, rank: int) -> xr.DataArray:
+        ix = self.index
+        path = self.path(layer, kind, rank)
+        n = ix.checked_rows(path, rank)
+        current, steps = ix.current_rows(path, rank)
+        micros = ix.tables.micros(path, n)
+        m = 0 if micro is None else int(micro)
+        mine = current[micros[current] == m]
+        rows = mine[fmt.latest_rows(steps[mine])]
+        if not len(rows):
+            raise ConfigError(f"no full {kind} tensor of {layer!r} has micro-batch {m}; "
+                              f"micro-batches recorded: {sorted(set(micros[current].tolist()))}")
+        steps, extent = steps[rows], np.asarray(ix.source.array(path + "/extent")[:n])[rows]
+        data = ix.tables.lazy(path + "/data")[:n][as_slice(rows)]
+        logical = dict(ix.source.array(path + "/data").attrs).get(fmt.LOGICAL_ATTR)
+        if logical in fmt.BITS_DTYPES:
+            data = data.map_blocks(fmt.decode_bits, logical, dtype=np.float32)
+        dims = ("step", *(f"dim_{i}" for i in range(data.ndim - 1)))
+        extent = extent[:, : data.ndim - 1].astype(np.int64)
+        coords = {"step": steps, **{f"extent_{d}": ("step", extent[:, j])
+                                    for j, d in enumerate(dims[1:])}}
+        out = xr.DataArray(data, dims=dims, coords=coords, name=f"{layer} {kind}",
+                           attrs={"layer": layer, "kind": kind, "micro": m})
+        if step is None:
+            return out
+        hits = np.nonzero(steps == step)[0]
+        if not hits.size:
+            raise ConfigError(f"step {step} has no full {kind} tensor for {layer!r}"
+                              f"{f' (micro-batch {m})' if m else ''}; it has full tensors at "
+                              f"{steps_text(steps)}")
+        row = out.isel(step=int(hits[0]))
+        return row.isel({d: slice(0, int(e)) for d, e in zip(dims[1:], extent[hits[0]])}).compute()
