@@ -43,7 +43,7 @@ def _write(run, h5py, path: str, tables, progress) -> None:
     with h5py.File(path, "w") as f:
         f.attrs[JSON_ATTR] = json.dumps(run.attrs)
         for r in run.ranks:
-            g = f.require_group(f"rank{r}")
+            g = f.require_group(fmt.rank_group(r))
             g.attrs[JSON_ATTR] = json.dumps(run.state(r).to_json())
         bar = progress(tables) if progress else tables
         for path_, n in bar:

@@ -166,3 +166,22 @@ def test_watch_notes_a_failed_read_of_a_live_run_and_reads_again(tmp_path, monke
     _failing(monkeypatch, None)                                # no longer live: an error
     with pytest.raises(StoreFormatError, match="cannot be read"):
         list(snapshots(path, interval=0.5, sleep=lambda s: None))
+
+
+def test_the_sources_a_process_keeps_for_unpickled_arrays_are_bounded(tmp_path):
+    """An array pickles as its store's location and path (dask workers); the sources
+    opened again to unpickle them are kept, the latest used, up to ``SOURCES``."""
+    import pickle
+    path = str(tmp_path / "run0.zarr")
+    _record(path)[0].close()
+    for i in range(1, _source.SOURCES + 3):
+        shutil.copytree(path, str(tmp_path / f"run{i}.zarr"))
+    _source._opened.clear()
+    for i in range(_source.SOURCES + 3):
+        run = open_run(str(tmp_path / f"run{i}.zarr"))
+        arr = pickle.loads(pickle.dumps(run.source.array("rank0/stats/activations/step")))
+        assert list(arr[:3]) == [0, 1, 2]
+        assert len(_source._opened) == min(i + 1, _source.SOURCES)
+    kept = list(_source._opened)
+    assert kept == [str(tmp_path / f"run{i}.zarr") for i in range(3, _source.SOURCES + 3)]
+    _source._opened.clear()
