@@ -70,14 +70,11 @@ import os
 import weakref
 
 from ._heartbeat import Keeper
-from ._holder import Held, Holder, claim_doc, new_claim, refusal, this_node
-from ._lock import live_holder, lock_for
-from ._lockobject import drop_folder
+from ._holder import Held, claim_doc, new_claim, refusal
+from ._lock import lock_for
 from .errors import StoreExistsError
 
-# ``Holder``, ``refusal``, ``this_node`` and ``drop_folder`` are re-exported for the
-# modules and tests that import them from here
-__all__ = ["Claim", "Holder", "drop_folder", "live_holder", "refusal", "this_node"]
+__all__ = ["Claim"]
 
 
 class Claim:
