@@ -30,7 +30,7 @@ from . import format as fmt
 from ._config import RecorderConfig
 from ._drops import DropLedger
 from ._quiet import holding, warn
-from ._record import StepRecord, TensorRow
+from ._record import CloseRecord, StepRecord, TensorRow
 from ._replay import Keeper
 from ._step import StepState
 from ._summarizer import Capture, EngineFailed, Summarizer
@@ -48,10 +48,10 @@ def _cause(e: BaseException) -> str:
 class StepBuffer:
     """The captures of the open step (see the module)."""
 
-    def __init__(self, config: RecorderConfig, known_layers: list[str]):
+    def __init__(self, config: RecorderConfig, known_layers: list[str], drops: DropLedger):
         self.config = config
         self.state = StepState(config)
-        self.drops = DropLedger()
+        self.drops = drops                      # shared with the writer's handle
         self.summarizer = Summarizer(config, self.drops, self.fault)
         self.keeper = Keeper(config.max_replay_bytes) if config.on_nonfinite == "replay" else None
         self.on_end: list = []                  # called when a step ends (the hooks' cleanup)
@@ -186,12 +186,12 @@ class StepBuffer:
         rec.outside = self.state.take_outside()
         return rec
 
-    def pending_record(self) -> StepRecord | None:
+    def close_record(self) -> CloseRecord | None:
         """What was counted since the last record, outside any step (at close)."""
         drops, outside = self.drops.take(), self.state.take_outside()
         if not (drops or outside):
             return None
-        return StepRecord(-1, drops=drops, outside=outside)
+        return CloseRecord(drops, outside)
 
     def clear(self) -> None:
         self._captures = []

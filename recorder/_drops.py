@@ -2,12 +2,18 @@
 
 Nothing tensortape drops goes uncounted: a late gradient, a full tensor of a
 dtype the store cannot hold, a capture that failed, a snapshot past a memory
-cap.  Each drop is counted here with its reason (a short sentence, the key of
-the run's ``drop_reasons``); a step's record takes the counts since the last
-one (``take``) to the writer, which adds them to the run's.
+cap, the captures of a record the writer thread could not be given.  Each
+drop is counted here with its reason (a short sentence, the key of the run's
+``drop_reasons``); a step's record takes the counts since the last one
+(``take``) to the writer thread, which adds them to the run's; a record the
+writer's handle could not hand on gives its counts back (``restore``), and
+the next record takes them.  One ledger a recording: the step buffer and the
+writer's handle share it, and ``total`` is what the Recorder reports.
 
-Any thread: the training thread, autograd's threads (gradients), and the
-writer thread (its own drops) count here; one lock guards the counts.
+Any thread: the training thread, autograd's threads (gradients) count here,
+under one lock.  What the writer thread itself drops (a table that changed
+dtype, full tensors lost at a new start) it counts in the rank's state, with
+the commit that stores it.
 """
 
 from __future__ import annotations
@@ -36,3 +42,10 @@ class DropLedger:
         with self._lock:
             since, self._since = self._since, {}
         return since
+
+    def restore(self, counts: dict[str, int]) -> None:
+        """Give back counts taken for a record that was not handed on: the next
+        record takes them (``total`` holds them already)."""
+        with self._lock:
+            for reason, n in counts.items():
+                self._since[reason] = self._since.get(reason, 0) + n

@@ -27,7 +27,7 @@ RECORD_BYTES = 256
 class Unsaved:
     """One step's rows not committed yet, as kept for a new start: everything but
     its full tensors, of which only the count is kept."""
-    step: int
+    step: int | None            # None: the close record's counts (no step of its own)
     layers: list[str]
     drops: dict[str, int]
     outside: int
@@ -66,7 +66,7 @@ class Unsaved:
 
     def _steps_before(self, later: "Unsaved") -> list:
         runs = [list(r) for r in self.earlier]
-        if self.step >= 0:
+        if self.step is not None:
             fmt.note_step(runs, 0, self.step)
         return runs + [list(r) for r in later.earlier]
 

@@ -22,6 +22,9 @@ What a record holds:
   pinned slots back once stored);
 - ``drops``, ``outside``: what was counted, not recorded.
 
+When the recording closes, what was counted since the last step record goes
+as a ``CloseRecord``: drops and passes outside a step, no step of its own.
+
 ``resolve`` (``_resolve``) turns the packed vectors into ``Resolved``:
 statistics per kind (``StatsRows``) and non-finite events.  It runs on the
 writer thread, but for the two policies above.
@@ -38,7 +41,8 @@ from ._config import RecorderConfig
 from ._snapshot import Snapshot
 from ._summary import Holds, combine, moments
 
-__all__ = ["Block", "Meta", "Packed", "Plan", "Resolved", "StatsRows", "StepRecord", "TensorRow"]
+__all__ = ["Block", "CloseRecord", "Meta", "Packed", "Plan", "Resolved", "StatsRows", "StepRecord",
+           "TensorRow"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,16 @@ class StepRecord:
             self._resolved = _resolve(self)
             self.packed = None
         return self._resolved
+
+
+@dataclass
+class CloseRecord:
+    """What was counted since the last step record, handed to the writer when the
+    recording closes: no step of its own, no captures."""
+    drops: dict[str, int] = field(default_factory=dict)      # what was dropped, by reason
+    outside: int = 0                                          # forward passes outside a step
+    layers: list[str] = field(default_factory=list)          # new names of a record not handed on
+    nbytes: int = 0                                           # no full tensors
 
 
 def _resolve(rec: StepRecord) -> Resolved:

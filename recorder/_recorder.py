@@ -33,6 +33,7 @@ from ._quiet import quiet, warn
 from ._hooks import HookSet
 from ._selection import select_layers, unwrap
 from ._buffer import StepBuffer
+from ._drops import DropLedger
 from ._claim import Claim
 from ._store import RunStore, check_mode, open_root, write_threads
 from ._writer import Writer
@@ -260,9 +261,10 @@ class Recorder:
                 store.commit(state, fmt.root_attrs(state, root_base))
             self._last_step, self._dropped_before = state.last_step, state.dropped
             self._outside_before = state.outside_steps
-            self._buffer = StepBuffer(cfg, state.layers)
+            drops = DropLedger()                  # one for the step buffer and the writer's handle
+            self._buffer = StepBuffer(cfg, state.layers, drops)
             self._buffer.summarizer.warm(self._model)
-            self._writer = Writer(store, state, root_base, cfg, self._claim)
+            self._writer = Writer(store, state, root_base, cfg, drops, self._claim)
         except BaseException:
             if store is not None:
                 store.close(wait=False)
@@ -296,7 +298,7 @@ class Recorder:
                 self._hooks.detach()
             if self._writer is not None:
                 try:
-                    late = self._buffer.pending_record()
+                    late = self._buffer.close_record()
                     if late is not None:
                         self._writer.put(late)
                 finally:
@@ -314,10 +316,10 @@ class Recorder:
     @property
     def dropped(self) -> int:
         """Captures dropped so far in this run: late gradients, full tensors of a
-        dtype the store cannot hold, captures that failed (the run's
-        ``drop_reasons`` say which); the writer's own drops are counted in the store."""
-        return (self._dropped_before + (self._buffer.drops.total if self._buffer else 0)
-                + (self._writer.lost_total if self._writer else 0))
+        dtype the store cannot hold, captures that failed, records the writer could
+        not be given (the run's ``drop_reasons`` say which; ``DropLedger``); the
+        writer thread's own drops are counted in the store."""
+        return self._dropped_before + (self._buffer.drops.total if self._buffer else 0)
 
     # --- steps ----------------------------------------------------------------
     def step(self, i: int | None = None) -> _StepScope:

@@ -122,7 +122,3 @@ class StepState:
     def _count_outside(self, n: int) -> None:
         self._outside += n
         self.outside_total += n
-
-
-# the writer imports the records from here until it imports them from ``_record``
-from ._record import Resolved, StepRecord, TensorRow  # noqa: E402,F401

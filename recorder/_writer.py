@@ -2,12 +2,13 @@
 
 ``Writer`` is the training thread's handle (``put``, ``flush``, ``close``,
 ``tell``); ``_Rows`` is what runs on the worker thread (``_worker.Worker``): for
-each step record it interprets the statistics and events
-(``StepRecord.resolve``), asks the ``TensorPolicy`` which full tensors to store,
-writes the rows into the store's tables, remembers them in the ``Journal`` until
-they are committed, and commits (data first, counters after) at least every
-``flush_interval`` seconds.  A record it cannot interpret loses its statistics
-(counted), never the store.
+each step record (``_record``: the thread contract) it interprets the
+statistics and events (``StepRecord.resolve``), asks the ``TensorPolicy``
+which full tensors to store, writes the rows into the store's tables,
+remembers them in the ``Journal`` until they are committed, and commits (data
+first, counters after) at least every ``flush_interval`` seconds.  A record it
+cannot interpret loses its statistics (counted), never the store.  The
+``CloseRecord`` at close brings what was counted since the last step.
 
 When the store cannot be written (disk full, permissions, network), the rows
 not committed stay in the journal (bounded), the full tensors meanwhile are
@@ -17,7 +18,9 @@ told: ``"raise"`` raises it on the training thread, ``"warn"`` warns once there.
 
 Training never waits on the store for long: a worker that died, or made no
 progress for ``close_timeout`` seconds, is given nothing more; each record it
-is not given is counted with the reason, and the training thread is told once.
+is not given is counted with the reason in the recording's ``DropLedger``
+(shared with the step buffer, so the counts travel with the next record), and
+the training thread is told once.
 ``close`` waits at most ``close_timeout``; past it the run is marked
 ``interrupted`` and the warning says what was not committed.
 """
@@ -34,7 +37,8 @@ from . import format as fmt
 from ._config import RecorderConfig
 from ._journal import Journal, Unsaved
 from ._policy import TensorPolicy
-from ._step import Resolved, StepRecord, TensorRow
+from ._drops import DropLedger
+from ._record import CloseRecord, Resolved, StepRecord, TensorRow
 from ._store import RunStore
 from ._worker import Barrier, Notice, Worker
 from ._quiet import warn
@@ -82,14 +86,8 @@ class _Rows:
         self.outbox.append(Notice(key, message, error))
 
     # --- the Handler protocol ---------------------------------------------------------
-    def put(self, record: StepRecord) -> None:
-        resolved = self._resolve(record)
-        choice = self.policy.choose(record.step, record.plan, record.tensors, bool(resolved.events))
-        for n in choice.notices:
-            self.outbox.append(n)
-        record.tensors = []                # stored now, or held by the ring: not kept for a restart
-        u = Unsaved(record.step, record.layers, record.drops, record.outside, resolved.events,
-                    resolved.stats, record.bundle, choice.rows, choice.over)
+    def put(self, record: StepRecord | CloseRecord) -> None:
+        u, tensors = self._unsaved(record)
         if self._fault is None and self.journal.full(u):
             try:
                 self._commit(None)         # bounds what a new start would write again
@@ -98,7 +96,20 @@ class _Rows:
         u = self.journal.keep(u, BACKLOG)
         self._pending = True
         if self._fault is None:
-            self._write(u, choice.tensors)
+            self._write(u, tensors)
+
+    def _unsaved(self, record: StepRecord | CloseRecord) -> tuple[Unsaved, list]:
+        """A record's rows as the journal keeps them, and the full tensors to store
+        now (``TensorPolicy``)."""
+        if isinstance(record, CloseRecord):
+            return Unsaved(None, record.layers, record.drops, record.outside, [], {}), []
+        resolved = self._resolve(record)
+        choice = self.policy.choose(record.step, record.plan, record.tensors, bool(resolved.events))
+        for n in choice.notices:
+            self.outbox.append(n)
+        record.tensors = []                # stored now, or held by the ring: not kept for a restart
+        return Unsaved(record.step, record.layers, record.drops, record.outside, resolved.events,
+                       resolved.stats, record.bundle, choice.rows, choice.over), choice.tensors
 
     def barrier(self, msg: Barrier) -> None:
         if self._fault is not None:
@@ -197,11 +208,12 @@ class _Rows:
         st.outside_steps += u.outside
         st.over_budget += u.over_budget
         if self.upto is not None:
-            self._recorded_again([*u.earlier, [0, u.step, u.step, 0]])
+            own = [] if u.step is None else [[0, u.step, u.step, 0]]
+            self._recorded_again([*u.earlier, *own])
         st.events_total += u.events_total
         st.events.extend(dataclasses.replace(e, rank=st.rank)
                          for e in u.events[:max(fmt.MAX_EVENTS - len(st.events), 0)])
-        if u.step >= 0:
+        if u.step is not None:
             st.last_step = u.step if st.last_step is None else max(st.last_step, u.step)
         for kind, rows in u.stats.items():
             names = st.stats_layers.setdefault(kind, [])
@@ -257,12 +269,13 @@ class Writer:
     """The training thread's handle on the rank's writer thread."""
 
     def __init__(self, store: RunStore, state: fmt.RankState, root_base: dict[str, Any] | None,
-                 config: RecorderConfig, claim=None):
+                 config: RecorderConfig, drops: DropLedger, claim=None):
         self.config = config
         self.store = store
         self.root_base = root_base
-        self._carry: StepRecord | None = None  # the counts of records the worker was not given
-        self.lost_total = 0
+        self.drops = drops                     # the recording's, shared with the step buffer
+        self._carry: tuple[list[str], int] | None = None   # new names and passes outside of
+                                               # records the worker was not given
         self._told: set[str] = set()
         self._error: BaseException | None = None
         self._sent_step: int | None = None
@@ -273,32 +286,35 @@ class Writer:
                              stall=config.close_timeout, progress=lambda: store.pool.progress)
 
     # --- training-thread side ------------------------------------------------------------
-    def put(self, record: StepRecord) -> None:
-        """Hand a step record to the worker (waiting while it is busy and making
+    def put(self, record: StepRecord | CloseRecord) -> None:
+        """Hand a record to the worker (waiting while it is busy and making
         progress); if it cannot take it, the record's captures are counted as
-        dropped, with the reason, and ``tell`` says so once."""
+        dropped, with the reason, in the ledger, the record's own counts go back
+        there, its new names and passes outside travel with the next record, and
+        ``tell`` says so once."""
         if self._carry is not None:      # what records not handed over had: it travels on
-            for reason, n in self._carry.drops.items():
-                record.drops[reason] = record.drops.get(reason, 0) + n
-            record.layers[:0] = self._carry.layers
-            record.outside += self._carry.outside
+            layers, outside = self._carry
+            record.layers[:0] = layers
+            record.outside += outside
         why = self.worker.send(record, record.nbytes)
         if why is None:
             self._carry = None
-            if record.step >= 0:
+            if isinstance(record, StepRecord):
                 self._sent_step = record.step
+            return
+        self._carry = (record.layers, record.outside)
+        self.drops.restore(record.drops)
+        if isinstance(record, CloseRecord):
+            self.drops.drop(why, 0)
+            what = "what was counted since the last step is"
         else:
-            n = len(record.metas)
             for row in record.tensors:
                 row.snap.release()
-            record.drops[why] = record.drops.get(why, 0) + n
-            self._carry = StepRecord(record.step, layers=record.layers, drops=record.drops,
-                                     outside=record.outside)
-            self.lost_total += n
-            self._notice(Notice(why, f"tensortape: {why}; the captures of step {record.step} and "
-                                     f"of later steps while it stays so are dropped and counted "
-                                     f"in the run's 'dropped'; training goes on",
-                                RecorderError(why) if self.config.on_error == "raise" else None))
+            self.drops.drop(why, len(record.metas))
+            what = f"the captures of step {record.step} and of later steps while it stays so are"
+        self._notice(Notice(why, f"tensortape: {why}; {what} dropped and counted in the run's "
+                                 f"'dropped'; training goes on",
+                            RecorderError(why) if self.config.on_error == "raise" else None))
 
     def flush(self) -> None:
         """Wait until everything put is written and committed (at most
@@ -321,7 +337,7 @@ class Writer:
             self._give_up(deadline)
         self.tell()
 
-    def post_nowait(self, record: StepRecord) -> None:
+    def post_nowait(self, record: StepRecord | CloseRecord) -> None:
         """From a finaliser: hand over a record without a lock or a wait."""
         self.worker.post_nowait(record)
 
