@@ -72,6 +72,7 @@ import weakref
 from ._heartbeat import Keeper
 from ._holder import Held, claim_doc, new_claim, refusal
 from ._lock import lock_for
+from ._root import check_mode
 from .errors import StoreExistsError
 
 __all__ = ["Claim"]
@@ -102,7 +103,6 @@ class Claim:
         location = os.fspath(location)
         if rank != 0:
             return cls(location)
-        from ._root import check_mode
         check_mode(location, mode)         # what is there allows the mode: before creating
         lock = lock_for(location)
         info = new_claim(mode, world)
