@@ -236,7 +236,7 @@ def test_a_hung_store_never_hangs_training_nor_close(tmp_path):
                         model(torch.randn(64, 16)).square().mean().backward()
             took = time.monotonic() - start
         release.set()
-    assert took < 20, took
+    assert took < 60, took                       # a hang never ends; 100 steps take seconds
     messages = [str(w.message) for w in told]
     assert any("made no progress" in m for m in messages), messages
     assert any("close_timeout=1 s" in m and "not stored" in m for m in messages), messages
