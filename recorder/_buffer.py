@@ -64,24 +64,28 @@ class StepBuffer:
         self._warned: set[str] = set()
         # the Sink's questions about the step, answered by the state itself (no extra call)
         self.current_token = self.state.current_token
-        self.eval_pass = self.state.eval_pass
+        self.micro = 0              # the Sink's: the state's, copied at each pass (read per capture)
 
     # --- the step ------------------------------------------------------------------------
-    @property
-    def micro(self) -> int:
-        """The open step's current micro-batch (the Sink's)."""
-        return self.state.micro
-
     def begin(self, step: int) -> None:
         self.state.begin(step)
+        self.micro = self.state.micro
         self._captures = []
         self.tell()                             # what the last end() held, if not told yet
 
-    # --- the hooks' side (the Sink: also ``current_token`` and ``eval_pass``, above) -------
+    # --- the hooks' side (the Sink: also ``current_token`` and ``micro``, above) ----------
+    def eval_pass(self) -> bool:
+        """A forward pass without grad inside the step (``StepState.eval_pass``)."""
+        evaluating = self.state.eval_pass()
+        self.micro = self.state.micro
+        return evaluating
+
     def begin_pass(self) -> None:
         """The recorded model's forward begins (``StepState.begin_pass``); outside
         any step, ``outside_step`` says what to do."""
-        if not self.state.begin_pass():
+        outside = self.state.begin_pass()
+        self.micro = self.state.micro
+        if not outside:
             return
         policy = self.config.outside_step
         if policy == "raise":

@@ -38,7 +38,7 @@ import torch
 
 from ._engine import Engine, registered
 from ._quiet import quiet, warn
-from ._summary import Form, Summaries, empty_summary, exp_bits_of, finalize, form, prepared
+from ._summary import Form, Summaries, empty_summary, finalize, form, prepared
 from .errors import ConfigError
 
 __all__ = ["ORDER", "CpuEngine", "DeviceEngine", "Engines", "engine_choice", "summarize"]
@@ -218,7 +218,7 @@ class Engines:
 def summarize(x: torch.Tensor, compile: bool | None = None) -> Summaries:
     """Statistics and histogram of one tensor, on the host (one sync)."""
     x = x.detach()
-    f = form(exp_bits_of(x), x.numel(), stats=True, batched=False)
+    f = form(x, stats=True, batched=False)[0]
     if f is Form.COUNT:
         return finalize([], [float(x.numel())])
     vec = empty_summary() if f is Form.EMPTY else \

@@ -35,7 +35,7 @@ from ._drops import DropLedger
 from ._engines import Engines
 from ._record import Block, Meta, Packed, Plan
 from ._snapshot import Snapshot, Stager, unstorable
-from ._summary import Form, Holds, empty_summary, exp_bits_of, form, prepared, widened
+from ._summary import Form, Holds, empty_summary, form, prepared, widened
 from .errors import TensortapeWarning
 
 __all__ = ["Capture", "EngineFailed", "Summarizer"]
@@ -96,9 +96,16 @@ class Summarizer:
     def take(self, kind: str, name: str, micro: int, tensor: torch.Tensor, plan: Plan) -> Capture:
         """The capture of a detached ``tensor`` (its ``order`` is set by the caller).
         Raises ``EngineFailed`` when the engine fails."""
-        snap = self._snapshot(tensor) if plan.keep else None
-        exp_bits, numel = exp_bits_of(tensor), tensor.numel()
-        f = form(exp_bits, numel, plan.stats)
+        snap = None
+        if plan.keep:                           # its full tensor (inline: once per capture)
+            reason = unstorable(tensor)
+            if reason is None:
+                snap = self.stager.take(tensor, self.config.max_samples, self.config.tensor_dtype)
+                if isinstance(snap, str):       # a cap: the reason none was taken
+                    reason, snap = snap, None
+            if reason is not None:
+                self.ledger.drop(reason)
+        f, exp_bits, numel = form(tensor, plan.stats)
         vec = None
         if f is _SMALL:
             vec = widened(tensor).clone()
@@ -116,18 +123,6 @@ class Summarizer:
             except Exception as e:
                 raise EngineFailed(e, tensor) from e
         return Capture(0, kind, name, micro, exp_bits, numel, f, vec, snap)
-
-    def _snapshot(self, tensor: torch.Tensor) -> Snapshot | None:
-        """The full tensor, or None (counted with its reason)."""
-        reason = unstorable(tensor)
-        if reason is None:
-            cfg = self.config
-            snap = self.stager.take(tensor, cfg.max_samples, cfg.tensor_dtype)
-            if not isinstance(snap, str):
-                return snap
-            reason = snap
-        self.ledger.drop(reason)
-        return None
 
     def demote(self, tensor: torch.Tensor) -> str:
         """After ``EngineFailed`` on ``tensor``: its (device type, dtype) moves to the

@@ -80,24 +80,31 @@ class Form(enum.Enum):
     SUMMARY = "summary"          # an engine's summary vector (``Holds.SUMMARY``)
     NONFINITE = "nonfinite"      # an engine's NaN/Inf counts (``Holds.NONFINITE``)
 
+    __hash__ = object.__hash__   # members are singletons: hashed in C (a key per capture)
+
 
 # the members as module constants: an Enum attribute costs a lookup per capture
 _COUNT, _EMPTY, _SMALL, _SUMMARY, _NONFINITE = (Form.COUNT, Form.EMPTY, Form.SMALL, Form.SUMMARY,
                                                 Form.NONFINITE)
 
 
-def form(exp_bits: int, numel: int, stats: bool, batched: bool = True) -> Form:
-    """What form the summary of a tensor takes, from its code width (``exp_bits_of``)
-    and element count: statistics (``stats``), or at a step without them the exact
-    NaN/Inf counts; tiny float tensors wait for the step's batch (``batched``: a
-    kernel call on them costs more than the work)."""
+def form(x: torch.Tensor, stats: bool, batched: bool = True) -> tuple[Form, int, int]:
+    """What form the summary of ``x`` takes, and what decided it: its code width
+    (``exp_bits_of``) and element count.  Statistics (``stats``), or at a step
+    without them the exact NaN/Inf counts; tiny float tensors wait for the step's
+    batch (``batched``: a kernel call on them costs more than the work).  One call
+    a capture: the hot path."""
+    exp_bits = _EXP_BITS.get(x.dtype)
+    if exp_bits is None:
+        exp_bits = exp_bits_of(x)
+    numel = x.numel()
     if not exp_bits:
-        return _COUNT
+        return _COUNT, 0, numel
     if not numel:
-        return _EMPTY if stats else _COUNT
+        return (_EMPTY if stats else _COUNT), exp_bits, 0
     if not stats:
-        return _NONFINITE
-    return _SMALL if batched and numel < SMALL else _SUMMARY
+        return _NONFINITE, exp_bits, numel
+    return (_SMALL if batched and numel < SMALL else _SUMMARY), exp_bits, numel
 
 
 def prepared(x: torch.Tensor) -> torch.Tensor:
