@@ -12,15 +12,24 @@ every capture as the SPEC defines it, and computes from them:
 - ``events()``: one per capture holding NaN/Inf, ordered by step, forward before
   backward, then execution order;
 - ``tensors()``: the full tensors a store must hold, by (kind, name, step, micro),
-  after ``tensors_every``, the ring and ``on_nonfinite="dump"``;
+  after ``tensors_every``, the ring and ``on_nonfinite="dump"``; ``written()``:
+  all of them in the order the store is handed them (a table's first row sets
+  its dtype);
 - ``dropped``: gradients that arrived after their step ended;
 - ``outside``: forward passes of the root outside a step, and evaluation
   passes (the root called under ``no_grad``/``inference_mode``) inside one:
   neither is recorded.  A step whose passes all ran without grad (inference)
   records them as micro-batches.
 
-A leaf output (a module returning its own parameter) gets a gradient hook that
-takes the first gradient after its call only, and is removed when its step ends.
+A leaf output (a module returning its own parameter) gets a gradient hook, for a
+call with grad only, that takes the first gradient after its call, and is removed
+when its step ends.
+
+``resume()`` is a recorder closed and another opened on the same store
+(``mode="a"``): gradients of the closed one's captures are nobody's (not stored,
+not dropped), the ring starts empty, and a step begun again replaces its earlier
+recording whole (every micro-batch, its events and full tensors), while what an
+earlier recording dumped of other steps stays.
 """
 from __future__ import annotations
 
@@ -112,8 +121,10 @@ class Oracle:
         self.micro = 0
         self.calls = collections.Counter()
         self.weighed = set()
-        self.caps = []             # dicts: step, micro, kind, name, tensor (a copy), seq
-        self.steps = []            # every step begun, in order
+        self.caps = []             # dicts: step, micro, kind, name, tensor (a copy), seq, session
+        self.steps = []            # (session, step) of every step begun, in order; None: resumed
+        self.session = 0           # recorders closed and re-opened (resume)
+        self.latest = {}           # step -> the session of its latest recording
         self.dropped = 0
         self.outside = 0
         self.evaluating = False             # the root's call under no_grad, inside a step
@@ -129,7 +140,8 @@ class Oracle:
         self.step, self.micro, self.calls = step, -1, collections.Counter()
         self.trained, self.untrained = False, 0
         self.weighed = set()
-        self.steps.append(step)
+        self.steps.append((self.session, step))
+        self.latest[step] = self.session
 
     def end(self):
         n = self.untrained
@@ -137,11 +149,12 @@ class Oracle:
             self.outside += n
             kept = []
             for c in self.caps:
-                if c["step"] == self.step and c["kind"] != "weights":
+                mine = (c["session"], c["step"]) == (self.session, self.step)
+                if mine and c["kind"] != "weights":
                     if c["micro"] < n:
                         continue
                     c["micro"] -= n
-                elif c["step"] == self.step:
+                elif mine:
                     c["micro"] = max(c["micro"] - n, 0)
                 kept.append(c)
             self.caps = kept
@@ -152,6 +165,12 @@ class Oracle:
                         self._add("weight_grads", f"{self.label(name)}:{pname}", p.grad, self.step, 0)
         self.step = None
         self._drop_leaf_hooks()
+
+    def resume(self):
+        """The recorder was closed, and a new one opened on the store (``mode="a"``)."""
+        assert self.step is None
+        self.session += 1
+        self.steps.append(None)
 
     def _drop_leaf_hooks(self):
         for h in self.leaf_handles:
@@ -228,21 +247,25 @@ class Oracle:
                 full = f"{call}:{path}" if path else call
                 if "activations" in self.capture:
                     self._add("activations", full, t, self.step, self.micro)
+                step, micro, session = self.step, self.micro, self.session
                 if "gradients" in self.capture and t.requires_grad and t.grad_fn is None:
-                    step, micro, seen = self.step, self.micro, []    # a leaf: once, this step
+                    if not torch.is_grad_enabled():     # a call without grad has no gradient
+                        continue
+                    seen = []                           # a leaf: once, this step
 
-                    def once(g, full=full, step=step, micro=micro, seen=seen):
+                    def once(g, full=full, step=step, micro=micro, session=session, seen=seen):
                         if not seen:
                             seen.append(1)
-                            self._gradient(full, g, step, micro)
+                            self._gradient(full, g, step, micro, session)
                     self.leaf_handles.append(t.register_hook(once))
                 elif "gradients" in self.capture and t.requires_grad:
-                    step, micro = self.step, self.micro
-                    t.register_hook(lambda g, full=full, step=step, micro=micro:
-                                    self._gradient(full, g, step, micro))
+                    t.register_hook(lambda g, full=full, step=step, micro=micro, session=session:
+                                    self._gradient(full, g, step, micro, session))
         return hook
 
-    def _gradient(self, name, g, step, micro):
+    def _gradient(self, name, g, step, micro, session):
+        if session != self.session:            # its recorder is closed: nobody's
+            return
         if self.step != step:                  # after its step ended (or in another)
             self.dropped += 1
             return
@@ -252,7 +275,7 @@ class Oracle:
 
     def _add(self, kind, name, t, step, micro):
         self.caps.append(dict(step=step, micro=micro, kind=kind, name=name,
-                              tensor=t.detach().clone(),
+                              tensor=t.detach().clone(), session=self.session,
                               seq=self.caps[-1]["seq"] + 1 if self.caps else 0))
 
     def close(self):
@@ -264,12 +287,21 @@ class Oracle:
     def names(self):
         return list(dict.fromkeys(c["name"] for c in self.caps))
 
+    def live(self):
+        """The captures of each step's latest recording."""
+        return [c for c in self.caps if self.latest[c["step"]] == c["session"]]
+
     def _of(self, step, kind, name):
-        return [c for c in self.caps if (c["step"], c["kind"], c["name"]) == (step, kind, name)]
+        return [c for c in self.live() if (c["step"], c["kind"], c["name"]) == (step, kind, name)]
+
+    def stat_names(self, kind):
+        """The names with statistics of ``kind`` at some step, in any recording (a step
+        recorded again keeps the layers of the older one, absent there)."""
+        return {c["name"] for c in self.caps if c["kind"] == kind and c["step"] % self.stats_every == 0}
 
     def keys(self):
         """(step, kind, name) of every step's statistics (steps with statistics)."""
-        return list(dict.fromkeys((c["step"], c["kind"], c["name"]) for c in self.caps
+        return list(dict.fromkeys((c["step"], c["kind"], c["name"]) for c in self.live()
                                   if c["step"] % self.stats_every == 0))
 
     def stats(self, step, kind, name):
@@ -279,31 +311,50 @@ class Oracle:
         parts = [c["tensor"] for c in self._of(step, kind, name) if c["tensor"].is_floating_point()]
         return histogram(np.concatenate([values(p) for p in parts])) if parts else None
 
+    @staticmethod
+    def _nonfinite(c):
+        v = values(c["tensor"])
+        if v is None:
+            return (0, 0, 0)
+        return (int(np.isnan(v).sum()), int((v == np.inf).sum()), int((v == -np.inf).sum()))
+
     def events(self):
         out = []
-        for c in self.caps:
-            v = values(c["tensor"])
-            if v is None:
-                continue
-            bad = (int(np.isnan(v).sum()), int((v == np.inf).sum()), int((v == -np.inf).sum()))
+        for c in self.live():
+            bad = self._nonfinite(c)
             if any(bad):
                 out.append((c["step"], c["kind"] in BACKWARD, c["seq"],
                             (c["step"], c["name"], c["kind"], c["micro"], *bad)))
         return [e[-1] for e in sorted(out)]
 
     def tensors(self):
-        """(kind, name, step, micro) -> tensor, of the steps whose full tensors are stored."""
-        bad_steps = {e[0] for e in self.events()}
-        stored, ring = set(), collections.deque(maxlen=self.ring or None)
+        """(kind, name, step, micro) -> tensor, of the steps whose full tensors are stored
+        (each step's latest recording)."""
+        return {key: t for key, t, live in self.written() if live}
+
+    def written(self):
+        """The full-tensor rows a store is handed, in the order it gets them, as
+        ``(kind, name, step, micro), tensor, live`` (``live``: of its step's latest
+        recording): a step's rows when it ends if persisted, or, when a step with a
+        NaN/Inf dumps, the ring's steps first, then its own; within a step forward
+        kinds before gradients, each in capture order."""
+        bad_steps = {(c["session"], c["step"]) for c in self.caps if any(self._nonfinite(c))}
+        order, ring = [], collections.deque(maxlen=self.ring or None)
         for s in self.steps:
-            persist = self.tensors_every is not None and s % self.tensors_every == 0
+            if s is None:                      # resumed: a new recorder's ring is empty
+                ring = collections.deque(maxlen=self.ring or None)
+                continue
+            persist = self.tensors_every is not None and s[1] % self.tensors_every == 0
             dump = s in bad_steps and self.on_nonfinite in ("dump", "raise")
             if dump:
-                stored.update(r for r in ring if r is not None)
+                order.extend(r for r in ring if r is not None)
                 ring = collections.deque((None for _ in ring), maxlen=ring.maxlen)
             if persist or dump:
-                stored.add(s)
+                order.append(s)
             if self.ring:
                 ring.append(None if (persist or dump) else s)
-        return {(c["kind"], c["name"], c["step"], c["micro"]): c["tensor"] for c in self.caps
-                if c["step"] in stored}
+        rank = {s: i for i, s in enumerate(order)}
+        rows = sorted((c for c in self.caps if (c["session"], c["step"]) in rank),
+                      key=lambda c: (rank[c["session"], c["step"]], c["kind"] in BACKWARD, c["seq"]))
+        return [((c["kind"], c["name"], c["step"], c["micro"]), c["tensor"],
+                 self.latest[c["step"]] == c["session"]) for c in rows]
