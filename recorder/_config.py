@@ -51,7 +51,7 @@ class RecorderConfig:
     max_replay_bytes: int = 1 << 30
     compression: str | int | None = "auto"
     outside_step: str = "warn"
-    max_bytes: int | None = None
+    max_bytes: int | str | None = "auto"         # "auto": resolved by ``_budget`` at the start
     on_error: str = "warn"
     close_timeout: float = 60.0
 
@@ -60,7 +60,7 @@ class RecorderConfig:
               ring=0, on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
               flush_interval=5.0, max_pending_bytes=1 << 30, max_device_bytes=1 << 30,
               max_pinned_bytes=2 << 30, max_replay_bytes=1 << 30, compression="auto",
-              outside_step="warn", max_bytes=None, on_error="warn",
+              outside_step="warn", max_bytes="auto", on_error="warn",
               close_timeout=60.0) -> "RecorderConfig":
         if isinstance(capture, str):
             capture = (capture,)
@@ -95,7 +95,12 @@ class RecorderConfig:
             raise ConfigError(f"compression={compression!r} is not valid; use 'auto', None, or a "
                               f"zstd level from {ZSTD_LEVELS[0]} to {ZSTD_LEVELS[-1]}")
         _choice("outside_step", outside_step, OUTSIDE_POLICIES)
-        _every("max_bytes", max_bytes, allow_none=True)
+        if max_bytes != "auto":
+            try:
+                _every("max_bytes", max_bytes, allow_none=True)
+            except ConfigError:
+                raise ConfigError(f"max_bytes={max_bytes!r} is not valid; use 'auto' (a share of "
+                                  f"the free space), a number of bytes, or None (no budget)") from None
         _choice("on_error", on_error, ERROR_POLICIES)
         if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) \
                 or not close_timeout > 0:

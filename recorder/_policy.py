@@ -7,8 +7,12 @@ A pure policy: no threads, no store, no warnings issued (it returns them as
 - ``ring``: the full tensors of the last ``ring`` steps not stored are held.
 - A non-finite value under ``dump``/``raise``/``replay`` stores the ring's steps
   and the step's own (the ring is then emptied: each tensor is stored once).
-- ``max_bytes``: past that many bytes of full tensors in all, rows are counted
-  (``over``) instead of stored.
+- ``max_bytes`` (resolved to bytes, ``_budget``): past that many bytes of full
+  tensors in all, the rows a step persists are counted (``over``) instead of
+  stored.  A non-finite dump is always stored (it is what the budget keeps room
+  for), and counts towards the budget.  At the first persisted step, one notice
+  projects the size per 100 steps when the budget would be reached within
+  ``SOON`` steps (or, with no budget, when that size passes ``GUARD_BYTES_PER_100``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from ._worker import Notice
 
 __all__ = ["Choice", "TensorPolicy"]
 
-GUARD_BYTES_PER_100 = 1 << 30  # warn when full tensors would pass this every 100 steps
+GUARD_BYTES_PER_100 = 1 << 30  # no budget: warn when full tensors would pass this every 100 steps
+SOON = 1000                    # a budget: warn when it would be reached within this many steps
 DUMPING = ("dump", "raise", "replay")
 
 
@@ -40,8 +45,11 @@ class Choice:
 class TensorPolicy:
     def __init__(self, config: RecorderConfig, stored_bytes: int = 0):
         self.config = config
+        # max_bytes as the Recorder resolved it (``_budget``; None: no budget)
+        self.limit = config.max_bytes if isinstance(config.max_bytes, int) else None
         self.used = stored_bytes                 # bytes of full tensors stored, for max_bytes
         self.estimated = stored_bytes > 0
+        self.spent = False                       # the budget's notice was given
         # the full tensors of the steps before (None: already stored), dumped on a NaN/Inf
         self.ring: collections.deque = collections.deque(maxlen=config.ring or None)
 
@@ -57,49 +65,74 @@ class TensorPolicy:
             out.tensors = [(s, r) for s, r in self.ring if r]
             self.ring = collections.deque(((s, None) for s, _ in self.ring), maxlen=self.ring.maxlen)
         stored = plan.persist or dump
+        if plan.persist and rows and not self.estimated:
+            self.estimated = True
+            out.notices.extend(self._estimate(rows))
+        left = []                               # rows past the budget
         if stored and rows:
-            out.tensors.append((step, rows))
-            if plan.persist and not self.estimated:
-                self.estimated = True
-                out.notices.extend(self._estimate(rows))
-        if cfg.ring:
-            if not stored:
-                for row in rows:                 # the ring lives in ordinary host memory
-                    row.snap.unpin()
-            self.ring.append((step, None if stored else rows))
-        if cfg.max_bytes is not None:
-            self._within_budget(out)
+            if plan.persist and not dump and self.limit is not None:
+                left = self._within_budget(out, step, rows)
+            else:
+                out.tensors.append((step, rows))
+        if dump and self.limit is not None:     # a dump is always stored, and counted
+            self.used += sum(r.snap.nbytes for _, done in out.tensors for r in done)
+        if cfg.ring:                            # past the budget, a dump may still store them
+            held = left if stored else rows
+            for row in held:                     # the ring lives in ordinary host memory
+                row.snap.unpin()
+            self.ring.append((step, held or None))
+        else:
+            for row in left:
+                row.snap.release()
         return out
 
     def _estimate(self, rows: list) -> list[Notice]:
-        """At the first persisted step: a notice if full tensors would fill disks."""
+        """At the first persisted step: a notice if full tensors would soon reach the
+        budget (or, with none, fill disks)."""
         cfg = self.config
         nbytes = sum(r.snap.nbytes for r in rows)
-        per_100 = nbytes * 100 / (cfg.tensors_every or 1)
-        if per_100 <= GUARD_BYTES_PER_100 or cfg.max_bytes is not None:
+        every = cfg.tensors_every or 1
+        per_100 = nbytes * 100 / every
+        size = (f"tensortape: full tensors take {_size(nbytes)} a step here, "
+                f"{_size(per_100)} every 100 steps")
+        fewer = (f"record fewer with tensors_every= (now {cfg.tensors_every}), layers= or "
+                 f"max_samples=")
+        if self.limit is None:
+            if per_100 <= GUARD_BYTES_PER_100:
+                return []
+            return [Notice("estimate", f"{size}; {fewer}, or cap them with max_bytes= "
+                                       f"(statistics are kept whatever you choose)")]
+        left = self.limit - self.used
+        steps = int(max(left, 0) // nbytes) * every if nbytes else None
+        if steps is None or steps >= SOON:
             return []
         return [Notice("estimate", (
-            f"tensortape: full tensors take {nbytes / 1e6:.0f} MB a step here, "
-            f"{per_100 / 1e9:.1f} GB every 100 steps; record fewer with tensors_every= "
-            f"(now {cfg.tensors_every}), layers= or max_samples=, or cap them with "
-            f"max_bytes= (statistics are kept whatever you choose)"))]
+            f"{size}: max_bytes={self.limit} is reached in about {steps} "
+            f"step{'' if steps == 1 else 's'}, and then only "
+            f"statistics, histograms and the non-finite dump are stored; {fewer}, or raise "
+            f"max_bytes= (None: no budget)"))]
 
-    def _within_budget(self, out: Choice) -> None:
-        limit = self.config.max_bytes
-        kept = []
-        for step, rows in out.tensors:
-            mine = []
-            for row in rows:
-                if self.used + row.snap.nbytes <= limit:
-                    self.used += row.snap.nbytes
-                    mine.append(row)
-                    continue
-                out.over += 1
-                row.snap.release()
-                if not any(n.key == "budget" for n in out.notices):
-                    out.notices.append(Notice("budget", (
-                        f"tensortape: max_bytes={limit} of full tensors reached at step {step}; "
-                        f"from now on only statistics are recorded (tensors not stored are "
-                        f"counted)")))
-            kept.append((step, mine))
-        out.tensors = kept
+    def _within_budget(self, out: Choice, step: int, rows: list) -> list:
+        """The rows ``step`` persists, as far as the budget goes; the rest counted
+        (``over``) and returned."""
+        mine, left = [], []
+        for row in rows:
+            if self.used + row.snap.nbytes <= self.limit:
+                self.used += row.snap.nbytes
+                mine.append(row)
+                continue
+            out.over += 1
+            left.append(row)
+            if not self.spent:
+                self.spent = True
+                out.notices.append(Notice("budget", (
+                    f"tensortape: max_bytes={self.limit} of full tensors reached at step {step}; "
+                    f"from now on only statistics, histograms and the non-finite dump are "
+                    f"stored (tensors not stored are counted in over_budget)")))
+        if mine:
+            out.tensors.append((step, mine))
+        return left
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"

@@ -32,6 +32,7 @@ from ._engines import engine_choice
 from ._quiet import quiet, warn
 from ._hooks import HookSet
 from ._selection import select_layers, unwrap
+from ._budget import resolve as resolve_budget
 from ._buffer import StepBuffer
 from ._drops import DropLedger
 from ._claim import Claim
@@ -148,8 +149,11 @@ class Recorder:
     metadata: a JSON-able dict saved with the run.
     outside_step: a forward outside any step: ``"warn"`` once, ``"ignore"``, or
         ``"raise"`` (``InspectionError``); it is counted, never recorded.
-    max_bytes: store full tensors only up to this many bytes in all (then
-        counted in ``over_budget``; statistics go on).
+    max_bytes: a budget for full tensors on disk, in bytes.  ``"auto"`` (the
+        default): a tenth of the free space where the store is, at most 10 GB,
+        printed when recording starts; ``None``: no budget.  Past it, the full
+        tensors a step persists are counted in ``over_budget`` instead; statistics,
+        histograms and the non-finite dump go on every step.
     flush_interval: seconds between commits (a crash loses at most this much).
     max_pending_bytes: snapshot bytes queued for the writer before the training
         thread waits (nothing is dropped).
@@ -179,7 +183,7 @@ class Recorder:
     def __init__(self, model: nn.Module, store, *, layers="*",
                  capture=("activations", "gradients"), tensors_every=1, stats_every=1, ring=0,
                  on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
-                 metadata=None, outside_step="warn", max_bytes=None, flush_interval=5.0,
+                 metadata=None, outside_step="warn", max_bytes="auto", flush_interval=5.0,
                  max_pending_bytes=1 << 30, max_device_bytes=1 << 30, max_pinned_bytes=2 << 30,
                  max_replay_bytes=1 << 30, compression="auto", on_error="warn",
                  close_timeout=60.0):
@@ -228,7 +232,11 @@ class Recorder:
             raise InspectionError("this Recorder is closed; create a new one to record again")
         if self._writer is not None:
             return self
-        cfg = self.config
+        budget = resolve_budget(self.config.max_bytes, self.store_location,
+                                self.config.tensors_every is not None or self.config.ring > 0)
+        self.config = cfg = dataclasses.replace(self.config, max_bytes=budget.limit)
+        if budget.text and self.rank == 0:        # a line, not a warning (-W error)
+            print(budget.text, file=sys.stderr)
         root, error = None, None
         fresh = dict(tensortape_format=fmt.FORMAT_VERSION, status=fmt.STATUS_RECORDING,
                      torch_version=torch.__version__, model_class=self._model_class,

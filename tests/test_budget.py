@@ -1,0 +1,109 @@
+"""A default that cannot fill a disk: ``max_bytes="auto"`` and what a budget keeps.
+
+The budget is checked against numbers computed here: the disk's free space from
+``shutil.disk_usage`` and the bytes of the tensors the model makes, read back
+through ``open_run``.
+"""
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from analysis import open_run
+from recorder import Recorder, TensortapeWarning
+
+WIDE = 256                                       # a Linear(16, 256) output at batch 32
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, WIDE))
+
+
+def _batch(i):
+    return torch.randn(32, 16, generator=torch.Generator().manual_seed(i))
+
+
+def _row():
+    return 32 * WIDE * 4                          # bytes of one output (or its gradient)
+
+
+def test_the_default_budget_is_a_tenth_of_the_free_space_and_is_printed(tmp_path, capfd):
+    path = str(tmp_path / "run.zarr")
+    want = min(shutil.disk_usage(tmp_path).free // 10, 10 * 10**9)
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")            # a default run warns nothing (-W error)
+        with Recorder(model, path) as rec:
+            with rec.step(0):
+                model(_batch(0)).sum().backward()
+    err = capfd.readouterr().err
+    assert "max_bytes='auto'" in err and path in err
+    stored = open_run(path).attrs["config"]["max_bytes"]
+    assert abs(stored - want) <= 10**8            # the free space moves a little while it runs
+    assert f"{stored / 1e9:.1f} GB" in err or f"{stored / 1e6:.0f} MB" in err
+
+
+def test_an_explicit_budget_prints_nothing(tmp_path, capfd):
+    model = _model()
+    with Recorder(model, str(tmp_path / "run.zarr"), max_bytes=None) as rec:
+        with rec.step(0):
+            model(_batch(0)).sum().backward()
+    assert "max_bytes" not in capfd.readouterr().err
+
+
+def test_a_small_disk_gets_a_small_budget_statistics_go_on(tmp_path, monkeypatch):
+    """A disk with 20 rows free: 2 rows of budget, so step 0's two tensors only."""
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=20 * _row()))
+    path = str(tmp_path / "run.zarr")
+    model = _model()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Recorder(model, path, layers="0") as rec:
+            for i in range(5):
+                with rec.step(i):
+                    model(_batch(i)).sum().backward()
+    run = open_run(path)
+    assert run.steps().tolist() == [0, 1, 2, 3, 4]                  # statistics every step
+    assert run.steps(tensors=True, layer="0").tolist() == [0]
+    assert run.steps("gradients", tensors=True, layer="0").tolist() == [0]
+    assert run.attrs["over_budget"] == 8                            # 4 steps x 2 tensors
+    budget = [str(w.message) for w in seen if "max_bytes=" in str(w.message)]
+    assert len(budget) == 2, budget        # the projection, then the budget reached: once each
+    assert "reached in about 2 steps" in budget[0] or "reached in about 1 step," in budget[0]
+    assert "every 100 steps" in budget[0]
+    assert "reached at step 1" in budget[1]
+
+
+@pytest.mark.parametrize("nan_at", [3, 6])
+def test_past_the_budget_the_nonfinite_dump_still_stores_the_ring(tmp_path, nan_at):
+    path = str(tmp_path / "run.zarr")
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Recorder(model, path, layers="0", capture="activations", ring=2,
+                      on_nonfinite="dump", max_bytes=2 * _row()) as rec:
+            for i in range(8):
+                x = _batch(i)
+                if i == nan_at:
+                    x[0, 0] = float("nan")
+                with rec.step(i):
+                    model(x).sum().backward()
+    run = open_run(path)
+    # the budget holds steps 0 and 1; the dump stores the ring (the 2 steps before) and
+    # the NaN step itself, whatever the budget says
+    want = sorted({0, 1, nan_at - 2, nan_at - 1, nan_at})
+    assert run.steps(tensors=True, layer="0").tolist() == want
+    assert np.isnan(run.tensor("0", step=nan_at).values).sum() == WIDE    # the NaN row
+    # a tensor planned at its step but past the budget is counted (the NaN step's was
+    # dumped, not planned away)
+    assert run.attrs["over_budget"] == 8 - 2 - 1
+
+
+def test_a_bad_budget_is_one_line_naming_the_choices(tmp_path):
+    with pytest.raises(ValueError, match=r"max_bytes='lots' is not valid; use 'auto'"):
+        Recorder(_model(), str(tmp_path / "run.zarr"), max_bytes="lots")
