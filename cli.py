@@ -238,6 +238,27 @@ def demo(out, steps, diverge):
     _out(f"  tensortape stats {out} --layer 'encoder.*' --format csv")
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def _size(text: str, flag: str):
+    """``auto``, ``none`` or a size (``500MB``, ``2GiB``, ``1e9``) -> max_bytes."""
+    word = text.strip().upper()
+    if word in ("AUTO", "NONE"):
+        return word.lower() if word == "AUTO" else None
+    number = word.rstrip("KMGTIB ")
+    unit = word[len(number):].strip()
+    try:
+        n = int(float(number) * _UNITS[unit])
+        if n < 1:
+            raise ValueError
+    except (ValueError, KeyError):
+        raise click.BadParameter(f"{text!r} is not a size; use auto, none, or a size such as "
+                                 f"500MB or 2GB", param_hint=flag) from None
+    return n
+
+
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="the run to write")
 @click.option("--mode", type=click.Choice(["w-", "w", "a"]), default="w-", show_default=True,
@@ -259,12 +280,19 @@ def demo(out, steps, diverge):
               help="on a NaN/Inf: record the event; dump: also write the ring and the step's "
                    "full tensors; raise: dump, then stop training with NonFiniteError; replay: "
                    "dump, and name the op and the line that made it (tensortape nan shows it)")
+@click.option("--max-bytes", default="auto", show_default=True, metavar="SIZE",
+              help="budget for full tensors on disk: auto (a tenth of the free space, at most "
+                   "10 GB), none, or a size such as 500MB or 2GB; past it only statistics, "
+                   "histograms and the non-finite dump are stored")
+@click.option("--max-samples", type=click.IntRange(min=1), default=None,
+              help="full tensors keep only their first K entries along dim 0 (statistics "
+                   "still see the whole tensor)")
 @click.option("--keep-going", is_flag=True,
               help="when the run cannot be recorded (the store exists, a pattern matches "
                    "nothing), let the script train unrecorded instead of stopping it")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def record(out, mode, layers, capture, tensors_every, stats_every, ring, on_nonfinite,
-           keep_going, command):
+           max_bytes, max_samples, keep_going, command):
     """Record an unchanged training script: tensortape record -o RUN -- python train.py ARGS.
 
     The model is found at its first forward with grad enabled; a step is one optimizer
@@ -272,7 +300,8 @@ def record(out, mode, layers, capture, tensors_every, stats_every, ring, on_nonf
     when it cannot record."""
     from recorder._script import run_script
     kw = dict(layers=list(layers) or "*", stats_every=stats_every, ring=ring,
-              on_nonfinite=on_nonfinite, mode=mode,
+              on_nonfinite=on_nonfinite, mode=mode, max_samples=max_samples,
+              max_bytes=_size(max_bytes, "--max-bytes"),
               tensors_every=None if tensors_every == 0 else (tensors_every or 1))
     if capture:
         kw["capture"] = tuple(capture)

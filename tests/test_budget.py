@@ -4,7 +4,10 @@ The budget is checked against numbers computed here: the disk's free space from
 ``shutil.disk_usage`` and the bytes of the tensors the model makes, read back
 through ``open_run``.
 """
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -14,6 +17,7 @@ import torch
 from analysis import open_run
 from recorder import Recorder, TensortapeWarning
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDE = 256                                       # a Linear(16, 256) output at batch 32
 
 
@@ -107,3 +111,31 @@ def test_past_the_budget_the_nonfinite_dump_still_stores_the_ring(tmp_path, nan_
 def test_a_bad_budget_is_one_line_naming_the_choices(tmp_path):
     with pytest.raises(ValueError, match=r"max_bytes='lots' is not valid; use 'auto'"):
         Recorder(_model(), str(tmp_path / "run.zarr"), max_bytes="lots")
+
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "plain_train.py")
+
+
+def _record(tmp_path, *flags):
+    store = str(tmp_path / "run.zarr")
+    p = subprocess.run([sys.executable, "-m", "cli", "record", "-o", store, "--layers", "0",
+                        "--capture", "activations", *flags, "--", "python", SCRIPT, "4"],
+                       capture_output=True, text=True, cwd=ROOT)
+    return store, p
+
+
+def test_the_cli_takes_a_budget_and_a_sample_cap(tmp_path):
+    row = 16 * 4                                   # one sample of Linear(8, 16)'s output
+    store, p = _record(tmp_path, "--max-bytes", f"{row * 2 * 2}B", "--max-samples", "2")
+    assert p.returncode == 3, p.stderr             # the script's own status
+    run = open_run(store)
+    assert run.steps().tolist() == [0, 1, 2, 3]
+    assert run.steps(tensors=True, layer="0").tolist() == [0, 1]     # 2 steps of 2 samples
+    assert run.tensor("0", step=1).shape[-2:] == (2, 16)             # of the batch's 4
+    assert run.attrs["over_budget"] == 2
+
+
+def test_the_cli_refuses_a_size_it_cannot_read(tmp_path):
+    store, p = _record(tmp_path, "--max-bytes", "lots")
+    assert p.returncode == 2 and "--max-bytes" in p.stderr and "500MB" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
