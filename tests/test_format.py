@@ -26,6 +26,7 @@ from cli import cli
 from oracle import STATS, histogram, statistics
 from recorder import ConfigError, Recorder
 from recorder import format as fmt
+from recorder.histogram import NBINS
 
 
 def old_format(src: str, dst: str, version: int) -> str:
@@ -43,7 +44,7 @@ def old_format(src: str, dst: str, version: int) -> str:
         del g["stats"]
         for j, s in enumerate(g.attrs["stats"]):
             array(g, s, packed[:, :, j], (256, 64), np.nan, ["step", "layer"])
-        array(g, "hist", hist, (16, 8, fmt.NBINS), 0, ["step", "layer", "bin"])
+        array(g, "hist", hist, (16, 8, NBINS), 0, ["step", "layer", "bin"])
     if version == 1:
         for kind in root["rank0/tensors"].group_keys():
             for node in root[f"rank0/tensors/{kind}"].group_keys():
