@@ -146,6 +146,33 @@ def test_migrate_keeps_every_number_and_the_old_store(tmp_path, old):
     assert again.exit_code == 2 and "exists" in again.output
 
 
+def array_metadata(path):
+    """Each array's ``zarr.json`` under ``path`` (chunks, shards, codecs, fill value,
+    dimension names, attributes, shape) and each table group's attributes, by path."""
+    import json
+    out = {}
+    for d, _, files in os.walk(path):
+        rel = os.path.relpath(d, path)
+        if "zarr.json" in files and rel.split(os.sep)[1:2] in (["stats"], ["tensors"]):
+            with open(os.path.join(d, "zarr.json")) as f:
+                meta = json.load(f)
+            out[rel] = meta if meta["node_type"] == "array" else meta.get("attributes")
+    return out
+
+
+def test_migrate_lays_out_a_store_as_the_recorder_does(tmp_path, old, recorded):
+    """The copy of an old store has the arrays a recording makes (the layout has one
+    writer): every array's chunks, shards, codecs, fill value and attributes, and
+    every table's attributes, those of the format-3 recording the old store was made of."""
+    OLD, _ = old
+    new = str(tmp_path / "new.zarr")
+    out = CliRunner().invoke(cli, ["migrate", OLD, new])
+    assert out.exit_code == 0, out.output
+    want = array_metadata(recorded[0])
+    assert any(k.endswith("/data") for k in want) and any(k.endswith("/hist") for k in want)
+    assert array_metadata(new) == want
+
+
 def test_appending_needs_the_current_format(tmp_path, old):
     old, _ = old
     m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
