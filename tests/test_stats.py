@@ -6,7 +6,6 @@ from torch import nn
 
 from analysis import Inspector, open_run
 from recorder import NonFiniteError, Recorder
-from recorder import format as fmt
 from recorder.histogram import ZERO_BIN
 from conftest import record_shapes, transformer
 
