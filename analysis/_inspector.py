@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import xarray as xr
 
-from recorder import format as fmt
 from recorder.errors import ConfigError, LayerNotFoundError
+from recorder.histogram import bin_centers, bin_edges
+from recorder.patterns import closest
 
 __all__ = ["Inspector"]
 
@@ -77,7 +78,7 @@ class Inspector:
     def _capture(self, layer: str, what: str):
         if (layer, what) not in self._captures:
             names = sorted({n for n, k in self._captures if k == what})
-            shown = fmt.closest(layer, names) if names else "none yet (call run_inspection first)"
+            shown = closest(layer, names) if names else "none yet (call run_inspection first)"
             raise LayerNotFoundError(f"no {what} captured for layer {layer!r}; captured: {shown}")
         return self._captures[(layer, what)]
 
@@ -90,8 +91,8 @@ class Inspector:
         """The histogram of one capture in the shared bins: dims (bin,), coords
         ``bin_lo``/``bin_hi``, and the ``nan``/``posinf``/``neginf`` counts."""
         c = self._capture(layer, what)
-        lo, hi = fmt.bin_edges()
-        coords = {"bin": fmt.bin_centers(), "bin_lo": ("bin", lo), "bin_hi": ("bin", hi)}
+        lo, hi = bin_edges()
+        coords = {"bin": bin_centers(), "bin_lo": ("bin", lo), "bin_hi": ("bin", hi)}
         coords.update({k: int(c.stats[k]) for k in ("nan", "posinf", "neginf")})
         return xr.DataArray(c.hist, dims=("bin",), coords=coords, name=f"{layer} {what}",
                             attrs={"layer": layer, "kind": f"{what} (one batch)"})

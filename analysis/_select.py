@@ -7,8 +7,8 @@ import fnmatch
 
 import numpy as np
 
-from recorder import format as fmt
 from recorder.errors import ConfigError
+from recorder.patterns import closest, match_layers
 
 __all__ = ["columns_of", "missing", "steps_text", "within"]
 
@@ -46,7 +46,7 @@ def columns_of(names: list[str], layers, strict: bool = True) -> list[int]:
     if layers is None:
         return list(range(len(names)))
     if strict:
-        chosen = set(fmt.match_layers(names, layers, what="layer with statistics"))
+        chosen = set(match_layers(names, layers, what="layer with statistics"))
     else:
         patterns = [layers] if isinstance(layers, str) else list(layers)
         chosen = {n for n in names if any(n == p or fnmatch.fnmatchcase(n, p)
@@ -56,4 +56,4 @@ def columns_of(names: list[str], layers, strict: bool = True) -> list[int]:
 
 def missing(layer: str, names: list[str], what: str) -> str:
     """The words for a layer that has no ``what``: the closest names it has."""
-    return f"layer {layer!r} has no {what} in this run; closest: {fmt.closest(layer, names)}"
+    return f"layer {layer!r} has no {what} in this run; closest: {closest(layer, names)}"

@@ -8,6 +8,8 @@ import xarray as xr
 
 from recorder import format as fmt
 from recorder.errors import ConfigError, LayerNotFoundError
+from recorder.histogram import bin_centers, bin_edges
+from recorder.patterns import match_layers
 
 from ._index import RunIndex
 from ._select import columns_of, missing, steps_text
@@ -76,8 +78,8 @@ class Statistics:
             return self._across(rank, lambda r: self._stats(kind, layers, r), kind)
         # every pattern matches a layer of some rank; a rank is read where one does
         held = [r for r in ix.ranks if kind in ix.kinds_of(r)]
-        fmt.match_layers(list(dict.fromkeys(n for r in held for n in ix.stats_layers(kind, r))),
-                         layers, what="layer with statistics on any rank")
+        match_layers(list(dict.fromkeys(n for r in held for n in ix.stats_layers(kind, r))),
+                     layers, what="layer with statistics on any rank")
         return self._across(rank, lambda r: self._stats(kind, layers, r, strict=False), kind,
                             lambda r: bool(columns_of(ix.stats_layers(kind, r), layers,
                                                       strict=False)))
@@ -121,12 +123,12 @@ class Statistics:
             raise LayerNotFoundError(missing(layer, names, f"{kind} statistics"))
         i = names.index(layer)
         path, rows, steps = self.rows(kind, rank)
-        lo, hi = fmt.bin_edges()
+        lo, hi = bin_edges()
         hist = ix.tables.lazy(path + "/hist")[as_slice(rows), i]     # one indexing: one read
         absent = np.isnan(ix.tables.stat(path, "count", rows, i))    # the layer did not run
         hist = np.where(absent[:, None], -1, hist)
         out = xr.DataArray(hist, dims=("step", "bin"),
-                           coords={"step": steps, "bin": fmt.bin_centers(),
+                           coords={"step": steps, "bin": bin_centers(),
                                    "bin_lo": ("bin", lo), "bin_hi": ("bin", hi)},
                            name=f"{layer} {kind}", attrs={"layer": layer, "kind": kind})
         for s in ("nan", "posinf", "neginf"):

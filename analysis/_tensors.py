@@ -7,6 +7,7 @@ import numpy as np
 import xarray as xr
 
 from recorder import format as fmt
+from recorder.dtypes import decode_bits
 from recorder.errors import ConfigError, LayerNotFoundError
 
 from ._index import RunIndex
@@ -79,7 +80,7 @@ class Tensors:
         data = ix.tables.lazy(path + "/data")[:n][as_slice(rows)]
         logical = dict(ix.source.array(path + "/data").attrs).get(fmt.LOGICAL_ATTR)
         if logical in fmt.BITS_DTYPES:
-            data = data.map_blocks(fmt.decode_bits, logical, dtype=np.float32)
+            data = data.map_blocks(decode_bits, logical, dtype=np.float32)
         dims = ("step", *(f"dim_{i}" for i in range(data.ndim - 1)))
         extent = extent[:, : data.ndim - 1].astype(np.int64)
         coords = {"step": steps, **{f"extent_{d}": ("step", extent[:, j])

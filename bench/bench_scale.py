@@ -46,21 +46,26 @@ def _rows(rng, layers: int, nbins: int, base: np.ndarray, step: int) -> np.ndarr
 def write_rank(loc: str, rank: int, steps: int, layers: int, nan_rank: int,
                out: mp.Queue) -> None:
     from recorder import format as fmt
-    from recorder._store import RunStore, open_root
+    from recorder._root import open_root
+    from recorder._store import RunStore
+    try:
+        from recorder.histogram import NBINS
+    except ImportError:                    # a tree before format.py's split (bench/against.py)
+        NBINS = fmt.NBINS
     root = open_root(loc, "a", rank)
     store = RunStore(root, rank, "auto")
     state = fmt.RankState(rank=rank)
     names = [f"layers.{i}.mlp" for i in range(layers)]
     state.layers = list(names)
     rng = np.random.default_rng(rank)
-    base = rng.integers(100, fmt.NBINS - 100, size=layers)
+    base = rng.integers(100, NBINS - 100, size=layers)
     stats = {s: rng.standard_normal(layers) for s in fmt.STATS}
     tensor = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)
     import torch
     host = torch.from_numpy(tensor)
     spent = 0.0
     for step in range(steps):
-        hist = _rows(rng, layers, fmt.NBINS, base, step)
+        hist = _rows(rng, layers, NBINS, base, step)
         t0 = time.perf_counter()
         for kind in KINDS:
             path = fmt.stats_group(rank, kind)
@@ -92,7 +97,7 @@ def main():
     ap.add_argument("--out", default=None, help="folder for the store (default: a temporary one)")
     args = ap.parse_args()
     from recorder import format as fmt
-    from recorder._store import open_root
+    from recorder._root import open_root
     tmp = args.out or tempfile.mkdtemp(prefix="tt-scale-")
     loc = os.path.join(tmp, "run.zarr")
     shutil.rmtree(loc, ignore_errors=True)

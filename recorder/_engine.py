@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from . import format as fmt
+from . import histogram
 from ._quiet import quiet, warn
 from ._summary import (FIELDS, LANES, codes, exp_bits_of, lane_codes, nonfinite_counts,
                        reductions, segment_reductions)
@@ -108,23 +108,23 @@ class Engine:
         """The summary vector of a prepared, non-empty float tensor, on its device
         (``Holds.SUMMARY``); no sync."""
         exp_bits = exp_bits_of(x)              # its code width: 11 (float64) or 8
-        counts = self._bincount(self._run(lane_codes, x), LANES * fmt.code_width(exp_bits))
+        counts = self._bincount(self._run(lane_codes, x), LANES * histogram.code_width(exp_bits))
         return torch.cat([self._run(reductions, x), self.to_slots(counts, exp_bits)])
 
     def to_slots(self, code_counts: torch.Tensor, exp_bits: int) -> torch.Tensor:
         """Counts of codes (any number of lanes of ``code_width``, on a device) -> the
-        ``format.SLOTS`` counts of a summary vector, float64, on that device."""
+        ``histogram.SLOTS`` counts of a summary vector, float64, on that device."""
         table = self.slots(code_counts.device, exp_bits)
         lanes = code_counts.numel() // len(table)
-        out = torch.zeros(fmt.SLOTS, dtype=torch.float64, device=code_counts.device)
+        out = torch.zeros(histogram.SLOTS, dtype=torch.float64, device=code_counts.device)
         return out.index_add_(0, table.repeat(lanes), code_counts.reshape(-1).to(torch.float64))
 
     def slots(self, device: torch.device, exp_bits: int) -> torch.Tensor:
-        """``format.code_slots`` on ``device`` (kept: one copy to each device)."""
+        """``histogram.code_slots`` on ``device`` (kept: one copy to each device)."""
         key = (device, exp_bits)
         table = self._slots.get(key)
         if table is None:
-            table = self._slots[key] = torch.from_numpy(fmt.code_slots(exp_bits)).to(device)
+            table = self._slots[key] = torch.from_numpy(histogram.code_slots(exp_bits)).to(device)
         return table
 
     @torch.compiler.disable
@@ -147,11 +147,12 @@ class Engine:
         starts = torch.cumsum(lengths, 0) - lengths
         slot = self.slots(device, exp_bits)[self._run(codes, flat)]   # tiny tensors: a gather
         head = len(FIELDS)
-        table = torch.zeros((len(xs), head + fmt.SLOTS), dtype=torch.float64, device=device)
+        table = torch.zeros((len(xs), head + histogram.SLOTS), dtype=torch.float64, device=device)
         table[:, :head] = segment_reductions(flat, seg, starts, lengths)
         ones = torch.ones(1, dtype=torch.float64, device=device).expand(flat.numel())
-        table.view(-1).index_add_(0, slot + seg * (head + fmt.SLOTS) + head, ones)   # the counts,
-        return table                                                  # in place, as float64
+        # the counts, in place, as float64
+        table.view(-1).index_add_(0, slot + seg * (head + histogram.SLOTS) + head, ones)
+        return table
 
     # --- how kernels run ------------------------------------------------------------
     def _parallel(self, x: torch.Tensor) -> bool:

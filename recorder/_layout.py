@@ -20,6 +20,8 @@ from numcodecs import Zstd
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from . import format as fmt
+from .dtypes import nan_bits
+from .histogram import NBINS, bin_edges
 
 __all__ = ["existing_columns", "fill_for", "new_array", "stats_columns", "step_column",
            "tensor_columns", "to_numpy", "zstd_level"]
@@ -81,7 +83,7 @@ def fill_for(dtype: np.dtype):
 def stats_columns(g: zarr.Group, kind: str, n_layers: int) -> dict[str, zarr.Array]:
     """A new statistics table of ``kind`` in ``g``, ``n_layers`` wide: its bins and
     its columns ``step``, ``stats`` (step, layer, statistic) and ``hist``."""
-    lo, hi = fmt.bin_edges()
+    lo, hi = bin_edges()
     new_array(g, "bin_lo", lo.shape, lo.shape, "float64", np.nan, ["bin"])[:] = lo
     new_array(g, "bin_hi", hi.shape, hi.shape, "float64", np.nan, ["bin"])[:] = hi
     cols = {"step": step_column(g, "step", fill=-1),
@@ -89,10 +91,10 @@ def stats_columns(g: zarr.Group, kind: str, n_layers: int) -> dict[str, zarr.Arr
                                (STATS_CHUNK_ROWS, STATS_LAYER_CHUNK, 1), "float64",
                                np.nan, ["step", "layer", fmt.STAT_AXIS],
                                shards=(STATS_CHUNK_ROWS, LAYER_CHUNK, len(fmt.STATS))),
-            "hist": new_array(g, "hist", (0, n_layers, fmt.NBINS),
-                              (HIST_CHUNK_ROWS, HIST_LAYER_CHUNK, fmt.NBINS), "int64", 0,
+            "hist": new_array(g, "hist", (0, n_layers, NBINS),
+                              (HIST_CHUNK_ROWS, HIST_LAYER_CHUNK, NBINS), "int64", 0,
                               ["step", "layer", "bin"],
-                              shards=(HIST_SHARD_ROWS, LAYER_CHUNK, fmt.NBINS))}
+                              shards=(HIST_SHARD_ROWS, LAYER_CHUNK, NBINS))}
     g.update_attributes({"kind": kind, fmt.EVERY_CHUNK: True, "stats": list(fmt.STATS)})
     return cols
 
@@ -108,7 +110,7 @@ def tensor_columns(g: zarr.Group, kind: str, layer: str, sample: np.ndarray,
     dims = ["step", *(f"dim_{i}" for i in range(sample.ndim))]
     return {
         "data": new_array(g, "data", (0, *sample.shape), (k, *inner), sample.dtype,
-                          fill_for(sample.dtype) if not logical else fmt.nan_bits(logical),
+                          fill_for(sample.dtype) if not logical else nan_bits(logical),
                           dims, attrs, level=level),
         "step": step_column(g, "step", fill=-1),
         "micro": step_column(g, "micro"),

@@ -36,7 +36,9 @@ from ._budget import resolve as resolve_budget
 from ._buffer import StepBuffer
 from ._drops import DropLedger
 from ._claim import Claim
-from ._store import RunStore, check_mode, open_root, write_threads
+from ._pool import write_threads
+from ._root import check_mode, open_root
+from ._store import RunStore
 from ._writer import Writer
 from .errors import ConfigError, InspectionError, NonFiniteError
 

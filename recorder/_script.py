@@ -40,7 +40,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from . import format as fmt
 from ._recorder import Recorder
-from ._store import check_mode
+from ._root import check_mode
 from .errors import ConfigError, RecorderError
 
 __all__ = ["run_script"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .format import match_layers
+from .patterns import match_layers
 
 __all__ = ["unwrap", "module_table", "select_layers"]
 

@@ -38,7 +38,7 @@ PINNED_CAP = "pinned memory for snapshots full (max_pinned_bytes)"
 MIN_SLOT = 1 << 12
 
 # dtypes whose full tensors the store holds (bfloat16 and float8 as their bits, complex32
-# widened to complex64; see ``_store.to_numpy``)
+# widened to complex64; see ``_layout.to_numpy``)
 STORABLE = frozenset({
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64,

@@ -8,9 +8,10 @@ attributes *after* every write they count has finished (``flush``).
 
 The rooms of the store: ``_root`` (what is at a location, opening the root),
 ``_pool`` (the write threads, one write in flight per array), ``_table``
-(columns and rows), ``_layout`` (how arrays are made).  The names other modules
-import from here (``check_mode``, ``open_root``, ``write_threads``,
-``SMALL_CHUNK_ROWS``, ``_array``, ``to_numpy``) are re-exported from those.
+(columns and rows), ``_layout`` (how arrays are made).  ``RunStore`` is the one
+writer of a rank's tables: the recorder appends through ``append_stats`` and
+``append_tensor``, and ``recorder.migrate`` opens a table of the layout it
+copies (``stats_table``, ``tensor_table``) and appends its rows.
 
 Threads: made on the training thread at attach (which reads ``state`` and may
 ``commit`` the first state), then used by the writer thread alone; its
@@ -30,15 +31,14 @@ import numpy as np
 import zarr
 
 from . import format as fmt
-from ._layout import (SMALL_CHUNK_ROWS, existing_columns, fill_for, new_array, stats_columns,
-                      step_column, tensor_columns, to_numpy, zstd_level)
+from ._layout import (existing_columns, fill_for, new_array, stats_columns, step_column,
+                      tensor_columns, to_numpy, zstd_level)
 from ._pool import WritePool, write_threads
-from ._root import check_mode, open_root
 from ._table import Table
+from .histogram import NBINS
 
-__all__ = ["SMALL_CHUNK_ROWS", "RunStore", "check_mode", "open_root", "to_numpy", "write_threads"]
+__all__ = ["Compression", "RunStore"]
 
-_array = new_array                 # the name analysis/_migrate.py imports
 Compression = Literal["auto"] | int | None    # "auto": ``zstd_level`` per table; a level; none
 
 
@@ -62,8 +62,25 @@ class RunStore:
         return fmt.RankState.from_json(dict(self.rank_group.attrs) or {"rank": self.rank})
 
     # --- tables --------------------------------------------------------------
-    def _table(self, path: str, committed: int,
-               create: Callable[[zarr.Group], dict[str, zarr.Array]], recording: int) -> Table:
+    def stats_table(self, path: str, width: int, committed: int = 0,
+                    recording: int = 0) -> Table:
+        """The open statistics table at ``path`` (``format.stats_group``): the
+        store's arrays when it has ``committed`` rows, else new ones ``width``
+        layers wide.  ``recording``: as ``_open``."""
+        return self._open(path, committed, recording,
+                          lambda g: stats_columns(g, fmt.parse_path(path).kind, width))
+
+    def tensor_table(self, path: str, layer: str, sample: np.ndarray, logical: str | None,
+                     committed: int = 0, recording: int = 0) -> Table:
+        """The open full-tensor table of ``layer`` at ``path`` (``format.tensor_group``):
+        the store's arrays when it has ``committed`` rows, else new ones shaped, typed
+        and compressed after ``sample``, its first row (numpy; ``logical``: the dtype
+        of bits, as ``_layout.to_numpy`` gives).  ``recording``: as ``_open``."""
+        return self._open(path, committed, recording, lambda g: tensor_columns(
+            g, fmt.parse_path(path).kind, layer, sample, logical, self._level(sample)))
+
+    def _open(self, path: str, committed: int, recording: int,
+              create: Callable[[zarr.Group], dict[str, zarr.Array]]) -> Table:
         """The open table at ``path``: the store's arrays when it has committed
         rows, else new ones made by ``create(group)``.  A recording after the first
         (``recording`` > 0, a resumed job) gives the table its ``recording`` column,
@@ -83,13 +100,6 @@ class RunStore:
             table = self.tables[path] = Table(g, cols, committed, self.pool)
         return table
 
-    # the arrays of a new table (``_layout``), under the names recorder/migrate.py calls
-    _new_stats = staticmethod(stats_columns)
-
-    def _new_tensor(self, g: zarr.Group, kind: str, layer: str, sample: np.ndarray,
-                    logical: str | None) -> dict[str, zarr.Array]:
-        return tensor_columns(g, kind, layer, sample, logical, self._level(sample))
-
     # --- rows -------------------------------------------------------------------
     def append_stats(self, kind: str, step: int, names: list[str], layers: list[str],
                      stats: dict[str, np.ndarray], hist: np.ndarray, committed: int,
@@ -98,16 +108,15 @@ class RunStore:
         layer axis is ``names`` (the run's rows so far); absent layers are NaN.
         ``recording``: the rank's recording that records it (``fmt.RECORDING``)."""
         n = len(names)
-        table = self._table(fmt.stats_group(self.rank, kind), committed,
-                            lambda g: self._new_stats(g, kind, n), recording)
+        table = self.stats_table(fmt.stats_group(self.rank, kind), n, committed, recording)
         index = {name: i for i, name in enumerate(names)}
         rows = [index[layer] for layer in layers]
         row = np.full((n, len(fmt.STATS)), np.nan)
-        full = np.zeros((n, fmt.NBINS), dtype=np.int64)
+        full = np.zeros((n, NBINS), dtype=np.int64)
         row[rows] = np.stack([np.asarray(stats[s], np.float64) for s in fmt.STATS], axis=1)
         full[rows] = hist
         table.columns["stats"].grow_inner((n, len(fmt.STATS)))
-        table.columns["hist"].grow_inner((n, fmt.NBINS))
+        table.columns["hist"].grow_inner((n, NBINS))
         table.append(_tagged({"step": np.int64(step), "stats": row, "hist": full}, table,
                              recording))
 
@@ -116,8 +125,8 @@ class RunStore:
         """One step's full tensor (a host torch tensor) as a row of its table; the
         bytes written, or None when its rank or dtype differs from the table's."""
         arr, logical = to_numpy(t)
-        table = self._table(fmt.tensor_group(self.rank, kind, layer), committed,
-                            lambda g: self._new_tensor(g, kind, layer, arr, logical), recording)
+        table = self.tensor_table(fmt.tensor_group(self.rank, kind, layer), layer, arr, logical,
+                                  committed, recording)
         data = table.columns["data"].array
         if data.ndim - 1 != arr.ndim or data.dtype != arr.dtype:
             return None

@@ -1,10 +1,10 @@
 """Pure tensor -> summary functions: no I/O, no caches, no device policy.
 
 A float tensor's *summary vector* is one float64 vector on the tensor's own
-device: the NaN-safe reductions (``FIELDS``), then ``format.SLOTS`` counts: one
+device: the NaN-safe reductions (``FIELDS``), then ``histogram.SLOTS`` counts: one
 per histogram bin, then NaN, +Inf and -Inf.  The device counts the elements'
-histogram codes (``codes``; see ``format.encode``) and maps them to slots
-(``format.code_slots``), so every float dtype gives a vector of one width.
+histogram codes (``codes``; see ``histogram.encode``) and maps them to slots
+(``histogram.code_slots``), so every float dtype gives a vector of one width.
 Integer, bool and complex tensors have no vector: their element count is all.
 What a vector holds is said by its ``Holds``, never read from its width, and
 what form a tensor's summary takes is decided in one place, ``form``.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import format as fmt
+from . import histogram
 
 __all__ = ["COUNTS", "FIELDS", "LANES", "NARROW", "SMALL", "VECTOR", "Form", "Holds", "Summaries",
            "codes", "combine", "empty_summary", "exp_bits_of", "finalize", "form", "lane_codes",
@@ -61,13 +61,13 @@ def exp_bits_of(x: torch.Tensor) -> int:
     return bits
 
 
-VECTOR = len(FIELDS) + fmt.SLOTS         # the length of a summary vector
+VECTOR = len(FIELDS) + histogram.SLOTS         # the length of a summary vector
 SMALL = 1 << 13     # float elements below which a tensor waits for its step's batch (``form``)
 
 
 class Holds(enum.Enum):
     """What a vector holds: its layout, never told by its width."""
-    SUMMARY = "summary"          # ``FIELDS``, then ``format.SLOTS`` counts (``VECTOR`` values)
+    SUMMARY = "summary"          # ``FIELDS``, then ``histogram.SLOTS`` counts (``VECTOR`` values)
     NONFINITE = "nonfinite"      # ``COUNTS``: NaN, +Inf and -Inf (a step without statistics)
 
 
@@ -118,7 +118,7 @@ def empty_summary() -> torch.Tensor:
     merges with its step's other micro-batches as nothing."""
     inf = float("inf")
     head = torch.tensor([0.0, 0.0, 0.0, 0.0, inf, -inf], dtype=torch.float64)
-    return torch.cat([head, torch.zeros(fmt.SLOTS, dtype=torch.float64)])
+    return torch.cat([head, torch.zeros(histogram.SLOTS, dtype=torch.float64)])
 
 
 def widened(x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +161,7 @@ def reductions(x: torch.Tensor) -> torch.Tensor:
 
 
 def codes(x: torch.Tensor) -> torch.Tensor:
-    """Per-element histogram codes of a float tensor, flattened (``format.encode``).
+    """Per-element histogram codes of a float tensor, flattened (``histogram.encode``).
 
     The code stays in the bits' own integer type: a narrowing cast would stop
     the compiler from vectorising the kernel.
@@ -170,8 +170,8 @@ def codes(x: torch.Tensor) -> torch.Tensor:
         x = x.float()                 # float16 and bfloat16 are exact in float32
     exp_bits = 11 if x.dtype == torch.float64 else 8
     bits = x.view(torch.int64 if exp_bits == 11 else torch.int32)   # same size: any strides
-    n = fmt.raw_codes(exp_bits)
-    code = (bits >> fmt.code_shift(exp_bits)) & (n - 1)
+    n = histogram.raw_codes(exp_bits)
+    code = (bits >> histogram.code_shift(exp_bits)) & (n - 1)
     code = torch.where(x == 0, n + (bits < 0).to(code.dtype), code)
     code = torch.where(x == float("inf"), n + 2, code)
     return torch.where(x == -float("inf"), n + 3, code).reshape(-1)
@@ -183,7 +183,7 @@ def lane_codes(x: torch.Tensor) -> torch.Tensor:
     code = codes(x)
     lane = torch.arange(code.numel(), device=code.device, dtype=code.dtype) % LANES
     exp_bits = 11 if x.dtype == torch.float64 else 8     # as ``codes``: no dict in a kernel
-    return code + lane * fmt.code_width(exp_bits)
+    return code + lane * histogram.code_width(exp_bits)
 
 
 def segment_reductions(flat: torch.Tensor, seg: torch.Tensor, starts: torch.Tensor,
@@ -229,7 +229,7 @@ def moments(summaries: list[np.ndarray], counts: Sequence[float] = ()) -> tuple[
     n = sum(len(mat) for mat in summaries) + len(counts)
     m = {k: np.zeros(n) for k in (*_COUNTED, "c", "s1", "s2")}
     m["lo"], m["hi"] = np.full(n, np.inf), np.full(n, -np.inf)
-    hist = np.zeros((n, fmt.NBINS), dtype=np.int64)
+    hist = np.zeros((n, histogram.NBINS), dtype=np.int64)
     at, head = 0, len(FIELDS)
     m["count"][n - len(counts):] = counts
     for mat in summaries:
@@ -237,10 +237,10 @@ def moments(summaries: list[np.ndarray], counts: Sequence[float] = ()) -> tuple[
         at += len(mat)
         m["count"][rows] = mat[:, 0]
         m["floats"][rows] = 1
-        hist[rows] = mat[:, head: head + fmt.NBINS]
-        m["zeros"][rows] = mat[:, head + fmt.ZERO_BIN]
-        for k, slot in (("nan", fmt.NAN_SLOT), ("posinf", fmt.POSINF_SLOT),
-                        ("neginf", fmt.NEGINF_SLOT)):
+        hist[rows] = mat[:, head: head + histogram.NBINS]
+        m["zeros"][rows] = mat[:, head + histogram.ZERO_BIN]
+        for k, slot in (("nan", histogram.NAN_SLOT), ("posinf", histogram.POSINF_SLOT),
+                        ("neginf", histogram.NEGINF_SLOT)):
             m[k][rows] = mat[:, head + slot]
         m["n"][rows] = mat[:, 0] - m["nan"][rows] - m["posinf"][rows] - m["neginf"][rows]
         for k, f in (("c", "shift"), ("s1", "dsum"), ("s2", "dsq"), ("lo", "min"), ("hi", "max")):

@@ -8,7 +8,7 @@ needs (``_summary``'s layout, the same numbers as the CPU engine):
   zero; the pass stays memory-bound, so float64 costs nothing measurable on an
   H100, an estimate still to be measured),
   minimum and maximum of the finite values;
-- the histogram codes of ``format.encode``, counted with relaxed atomics into
+- the histogram codes of ``histogram.encode``, counted with relaxed atomics into
   one of ``SLICES`` slices (program ``p`` counts into slice ``p % SLICES``,
   so a run of equal codes, the zeros of a ReLU, contends within a few
   programs, never across the GPU); the slices are summed at the end.
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import format as fmt
+from . import histogram
 from ._engine import Engine
 from ._quiet import quiet
 
@@ -61,9 +61,9 @@ def _compiler() -> concurrent.futures.ThreadPoolExecutor:
     return _pool
 
 
-_RAW = fmt.raw_codes(8)                 # float32 codes (16-bit floats are coded as float32)
-_WIDTH = fmt.code_width(8)
-_SHIFT = fmt.code_shift(8)
+_RAW = histogram.raw_codes(8)                 # float32 codes (16-bit floats are coded as float32)
+_WIDTH = histogram.code_width(8)
+_SHIFT = histogram.code_shift(8)
 
 
 @triton.jit

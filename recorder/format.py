@@ -37,25 +37,23 @@ it, and none of an older one's (``current_rows``); an older recording's events
 at such a step are removed by the writer.
 
 This module owns: the names (kinds, statistics, statuses), the table paths
-and their parsing, the columns of each table, the rank state and the events
-to and from JSON, and the histogram codes and bins, both ways.
+and their parsing, the columns of each table, and the rank state and the
+events to and from JSON.  Beside it, public too: ``histogram`` (the histogram
+codes and bins, both ways), ``dtypes`` (bfloat16 and float8 from their stored
+bits) and ``patterns`` (which layer names a glob pattern selects).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import fnmatch
 import hashlib
-import json
-import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-from .errors import LayerNotFoundError, StoreFormatError
+from ._json import integer, object_or_none, step_run, strings, to_json
+from .errors import StoreFormatError
 
 FORMAT_VERSION = 3          # 3: packed statistics, sharded histograms (2: an array per
 READS_VERSIONS = (1, 2, 3)  # statistic; 1: no ``micro`` column)
@@ -279,44 +277,6 @@ def node_name_safe(node: str) -> str:
     return node if ok else ""
 
 
-def closest(name: str, names: list[str]) -> str:
-    """The few names most like ``name``, for error messages."""
-    shown = [n if n else '"" (the root)'
-             for n in difflib.get_close_matches(name, names, n=3, cutoff=0.3)]
-    return ", ".join(shown or [n for n in names if n][:3]) or "none"
-
-
-def match_layers(names: list[str], layers, what: str = "module") -> list[str]:
-    """The names matched by one glob pattern or a list of them (``fnmatch``
-    rules, case-sensitive), in the order of ``names``.  Every pattern must
-    match something, or ``LayerNotFoundError`` names it and the closest names."""
-    patterns = [layers] if isinstance(layers, str) else list(layers)
-    chosen: set[str] = set()
-    for p in patterns:
-        if not isinstance(p, str):
-            raise LayerNotFoundError(f"layer pattern {p!r} is not a string; pass glob patterns "
-                                     f"like 'encoder.*'")
-        hits = [n for n in names if n == p or fnmatch.fnmatchcase(n, p)]
-        if not hits:
-            raise LayerNotFoundError(f"layer pattern {p!r} matches no {what}; closest names: "
-                                     f"{closest(p, names)}")
-        chosen.update(hits)
-    return [n for n in names if n in chosen]
-
-
-# --- JSON ----------------------------------------------------------------------
-def _plain(obj):
-    if hasattr(obj, "tolist"):          # numpy and torch scalars and arrays
-        return obj.tolist()
-    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
-
-
-def to_json(obj):
-    """A JSON-safe copy of ``obj``; numpy and torch scalars become plain numbers
-    (``TypeError`` for other objects)."""
-    return json.loads(json.dumps(obj, allow_nan=False, default=_plain))
-
-
 @dataclass(frozen=True)
 class NonFiniteEvent:
     """One capture that held NaN or Inf."""
@@ -342,10 +302,10 @@ class NonFiniteEvent:
     @classmethod
     def from_json(cls, d) -> "NonFiniteEvent":
         try:
-            ev = cls(_int(d["step"]), str(d["layer"]), str(d["kind"]), _int(d["nan"]),
-                     _int(d["posinf"]), _int(d["neginf"]), _int(d.get("order", 0)),
-                     str(d.get("phase", "forward")), _int(d.get("micro", 0)),
-                     _int(d.get("rank", 0)), _replay(d.get("replay")))
+            ev = cls(integer(d["step"]), str(d["layer"]), str(d["kind"]), integer(d["nan"]),
+                     integer(d["posinf"]), integer(d["neginf"]), integer(d.get("order", 0)),
+                     str(d.get("phase", "forward")), integer(d.get("micro", 0)),
+                     integer(d.get("rank", 0)), object_or_none(d.get("replay")))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise StoreFormatError(f"a non-finite event in the store is malformed ({d!r:.80})") from e
         return ev
@@ -354,18 +314,6 @@ class NonFiniteEvent:
     def sort_key(self):
         """Step, then forward before backward, then execution order, then rank."""
         return (self.step, self.phase != "forward", self.order, self.rank)
-
-
-def _replay(v) -> dict | None:
-    if v is not None and not isinstance(v, dict):
-        raise TypeError(f"{v!r:.40} is not an object")
-    return v
-
-
-def _int(v) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
-        raise TypeError(f"{v!r} is not an integer")
-    return int(v)
 
 
 @dataclass
@@ -402,41 +350,29 @@ class RankState:
         if not isinstance(d, dict):
             raise StoreFormatError(f"the rank state of {where} is not a JSON object")
         try:
-            committed = {str(p): _int(n) for p, n in dict(d.get("committed", {})).items()}
+            committed = {str(p): integer(n) for p, n in dict(d.get("committed", {})).items()}
             for p in committed:
                 parse_path(p)
             return cls(
-                rank=_int(d.get("rank", 0)),
-                layers=_strings(d.get("layers", [])),
+                rank=integer(d.get("rank", 0)),
+                layers=strings(d.get("layers", [])),
                 events=[NonFiniteEvent.from_json(e) for e in list(d.get("events", []))],
-                events_total=_int(d.get("events_total", len(d.get("events", [])))),
-                dropped=_int(d.get("dropped", 0)),
-                drop_reasons={str(k): _int(v) for k, v in dict(d.get("drop_reasons", {})).items()},
-                outside_steps=_int(d.get("outside_steps", 0)),
-                over_budget=_int(d.get("over_budget", 0)),
-                last_step=None if d.get("last_step") is None else _int(d["last_step"]),
+                events_total=integer(d.get("events_total", len(d.get("events", [])))),
+                dropped=integer(d.get("dropped", 0)),
+                drop_reasons={str(k): integer(v)
+                              for k, v in dict(d.get("drop_reasons", {})).items()},
+                outside_steps=integer(d.get("outside_steps", 0)),
+                over_budget=integer(d.get("over_budget", 0)),
+                last_step=None if d.get("last_step") is None else integer(d["last_step"]),
                 committed=committed,
-                stats_layers={str(k): _strings(v) for k, v in dict(d.get("stats_layers", {})).items()},
-                bytes_raw=_int(d.get("bytes_raw", 0)),
-                recording=_int(d.get("recording", 0)),
-                rerecorded=[_run(r) for r in list(d.get("rerecorded", []))])
+                stats_layers={str(k): strings(v) for k, v in dict(d.get("stats_layers", {})).items()},
+                bytes_raw=integer(d.get("bytes_raw", 0)),
+                recording=integer(d.get("recording", 0)),
+                rerecorded=[step_run(r) for r in list(d.get("rerecorded", []))])
         except StoreFormatError:
             raise
         except (TypeError, ValueError, AttributeError) as e:
             raise StoreFormatError(f"the rank state of {where} is malformed: {e}") from e
-
-
-def _run(v) -> list[int]:
-    recording, first, last, stride = (_int(x) for x in v)
-    if first > last or stride < 0:
-        raise ValueError(f"{v!r:.60} is not a run of steps")
-    return [recording, first, last, stride]
-
-
-def _strings(v) -> list[str]:
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise TypeError(f"{v!r:.60} is not a list of names")
-    return list(v)
 
 
 def root_attrs(state: RankState, base: dict[str, Any], status: str | None = None) -> dict:
@@ -449,172 +385,3 @@ def root_attrs(state: RankState, base: dict[str, Any], status: str | None = None
     if status:
         out["status"] = status
     return out
-
-
-# --- dtypes stored as bits -----------------------------------------------------------
-# (exponent bits, mantissa bits, bias, has a sign bit, NaN codes, whether e == max is Inf/NaN)
-_FLOAT8 = {
-    "float8_e4m3fn": (4, 3, 7, True),
-    "float8_e5m2": (5, 2, 15, True),
-    "float8_e4m3fnuz": (4, 3, 8, True),
-    "float8_e5m2fnuz": (5, 2, 16, True),
-    "float8_e8m0fnu": (8, 0, 127, False),
-}
-
-
-@lru_cache(maxsize=None)
-def _float8_table(name: str) -> np.ndarray:
-    """The float32 value of each of the 256 codes of an 8-bit float (exact)."""
-    exp_bits, man_bits, bias, signed = _FLOAT8[name]
-    code = np.arange(256)
-    e = (code >> man_bits) & ((1 << exp_bits) - 1)
-    m = (code & ((1 << man_bits) - 1)).astype(np.float64)
-    frac = m / (1 << man_bits)
-    value = np.where(e == 0, frac * 2.0 ** (1 - bias), (1 + frac) * 2.0 ** (e - bias))
-    if name == "float8_e8m0fnu":                     # no zero, no subnormals: 2^(code - 127)
-        value = 2.0 ** (code - 127.0)
-    if signed:
-        value = np.where(code >> 7, -value, value)
-    top = e == (1 << exp_bits) - 1
-    if name == "float8_e5m2":
-        value = np.where(top & (m == 0), np.copysign(np.inf, value), value)
-    with np.errstate(over="ignore"):              # e8m0fnu's 2^128 is its NaN's code
-        out = value.astype(np.float32).view(np.uint32)
-    # NaNs widen as torch widens them: the payload shifted in and the quiet bit set
-    # (e4m3fn, e5m2), or one fixed NaN (the fnuz formats and e8m0fnu)
-    if name == "float8_e4m3fn":
-        nan = (code & 0x7F) == 0x7F
-    elif name == "float8_e5m2":
-        nan = top & (m != 0)
-    else:
-        nan = code == (0x80 if signed else 0xFF)
-    if name in ("float8_e4m3fn", "float8_e5m2"):
-        widened = ((code >> 7).astype(np.uint32) << 31) | 0x7FC00000 \
-            | (code & ((1 << man_bits) - 1)).astype(np.uint32) << (23 - man_bits)
-    else:
-        widened = np.full(256, 0x7F800001, np.uint32)
-    return np.where(nan, widened, out).astype(np.uint32).view(np.float32)
-
-
-def nan_bits(logical: str) -> int:
-    """A NaN's bits in a dtype stored as bits: the fill value of padding."""
-    if logical == "bfloat16":
-        return 0x7FC0
-    return int(np.nonzero(np.isnan(_float8_table(logical)))[0][0])
-
-
-def decode_bits(block: np.ndarray, logical: str) -> np.ndarray:
-    """Stored bits of ``logical`` (bfloat16 or an 8-bit float) -> exact float32."""
-    if logical == "bfloat16":
-        return (block.astype(np.uint32) << 16).view(np.float32)
-    return _float8_table(logical)[block]
-
-
-# --- histogram codes and bins ----------------------------------------------------
-# The device gives every float element an integer code.  A finite non-zero value
-# gets its raw code: sign | exponent | top 2 mantissa bits, taken from the float's
-# bits (float32 for 16- and 32-bit floats, 8 exponent bits; float64, 11).  Exact
-# zeros and Infs get the special codes after the raw ones.  Counting the codes
-# gives the histogram and exact zero, NaN and Inf counts at once.
-#
-# Bins: a value x != 0 lies in [2^e (1 + m/4), 2^e (1 + (m+1)/4)) with m in 0..3.
-# Exponents E_MIN..E_MAX-1 get four bins each, per sign; magnitudes below
-# 2^E_MIN fall in an "underflow" bin, those at or above 2^E_MAX in an
-# "overflow" bin; exact zeros have their own bin.  NaN and +/-Inf are counted
-# apart (the ``nan``, ``posinf`` and ``neginf`` statistics).
-MANTISSA_BITS = {8: 23, 11: 52}
-SPECIAL_CODES = ("poszero", "negzero", "posinf", "neginf")
-E_MIN, E_MAX, SUB = -64, 64, 4
-_PER_SIGN = (E_MAX - E_MIN) * SUB + 2          # + underflow and overflow
-NBINS = 2 * _PER_SIGN + 1
-ZERO_BIN = _PER_SIGN
-
-
-def raw_codes(exp_bits: int) -> int:
-    """How many raw codes floats with ``exp_bits`` exponent bits have."""
-    return 1 << (exp_bits + 3)
-
-
-def code_shift(exp_bits: int) -> int:
-    """The right shift of a float's bits that leaves its raw code."""
-    return MANTISSA_BITS[exp_bits] - 2
-
-
-def code_width(exp_bits: int) -> int:
-    """Codes per histogram: the raw ones, then the special ones."""
-    return raw_codes(exp_bits) + len(SPECIAL_CODES)
-
-
-def encode(x: np.ndarray) -> tuple[np.ndarray, int]:
-    """The codes of a float array and their exponent width (the reference the
-    device engines implement; 16-bit floats are coded as float32)."""
-    x = np.asarray(x)
-    x = x.astype(np.float64 if x.dtype == np.float64 else np.float32).ravel()
-    exp_bits = 11 if x.dtype == np.float64 else 8
-    bits = x.view(np.int64 if exp_bits == 11 else np.int32)
-    n = raw_codes(exp_bits)
-    code = (bits >> code_shift(exp_bits)) & (n - 1)
-    code = np.where(x == 0, n + (bits < 0), code)
-    code = np.where(x == np.inf, n + 2, code)
-    return np.where(x == -np.inf, n + 3, code).astype(np.int64), exp_bits
-
-
-@lru_cache(maxsize=None)
-def bin_edges() -> tuple[np.ndarray, np.ndarray]:
-    """(bin_lo, bin_hi) of the shared bins, ascending by value."""
-    mags_lo = [0.0]
-    mags_hi = [2.0 ** E_MIN]
-    for e in range(E_MIN, E_MAX):
-        for m in range(SUB):
-            mags_lo.append(2.0 ** e * (1 + m / SUB))
-            mags_hi.append(2.0 ** e * (1 + (m + 1) / SUB))
-    mags_lo.append(2.0 ** E_MAX)
-    mags_hi.append(math.inf)
-    lo_pos, hi_pos = np.array(mags_lo), np.array(mags_hi)
-    lo = np.concatenate([-hi_pos[::-1], [0.0], lo_pos])
-    hi = np.concatenate([-lo_pos[::-1], [0.0], hi_pos])
-    return lo, hi
-
-
-@lru_cache(maxsize=None)
-def bin_centers() -> np.ndarray:
-    """A value per bin: its middle, or its finite edge for the open-ended tails."""
-    lo, hi = bin_edges()
-    return np.where(np.isfinite(lo) & np.isfinite(hi), (lo + hi) / 2, np.where(np.isfinite(lo), lo, hi))
-
-
-def _magnitude_bin(exponent: np.ndarray, sub: np.ndarray) -> np.ndarray:
-    """Index within one sign's half (0 = underflow) of normal numbers."""
-    idx = (exponent - E_MIN) * SUB + sub + 1
-    idx = np.where(exponent < E_MIN, 0, idx)
-    return np.where(exponent >= E_MAX, _PER_SIGN - 1, idx)
-
-
-@lru_cache(maxsize=None)
-def code_to_bin(exp_bits: int) -> np.ndarray:
-    """Map raw codes to global bins; NaN codes (all-ones exponent) map to -1,
-    subnormals to underflow."""
-    bias = (1 << (exp_bits - 1)) - 1
-    codes = np.arange(raw_codes(exp_bits))
-    sign = codes >> (exp_bits + 2)
-    exp_field = (codes >> 2) & ((1 << exp_bits) - 1)
-    sub = codes & 3
-    mag = _magnitude_bin(exp_field - bias, sub)
-    mag = np.where(exp_field == 0, 0, mag)
-    out = np.where(sign == 0, ZERO_BIN + 1 + mag, ZERO_BIN - 1 - mag)
-    return np.where(exp_field == (1 << exp_bits) - 1, -1, out).astype(np.int64)
-
-
-# A summary vector's counts: one slot per bin, then the NaN, +Inf and -Inf counts.
-NAN_SLOT, POSINF_SLOT, NEGINF_SLOT = NBINS, NBINS + 1, NBINS + 2
-SLOTS = NBINS + 3
-
-
-@lru_cache(maxsize=None)
-def code_slots(exp_bits: int) -> np.ndarray:
-    """The slot of each histogram code (``code_width`` of them): its bin, or the
-    NaN, +Inf or -Inf count.  Both zeros go to the zero bin.  The device maps its
-    code counts through this, so a summary's counts have one width for every dtype."""
-    raw = code_to_bin(exp_bits)
-    raw = np.where(raw < 0, NAN_SLOT, raw)
-    return np.concatenate([raw, [ZERO_BIN, ZERO_BIN, POSINF_SLOT, NEGINF_SLOT]]).astype(np.int64)

@@ -2,7 +2,7 @@
 migrate`` (``analysis`` reads the old store and hands its tables here).
 
 Every array is made and written by the recorder's own store code
-(``_store.open_root`` and ``RunStore``'s tables): the chunks, shards, codecs,
+(``_root.open_root`` and ``RunStore``'s tables): the chunks, shards, codecs,
 fill values, attributes and ``recording`` column of a copy are those a
 recording makes, so the layout has one writer.  Every committed row is copied
 as it is (a step recorded twice stays twice, with its recording), so the
@@ -52,7 +52,8 @@ def write_run(location, attrs: dict, states: dict[int, fmt.RankState],
     """Write a run at ``location`` (which must not exist, as ``mode="w-"``): its
     ``tables``, then each rank's committed ``states``, then the root's ``attrs``
     (``tensortape_format`` set to the current one).  Returns the location."""
-    from ._store import RunStore, open_root
+    from ._root import open_root
+    from ._store import RunStore
     location = os.fspath(location)
     root = open_root(location, "w-", attributes={})       # refuses before writing anything
     stores: dict[int, RunStore] = {}
@@ -82,20 +83,19 @@ def write_run(location, attrs: dict, states: dict[int, fmt.RankState],
 
 
 def _copy(store, t: TableRows) -> None:
-    """A table's rows, appended one by one through the store's table."""
+    """A table's rows, appended one by one through the store's table (a recording
+    after the first gives a table its ``recording`` column)."""
     table = fmt.parse_path(t.path)
     blocks = iter(t.blocks())
     first = next(blocks, None)
     if first is None:
         return
+    recording = 1 if t.recorded else 0
     if table.section == "stats":
-        def create(g):
-            return store._new_stats(g, table.kind, t.width)
+        rows = store.stats_table(t.path, t.width, recording=recording)
     else:
-        def create(g):
-            return store._new_tensor(g, table.kind, t.name, first["data"][0], t.logical)
-    # a recording after the first gives a table its ``recording`` column
-    rows = store._table(t.path, 0, create, 1 if t.recorded else 0)
+        rows = store.tensor_table(t.path, t.name, first["data"][0], t.logical,
+                                  recording=recording)
     for block in itertools.chain([first], blocks):
         for i in range(len(block["step"])):
             rows.append({k: v[i] for k, v in block.items()})

@@ -26,6 +26,7 @@ from cli import cli
 from oracle import STATS, histogram, statistics
 from recorder import ConfigError, Recorder
 from recorder import format as fmt
+from recorder.histogram import NBINS
 
 
 def old_format(src: str, dst: str, version: int) -> str:
@@ -43,7 +44,7 @@ def old_format(src: str, dst: str, version: int) -> str:
         del g["stats"]
         for j, s in enumerate(g.attrs["stats"]):
             array(g, s, packed[:, :, j], (256, 64), np.nan, ["step", "layer"])
-        array(g, "hist", hist, (16, 8, fmt.NBINS), 0, ["step", "layer", "bin"])
+        array(g, "hist", hist, (16, 8, NBINS), 0, ["step", "layer", "bin"])
     if version == 1:
         for kind in root["rank0/tensors"].group_keys():
             for node in root[f"rank0/tensors/{kind}"].group_keys():
@@ -143,6 +144,33 @@ def test_migrate_keeps_every_number_and_the_old_store(tmp_path, old):
     # NEW must not exist: migrate writes over nothing
     again = CliRunner().invoke(cli, ["migrate", OLD, new])
     assert again.exit_code == 2 and "exists" in again.output
+
+
+def array_metadata(path):
+    """Each array's ``zarr.json`` under ``path`` (chunks, shards, codecs, fill value,
+    dimension names, attributes, shape) and each table group's attributes, by path."""
+    import json
+    out = {}
+    for d, _, files in os.walk(path):
+        rel = os.path.relpath(d, path)
+        if "zarr.json" in files and rel.split(os.sep)[1:2] in (["stats"], ["tensors"]):
+            with open(os.path.join(d, "zarr.json")) as f:
+                meta = json.load(f)
+            out[rel] = meta if meta["node_type"] == "array" else meta.get("attributes")
+    return out
+
+
+def test_migrate_lays_out_a_store_as_the_recorder_does(tmp_path, old, recorded):
+    """The copy of an old store has the arrays a recording makes (the layout has one
+    writer): every array's chunks, shards, codecs, fill value and attributes, and
+    every table's attributes, those of the format-3 recording the old store was made of."""
+    OLD, _ = old
+    new = str(tmp_path / "new.zarr")
+    out = CliRunner().invoke(cli, ["migrate", OLD, new])
+    assert out.exit_code == 0, out.output
+    want = array_metadata(recorded[0])
+    assert any(k.endswith("/data") for k in want) and any(k.endswith("/hist") for k in want)
+    assert array_metadata(new) == want
 
 
 def test_appending_needs_the_current_format(tmp_path, old):

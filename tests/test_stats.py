@@ -6,7 +6,7 @@ from torch import nn
 
 from analysis import Inspector, open_run
 from recorder import NonFiniteError, Recorder
-from recorder import format as fmt
+from recorder.histogram import ZERO_BIN
 from conftest import record_shapes, transformer
 
 
@@ -64,7 +64,7 @@ def test_statistics_equal_numpy_on_the_stored_tensor(tmp_store):
 def _numpy_hist(a, lo, hi):
     """The shared bins, by their documented edges: [lo, hi) above zero, (lo, hi] below."""
     idx = np.where(a > 0, np.searchsorted(lo, a, side="right") - 1, np.searchsorted(hi, a, side="left"))
-    idx = np.where(a == 0, fmt.ZERO_BIN, idx)
+    idx = np.where(a == 0, ZERO_BIN, idx)
     return np.bincount(idx, minlength=len(lo))
 
 
@@ -77,7 +77,7 @@ def test_nan_and_inf_are_counted_and_never_poison_the_rest():
         np.testing.assert_allclose([stats["mean"], stats["std"], stats["min"], stats["max"],
                                     stats["zero_frac"], stats["norm"]],
                                    [f.mean(), f.std(), -3, 2, 0.4, np.linalg.norm(f)])
-        assert hist.sum() == 5 and hist[fmt.ZERO_BIN] == 2
+        assert hist.sum() == 5 and hist[ZERO_BIN] == 2
 
 
 def test_a_nan_with_low_mantissa_bits_is_still_a_nan():
