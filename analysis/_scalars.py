@@ -18,11 +18,12 @@ from recorder import format as fmt
 
 from ._index import RunIndex
 
-__all__ = ["scalars"]
+__all__ = ["logged", "scalars"]
 
 
-def _rank_values(index: RunIndex, rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{name: (steps, values)} of one rank, steps ascending."""
+def logged(index: RunIndex, rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{name: (steps, values)} of one rank, steps ascending: the values logged (a
+    NaN logged is there; a step without the name is not)."""
     path = fmt.scalars_table(rank)
     if not index.committed(rank).get(path):
         return {}
@@ -45,7 +46,7 @@ def _rank_values(index: RunIndex, rank: int) -> dict[str, tuple[np.ndarray, np.n
 def scalars(index: RunIndex, rank: int | None = None) -> xr.Dataset:
     """The run's scalars (see the module); ``rank``: one rank's."""
     ranks = [index.rank(rank)] if rank is not None or len(index.ranks) < 2 else index.ranks
-    per_rank = [_rank_values(index, r) for r in ranks]
+    per_rank = [logged(index, r) for r in ranks]
     names = list(dict.fromkeys(n for part in per_rank for n in part))
     steps = np.unique(np.concatenate([np.zeros(0, np.int64)] + [
         s for part in per_rank for s, _ in part.values()])).astype(np.int64)

@@ -28,6 +28,8 @@ import numpy as np
 
 from recorder import format as fmt
 
+from ._scalars import logged
+
 __all__ = ["to_tensorboard"]
 
 BLOCK_STEPS = 1024
@@ -59,7 +61,7 @@ def to_tensorboard(run, folder, progress=None) -> str:
                for r in run.ranks}
     try:
         for r, w in writers.items():
-            _scalars(w, run.scalars(rank=r), protos)
+            _scalars(w, logged(run._index, r), protos)
         for r, kind, layer in (progress(work) if progress else work):
             _layer(writers[r], run.only(r), kind, layer, protos)
     finally:
@@ -68,14 +70,17 @@ def to_tensorboard(run, folder, progress=None) -> str:
     return folder
 
 
-def _scalars(writer, ds, protos) -> None:
+def _scalars(writer, per_name: dict, protos) -> None:
+    """A rank's logged scalars (a NaN logged included), an event per step."""
     Event, Summary, _ = protos
-    for i, step in enumerate(ds.step.values):
-        values = [Summary.Value(tag=f"scalars/{name}", simple_value=float(ds[name].values[i]))
-                  for name in ds.data_vars if not np.isnan(ds[name].values[i])]
-        if values:
-            writer.add_event(Event(wall_time=time.time(), step=int(step),
-                                   summary=Summary(value=values)))
+    by_step: dict[int, list] = {}
+    for name, (steps, values) in per_name.items():
+        for s, v in zip(steps.tolist(), values.tolist()):
+            by_step.setdefault(s, []).append(Summary.Value(tag=f"scalars/{name}",
+                                                           simple_value=v))
+    for step in sorted(by_step):
+        writer.add_event(Event(wall_time=time.time(), step=int(step),
+                               summary=Summary(value=by_step[step])))
 
 
 def _layer(writer, run, kind: str, layer: str, protos) -> None:
