@@ -204,3 +204,34 @@ def test_hugging_face_trainer_stores_its_logged_loss(tmp_path):
     for step, e in history.items():          # on_log's step is the one just ended
         for name in ("loss", "learning_rate", "grad_norm"):
             assert float(ds[name].sel(step=step)) == float(e[name]), (step, name)
+
+
+def test_lightning_stores_what_self_log_logged(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    seen = {}
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = model()
+
+        def training_step(self, batch, i):
+            loss = self.net(batch).pow(2).mean()
+            self.log("train_loss", loss)
+            seen[self.global_step] = float(loss.detach())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    from recorder.integrations import LightningCallback
+    store = str(tmp_path / "pl.zarr")
+    data = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[LightningCallback(store, layers="net.0")],
+                         default_root_dir=str(tmp_path))
+    trainer.fit(Module(), data)
+    ds = open_run(store).scalars()
+    assert ds.step.values.tolist() == sorted(seen)
+    np.testing.assert_array_equal(ds["train_loss"].values, [seen[s] for s in sorted(seen)])
