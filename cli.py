@@ -386,17 +386,31 @@ def info(run, fmt):
 @steps_option
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
               show_default=True, help="csv and json: for scripts (counts are integers)")
-def stats(run, kind, pattern, step, steps, fmt):
+@click.option("--scalars", is_flag=True, help="the run's logged scalars (loss, lr, ...) instead: "
+              "a row per step")
+@click.pass_context
+def stats(ctx, run, kind, pattern, step, steps, fmt, scalars):
     """Per-step statistics of RUN: a row per (step, layer); counts are integers."""
     from analysis._run import within
-    ds = _open(run).stats(kind, pattern)
+    if scalars:
+        default = click.core.ParameterSource.DEFAULT
+        for name, flag in (("kind", "--kind"), ("pattern", "--layer")):
+            if ctx.get_parameter_source(name) != default:
+                raise click.BadParameter(f"{flag} does not apply to --scalars; drop one",
+                                         param_hint=flag)
+    ds = _open(run).scalars() if scalars else _open(run).stats(kind, pattern)
     _check_step(step, ds.step.values)
     ds = ds.sel(step=[step]) if step is not None else within(ds, _span(steps))
-    df = ds.compute().to_dataframe().reset_index()
-    for c in COUNT_STATS:
+    if scalars:
+        ds = ds.transpose(*(d for d in ("rank", "step") if d in ds.dims))
+        df = ds.to_dataframe().reset_index() if ds.data_vars else ds.step.to_dataframe()
+    else:
+        df = ds.compute().to_dataframe().reset_index()
+    for c in COUNT_STATS if not scalars else ():
         df[c] = df[c].astype("Int64")
     if fmt == "json":
-        _json([{k: (_number(k, v) if k in STATS else (int(v) if k == "step" else v))
+        numbers = ds.data_vars if scalars else STATS
+        _json([{k: (_number(k, v) if k in numbers else (int(v) if k in ("step", "rank") else v))
                 for k, v in row.items()} for row in df.to_dict(orient="records")])
     elif fmt == "csv":
         _out(df.to_csv(index=False), nl=False)
@@ -578,10 +592,26 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank):
 
 @cli.command()
 @click.argument("run")
-@click.argument("out", type=click.Path(dir_okay=False))
+@click.argument("out", type=click.Path())
 @click.option("--force", is_flag=True, help="overwrite OUT if it exists")
-def export(run, out, force):
-    """Export RUN to one HDF5 file OUT (open_run reads it back with the same API)."""
+@click.option("--format", "to", type=click.Choice(["hdf5", "tensorboard"]), default="hdf5",
+              show_default=True, help="tensorboard: event files in the folder OUT")
+def export(run, out, force, to):
+    """Export RUN to one HDF5 file OUT (open_run reads it back with the same API), or
+    with --format tensorboard to TensorBoard event files in the folder OUT."""
+    if to == "tensorboard":
+        from analysis._tensorboard import existing_events, to_tensorboard
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise click.BadParameter(f"{out!r} is a file; give a folder for the event files",
+                                     param_hint="OUT")
+        old = existing_events(out) if os.path.isdir(out) else []
+        if old and not force:
+            raise click.BadParameter(f"{out!r} holds TensorBoard event files; pass --force to "
+                                     f"replace them, or choose a new folder", param_hint="OUT")
+        for f in old:
+            os.remove(f)
+        _out(to_tensorboard(_open(run), out, progress=_progress("exporting")))
+        return
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
         raise click.BadParameter(f"the folder {folder!r} does not exist; create it first",

@@ -190,6 +190,14 @@ class Run:
         rank, and ``same_step`` holds the other events of that step."""
         return _events.first_nonfinite(self._index, self._statistics.stats, rank, history)
 
+    def scalars(self, rank: int | None = None) -> xr.Dataset:
+        """The run's logged scalars (``rec.log``: loss, learning rate, ...): an
+        ``xr.Dataset`` over ``step`` (and ``rank`` in a run of several, unless one
+        is asked), one float64 variable per name, NaN where a name has no value;
+        empty for a run without scalars."""
+        from ._scalars import scalars
+        return scalars(self._index, rank)
+
     def replay(self, model, rank: int | None = None) -> dict:
         """Repeat the recorded replay (``on_nonfinite="replay"``) in ``model``, a
         model the user builds (the same architecture): its submodule at the

@@ -32,6 +32,7 @@ from ._drops import DropLedger
 from ._quiet import holding, warn
 from ._record import CloseRecord, StepRecord, TensorRow
 from ._replay import Keeper
+from ._scalars import ScalarLog
 from ._step import StepState
 from ._summarizer import Capture, EngineFailed, Summarizer
 from .errors import InspectionError
@@ -64,6 +65,7 @@ class StepBuffer:
         self._warned: set[str] = set()
         # the Sink's questions about the step, answered by the state itself (no extra call)
         self.current_token = self.state.current_token
+        self.scalars = ScalarLog(self.drops, self._warn_once)     # rec.log's
         self.micro = 0              # the Sink's: the state's, copied at each pass (read per capture)
 
     # --- the step ------------------------------------------------------------------------
@@ -186,16 +188,18 @@ class StepBuffer:
             self._warn_once(cause, f"tensortape: the statistics of step {step} failed ({cause}); "
                             f"they are dropped and counted; training goes on")
         rec.tensors = [TensorRow(c.kind, c.name, c.micro, c.snap) for c in caps if c.snap is not None]
+        rec.scalars = self.scalars.pack(step, self.summarizer._to_host)
         rec.drops = self.drops.take()
         rec.outside = self.state.take_outside()
         return rec
 
     def close_record(self) -> CloseRecord | None:
         """What was counted since the last record, outside any step (at close)."""
+        scalars = self.scalars.pack(None, self.summarizer._to_host)
         drops, outside = self.drops.take(), self.state.take_outside()
-        if not (drops or outside):
+        if not (drops or outside or scalars):
             return None
-        return CloseRecord(drops, outside)
+        return CloseRecord(drops, outside, scalars=scalars)
 
     def clear(self) -> None:
         self._captures = []

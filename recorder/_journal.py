@@ -39,6 +39,7 @@ class Unsaved:
     events_total: int | None = None     # non-finite captures (None: those in ``events``)
     earlier: list = field(default_factory=list)   # the steps merged into this one past the
                                         # bounds, as ``fmt.note_step`` runs (recording 0)
+    scalars: list = field(default_factory=list)   # rec.log's: (step, names, values)
 
     def __post_init__(self):
         if self.events_total is None:
@@ -74,9 +75,10 @@ class Unsaved:
         """Past the backlog's bounds: statistics and kept events counted, not kept
         (the bundle too: its event is gone)."""
         drops = dict(self.drops)
-        if self.rows:
-            drops[reason] = drops.get(reason, 0) + self.rows
-        return replace(self, drops=drops, events=[], stats={}, bundle=None)
+        n = self.rows + sum(len(names) for _, names, _ in self.scalars)
+        if n:
+            drops[reason] = drops.get(reason, 0) + n
+        return replace(self, drops=drops, events=[], stats={}, bundle=None, scalars=[])
 
 
 class Journal:

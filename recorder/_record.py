@@ -20,7 +20,9 @@ What a record holds:
   waits for them, on the writer thread;
 - ``tensors``: the full tensors kept (``Snapshot``: the writer gives their
   pinned slots back once stored);
-- ``drops``, ``outside``: what was counted, not recorded.
+- ``drops``, ``outside``: what was counted, not recorded;
+- ``scalars``: what ``rec.log`` logged (``_scalars.Logged``: numbers, and the
+  tensors' values copying to the host like ``packed``).
 
 When the recording closes, what was counted since the last step record goes
 as a ``CloseRecord``: drops and passes outside a step, no step of its own.
@@ -134,6 +136,7 @@ class StepRecord:
     drops: dict[str, int] = field(default_factory=dict)      # what was dropped, by reason
     outside: int = 0                                          # forward passes outside a step
     bundle: tuple | None = None          # on_nonfinite="replay": (group path, attrs, arrays)
+    scalars: list = field(default_factory=list)              # rec.log's (``_scalars.Logged``)
     _resolved: Resolved | None = None
 
     @property
@@ -156,6 +159,7 @@ class CloseRecord:
     outside: int = 0                                          # forward passes outside a step
     layers: list[str] = field(default_factory=list)          # new names of a record not handed on
     nbytes: int = 0                                           # no full tensors
+    scalars: list = field(default_factory=list)              # rec.log's since the last step
 
 
 def _resolve(rec: StepRecord) -> Resolved:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _replay
+from . import _replay, _scalars
 from . import format as fmt
 from ._config import RecorderConfig
 from ._engines import engine_choice
@@ -354,6 +354,20 @@ class Recorder:
         self._buffer.begin(int(i))
         self._hooks.new_step()
         return _StepScope(self)
+
+    def log(self, values: dict) -> None:
+        """Store named scalars for the open step, or, after it ended, the last one:
+        ``rec.log({"loss": loss, "lr": lr})``.  Values: Python or numpy numbers, or
+        real 0-dim tensors, read when the step ends with its summaries (no sync of
+        their own; logged after the step, a tensor's value when logged).  Anything
+        else raises ``ConfigError``; ``run.scalars()`` reads them back."""
+        values = _scalars.check(values)
+        if self._buffer is None:
+            if self._closed:
+                raise InspectionError("this Recorder is closed; log inside or after a step "
+                                      "while it records")
+            self.attach()
+        self._buffer.scalars.log(values, self._buffer.state.step, self._own_last)
 
     @contextlib.contextmanager
     def pause(self):

@@ -13,6 +13,9 @@ The script runs in this process (``runpy``), unchanged:
   and the next begins at the model's next forward with grad enabled.  Forward
   passes without grad (evaluation) between them run outside any step: not
   recorded, only counted.
+- **The loss**, the 0-dim tensor ``backward()`` is called on inside a step
+  (``torch.Tensor.backward``, wrapped while recording), is logged as ``loss``
+  (``rec.log``: read at the step's end, no sync; the last one of a step).
 - The script's exit status and output are its own; the run is ``complete``
   when the script ends normally (or exits 0), else ``interrupted``.  Ctrl-C
   ends it as ``interrupted`` with status 130 and no traceback.
@@ -71,6 +74,9 @@ class _Tracker:
         torch.nn.Module.__call__ = self.call
         self.handles = [register_optimizer_step_pre_hook(self._before_optimizer),
                         register_optimizer_step_post_hook(self._after_optimizer)]
+        self.torch_backward = torch.Tensor.backward
+        self.backward = self._wrap_backward(self.torch_backward)
+        torch.Tensor.backward = self.backward
 
     # --- finding the model ---------------------------------------------------------
     def _wrap(self, torch_call):
@@ -125,8 +131,24 @@ class _Tracker:
         if self.recorder is not None and self.scope is None:
             self.next_pending = True
 
+    def _wrap_backward(self, torch_backward):
+        """``Tensor.backward`` that logs a 0-dim tensor as the step's ``loss`` first."""
+        import functools
+
+        @functools.wraps(torch_backward)
+        def backward(tensor, *args, **kwargs):
+            if self.scope is not None and tensor.dim() == 0 and not torch.compiler.is_compiling():
+                try:
+                    self.recorder.log({"loss": tensor})
+                except Exception:                 # never into training (a complex loss)
+                    pass
+            return torch_backward(tensor, *args, **kwargs)
+        return backward
+
     def close(self, ok: bool) -> None:
         self._stop_looking()
+        if torch.Tensor.backward is self.backward:   # else someone patched it after us
+            torch.Tensor.backward = self.torch_backward
         for h in self.handles:
             h.remove()
         if self.recorder is not None:

@@ -135,6 +135,16 @@ class RunStore:
                               "extent": extent}, table, recording))
         return arr.nbytes
 
+    def append_scalars(self, step: int, ids: np.ndarray, values: np.ndarray, committed: int,
+                       recording: int = 0) -> None:
+        """One step's logged scalars (``rec.log``), a row each: the name's index in the
+        rank state's ``scalar_names``, and its value."""
+        from ._scalars import columns
+        table = self._table(fmt.scalars_table(self.rank), committed, columns, recording)
+        for i, v in zip(ids, values):
+            table.append(_tagged({"step": np.int64(step), "name": np.int64(i),
+                                  "value": np.float64(v)}, table, recording))
+
     def write_bundle(self, path: str, attrs: dict, arrays: dict) -> None:
         """A replay bundle (``format.replay_group``): each host tensor an array (its
         node name encoded, bfloat16 and float8 as bits with ``logical_dtype``), the

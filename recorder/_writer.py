@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Any
 
+from . import _scalars
 from . import format as fmt
 from ._config import RecorderConfig
 from ._journal import Journal, Unsaved
@@ -102,14 +103,18 @@ class _Rows:
         """A record's rows as the journal keeps them, and the full tensors to store
         now (``TensorPolicy``)."""
         if isinstance(record, CloseRecord):
-            return Unsaved(None, record.layers, record.drops, record.outside, [], {}), []
+            scalars = _scalars.resolve(record.scalars, record.drops)
+            return Unsaved(None, record.layers, record.drops, record.outside, [], {},
+                           scalars=scalars), []
         resolved = self._resolve(record)
         choice = self.policy.choose(record.step, record.plan, record.tensors, bool(resolved.events))
         for n in choice.notices:
             self.outbox.append(n)
         record.tensors = []                # stored now, or held by the ring: not kept for a restart
+        scalars = _scalars.resolve(record.scalars, record.drops)
         return Unsaved(record.step, record.layers, record.drops, record.outside, resolved.events,
-                       resolved.stats, record.bundle, choice.rows, choice.over), choice.tensors
+                       resolved.stats, record.bundle, choice.rows, choice.over,
+                       scalars=scalars), choice.tensors
 
     def barrier(self, msg: Barrier) -> None:
         if self._fault is not None:
@@ -222,6 +227,9 @@ class _Rows:
             path = fmt.stats_group(st.rank, kind)
             self.store.append_stats(kind, u.step, names, rows.layers, rows.stats, rows.hist,
                                     st.committed.get(path, 0), st.recording)
+        for step, names, values in u.scalars:
+            self.store.append_scalars(step, _scalars.ids(st, names), values,
+                                      st.committed.get(fmt.scalars_table(st.rank), 0), st.recording)
         for step, rows in tensors:
             for row in rows:
                 self._write_tensor(step, row)
@@ -310,7 +318,7 @@ class Writer:
         else:
             for row in record.tensors:
                 row.snap.release()
-            self.drops.drop(why, len(record.metas))
+            self.drops.drop(why, len(record.metas) + sum(len(s.names) for s in record.scalars))
             what = f"the captures of step {record.step} and of later steps while it stays so are"
         self._notice(Notice(why, f"tensortape: {why}; {what} dropped and counted in the run's "
                                  f"'dropped'; training goes on",

@@ -17,6 +17,9 @@ Layout of a store (Zarr v3)::
                                     recording appended to it)
         replay/step<S>/             on_nonfinite="replay": the producer call's bundle
                                     (``replay_group``), named by its event's replay
+        scalars/                    ``rec.log``'s scalars, a row per (step, name): step,
+                                    name (an index into the rank state's ``scalar_names``),
+                                    value (float64) (``scalars_table``); absent: none
 
 Format 3 packs a kind's statistics into one array and writes its histograms
 as shards, so a rank's files grow with its flushes and steps / 256, not with
@@ -86,6 +89,7 @@ STATS_COLUMNS_V2 = ("step", "hist", *STATS)   # formats 1 and 2: an array per st
 STAT_AXIS = "stat"
 BIN_COLUMNS = ("bin_lo", "bin_hi")            # fixed: one value per bin
 TENSOR_COLUMNS = ("data", "step", "micro", "extent")
+SCALAR_COLUMNS = ("step", "name", "value")    # ``rec.log``: a row per (step, name)
 OPTIONAL_COLUMNS = {"micro": 0}               # absent in format 1: every row is micro-batch 0
 RECORDING = "recording"      # a column of a table a resumed recording appended to (any format-3
                              # table may have it; absent: every row is recording 0)
@@ -154,17 +158,24 @@ def tensor_group(rank: int, kind: str, layer: str) -> str:
     return f"{rank_group(rank)}/tensors/{kind}/{node_name(layer)}"
 
 
+def scalars_table(rank: int) -> str:
+    """The rank's logged scalars (``rec.log``): ``SCALAR_COLUMNS``."""
+    return f"{rank_group(rank)}/scalars"
+
+
 @dataclass(frozen=True)
 class TablePath:
-    """A parsed table path: ``rankR/stats/KIND`` or ``rankR/tensors/KIND/NODE``."""
+    """A parsed table path: ``rankR/stats/KIND``, ``rankR/tensors/KIND/NODE`` or
+    ``rankR/scalars`` (kind ``""``)."""
     rank: int
-    section: str            # "stats" or "tensors"
+    section: str            # "stats", "tensors" or "scalars"
     kind: str
     node: str | None = None
 
     @property
     def columns(self) -> tuple[str, ...]:
-        return STATS_COLUMNS if self.section == "stats" else TENSOR_COLUMNS
+        return {"stats": STATS_COLUMNS, "scalars": SCALAR_COLUMNS}.get(self.section,
+                                                                       TENSOR_COLUMNS)
 
 
 def latest_rows(keys: np.ndarray) -> np.ndarray:
@@ -224,6 +235,8 @@ def parse_path(path: str) -> TablePath:
     """The parts of a table path; ``StoreFormatError`` for anything else."""
     parts = path.split("/") if isinstance(path, str) else []
     rank = rank_of(parts[0]) if parts else None
+    if rank is not None and parts[1:] == ["scalars"]:
+        return TablePath(rank, "scalars", "")
     ok = (len(parts) in (3, 4) and rank is not None
           and parts[2] in KINDS and ((parts[1] == "stats" and len(parts) == 3)
                                      or (parts[1] == "tensors" and len(parts) == 4
@@ -339,6 +352,7 @@ class RankState:
                                      # first, one more at each attach with mode="a"
     rerecorded: list[list[int]] = field(default_factory=list)   # the steps a recording recorded
                                      # again (``note_step`` runs): older rows there are not read
+    scalar_names: list[str] = field(default_factory=list)   # ``rec.log``'s names, by index
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -368,7 +382,8 @@ class RankState:
                 stats_layers={str(k): strings(v) for k, v in dict(d.get("stats_layers", {})).items()},
                 bytes_raw=integer(d.get("bytes_raw", 0)),
                 recording=integer(d.get("recording", 0)),
-                rerecorded=[step_run(r) for r in list(d.get("rerecorded", []))])
+                rerecorded=[step_run(r) for r in list(d.get("rerecorded", []))],
+                scalar_names=strings(d.get("scalar_names", [])))
         except StoreFormatError:
             raise
         except (TypeError, ValueError, AttributeError) as e:

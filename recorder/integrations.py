@@ -14,6 +14,10 @@ micro-batches are the step's micro-batches; the step ends just before the
 optimizer steps, so ``weight_grads`` are taken before the trainer zeroes them.
 Evaluation, prediction and sanity-check passes run outside any step: they are
 not recorded and never fail (``outside_step`` defaults to ``"ignore"`` here).
+The trainer's logged scalars are stored too (``rec.log``; ``run.scalars()``):
+Hugging Face's ``on_log`` logs (``loss``, ``learning_rate``, ``grad_norm``, ...)
+on the step just ended; Lightning's ``trainer.callback_metrics`` (what
+``self.log`` logged) at each training batch's end, as 0-dim tensors (no sync).
 
 Neither framework is imported until its callback is first used (each is an
 optional extra: ``tensortape[hf]``, ``tensortape[lightning]``).
@@ -59,6 +63,19 @@ class _Session:
         that the framework calls is nested in the recorded one."""
         if self.recorder is not None:
             self.recorder._micro_batch(enter)
+
+    def log(self, values) -> None:
+        """The trainer's logged scalars (numbers and 0-dim tensors; anything else is
+        skipped) into the open step, or the last one (``Recorder.log``)."""
+        import numbers
+        rec = self.recorder
+        if rec is None or rec._closed or not values:
+            return
+        kept = {str(k): v for k, v in dict(values).items()
+                if (isinstance(v, numbers.Real) and not isinstance(v, bool))
+                or (getattr(v, "ndim", None) == 0 and not getattr(v, "is_complex", bool)())}
+        if kept:
+            rec.log(kept)
 
     def close(self, failed: bool = False) -> None:
         if self.recorder is not None:
@@ -147,6 +164,9 @@ def _trainer_callback():
         def on_step_end(self, args, state, control, **kwargs):
             self.session.end_step()          # transformers without on_pre_optimizer_step
 
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.session.log(logs)
+
         def on_train_end(self, args, state, control, **kwargs):
             self.session.close()
 
@@ -171,6 +191,7 @@ def _lightning_callback():
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.session.micro_batch(False)
+            self.session.log(trainer.callback_metrics)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.session.end_step()

@@ -1,0 +1,67 @@
+"""A run's logged scalars (``rec.log``; the trainers' callbacks and ``tensortape
+record`` log theirs), as ``run.scalars()`` returns them: an ``xr.Dataset`` over
+``step`` (and ``rank`` in a run of several), one float64 variable per name.
+
+Each rank's scalars table (``format.scalars_table``) holds a row per (step,
+name); of a step recorded again (``mode="a"``) only the latest recording's
+rows are read (``RunIndex.current_rows``), and of a name logged twice for one
+step, the last.  A name that has no value at a step (or on a rank) is NaN
+there.  A store without scalars (any older one) gives an empty Dataset.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xarray as xr
+
+from recorder import format as fmt
+
+from ._index import RunIndex
+
+__all__ = ["logged", "scalars"]
+
+
+def logged(index: RunIndex, rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{name: (steps, values)} of one rank, steps ascending: the values logged (a
+    NaN logged is there; a step without the name is not)."""
+    path = fmt.scalars_table(rank)
+    if not index.committed(rank).get(path):
+        return {}
+    current, steps = index.current_rows(path, rank)
+    n = len(steps)
+    names = np.asarray(index.source.array(f"{path}/name")[:n])[current]
+    values = np.asarray(index.source.array(f"{path}/value")[:n], np.float64)[current]
+    steps = steps[current]
+    keep = fmt.latest_rows(np.stack([steps, names], axis=1))     # the last of (step, name)
+    known = index.states[rank].scalar_names
+    out = {}
+    for i in np.unique(names[keep]):
+        rows = keep[names[keep] == i]
+        rows = rows[np.argsort(steps[rows], kind="stable")]
+        if 0 <= i < len(known):
+            out[known[i]] = (steps[rows], values[rows])
+    return out
+
+
+def scalars(index: RunIndex, rank: int | None = None) -> xr.Dataset:
+    """The run's scalars (see the module); ``rank``: one rank's."""
+    ranks = [index.rank(rank)] if rank is not None or len(index.ranks) < 2 else index.ranks
+    per_rank = [logged(index, r) for r in ranks]
+    names = list(dict.fromkeys(n for part in per_rank for n in part))
+    steps = np.unique(np.concatenate([np.zeros(0, np.int64)] + [
+        s for part in per_rank for s, _ in part.values()])).astype(np.int64)
+    data = {}
+    for name in names:
+        grid = np.full((len(ranks), len(steps)), np.nan)
+        for j, part in enumerate(per_rank):
+            if name in part:
+                s, v = part[name]
+                grid[j, np.searchsorted(steps, s)] = v
+        data[name] = (("rank", "step"), grid) if len(ranks) > 1 else (("step",), grid[0])
+    coords = {"step": steps}
+    if len(ranks) > 1:
+        coords["rank"] = ranks
+    ds = xr.Dataset(data, coords=coords)
+    if len(ranks) == 1 and index.ranks:
+        ds.attrs["rank"] = ranks[0]
+    return ds

@@ -1,0 +1,115 @@
+"""Export a run to TensorBoard event files (``tensortape export RUN DIR --format
+tensorboard``), for those who look at runs in TensorBoard.
+
+Written with TensorBoard's own event writer and protos (``tensorboard``, no
+torch, no TensorFlow), one folder of event files per rank (``DIR`` itself for a
+run of one rank, else ``DIR/rank<R>``):
+
+- ``<kind>/<layer>``: a histogram per step over the store's true bins (each
+  bucket's upper limit is its bin's ``bin_hi``; a first empty bucket carries
+  the lowest bin's ``bin_lo``), only the range of bins that hold values; ``min``,
+  ``max``, ``num`` (finite values), ``sum`` and ``sum_squares`` from the step's
+  statistics;
+- ``<kind>/<layer>/<stat>``: each statistic as a scalar, the NaN, +Inf and
+  -Inf counts among them (TensorBoard's histograms have no place for them);
+- ``scalars/<name>``: the run's logged scalars (``run.scalars()``).
+
+TensorBoard keeps scalars as float32.  A step where a layer did not run is
+left out.  Memory stays bounded: a layer's histograms are read a block of steps
+at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from recorder import format as fmt
+
+from ._scalars import logged
+
+__all__ = ["to_tensorboard"]
+
+BLOCK_STEPS = 1024
+EVENTS = "events.out.tfevents."
+
+
+def existing_events(folder: str) -> list[str]:
+    """The TensorBoard event files in ``folder`` and its rank folders."""
+    found = []
+    for base, dirs, files in os.walk(folder):
+        found += [os.path.join(base, f) for f in files if f.startswith(EVENTS)]
+        if base != folder:
+            dirs[:] = []
+    return found
+
+
+def to_tensorboard(run, folder, progress=None) -> str:
+    """Write ``run``'s histograms, statistics and scalars as event files in
+    ``folder`` (see the module); returns ``folder``."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    folder = os.fspath(folder)
+    protos = (Event, Summary, HistogramProto)
+    work = [(r, kind, layer) for r in run.ranks for kind in run.kinds_of(r)
+            for layer in run.state(r).stats_layers.get(kind, [])]
+    writers = {r: EventFileWriter(folder if len(run.ranks) == 1 else
+                                  os.path.join(folder, fmt.rank_group(r)), max_queue_size=1000)
+               for r in run.ranks}
+    try:
+        for r, w in writers.items():
+            _scalars(w, logged(run._index, r), protos)
+        for r, kind, layer in (progress(work) if progress else work):
+            _layer(writers[r], run.only(r), kind, layer, protos)
+    finally:
+        for w in writers.values():
+            w.close()
+    return folder
+
+
+def _scalars(writer, per_name: dict, protos) -> None:
+    """A rank's logged scalars (a NaN logged included), an event per step."""
+    Event, Summary, _ = protos
+    by_step: dict[int, list] = {}
+    for name, (steps, values) in per_name.items():
+        for s, v in zip(steps.tolist(), values.tolist()):
+            by_step.setdefault(s, []).append(Summary.Value(tag=f"scalars/{name}",
+                                                           simple_value=v))
+    for step in sorted(by_step):
+        writer.add_event(Event(wall_time=time.time(), step=int(step),
+                               summary=Summary(value=by_step[step])))
+
+
+def _layer(writer, run, kind: str, layer: str, protos) -> None:
+    """One layer's histograms and statistics, a block of steps at a time."""
+    Event, Summary, HistogramProto = protos
+    hist = run.histogram(layer, kind)
+    stats = run.stats(kind, [layer]).isel(layer=0)
+    lo, hi = hist.bin_lo.values, hist.bin_hi.values
+    steps = hist.step.values
+    for start in range(0, len(steps), BLOCK_STEPS):
+        part = slice(start, start + BLOCK_STEPS)
+        counts = np.asarray(hist.isel(step=part).values)
+        block = {s: np.asarray(stats[s].isel(step=part).values) for s in fmt.STATS}
+        for j, step in enumerate(steps[part]):
+            if block["count"][j] < 0:                    # the layer did not run there
+                continue
+            tag = f"{kind}/{layer}"
+            values = [Summary.Value(tag=f"{tag}/{s}", simple_value=float(block[s][j]))
+                      for s in fmt.STATS]
+            c = counts[j]
+            held = np.nonzero(c > 0)[0]
+            if len(held):
+                first, last = held[0], held[-1] + 1
+                num = float(c.sum())
+                mean, std = float(block["mean"][j]), float(block["std"][j])
+                values.append(Summary.Value(tag=tag, histo=HistogramProto(
+                    min=float(block["min"][j]), max=float(block["max"][j]), num=num,
+                    sum=mean * num, sum_squares=num * (std * std + mean * mean),
+                    bucket_limit=[float(lo[first]), *hi[first:last].tolist()],
+                    bucket=[0.0, *c[first:last].astype(np.float64).tolist()])))
+            writer.add_event(Event(wall_time=time.time(), step=int(step),
+                                   summary=Summary(value=values)))

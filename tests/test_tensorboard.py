@@ -1,0 +1,102 @@
+"""`tensortape export RUN DIR --format tensorboard`: TensorBoard's own reader
+(EventAccumulator) reads back what open_run reads (bin edges, counts, statistics,
+NaN/Inf counts, scalars)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import cli
+from analysis import open_run
+from recorder import Recorder
+from recorder import format as fmt
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Spike(nn.Module):
+    def forward(self, x):
+        return torch.where(x > 1.5, torch.full_like(x, float("nan")), x)   # NaN at some steps
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tb") / "run.zarr")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), Spike(), nn.Linear(8, 2))
+    with Recorder(m, path, max_bytes=None, tensors_every=None) as rec:
+        for i in range(5):
+            with rec.step(i):
+                loss = m(torch.randn(6, 4) * (i + 1)).pow(2).mean()
+                loss.backward()
+                rec.log({"loss": loss, "lr": 0.5 ** i})
+    return path
+
+
+def read(folder):
+    ea = EventAccumulator(folder, size_guidance={"histograms": 0, "scalars": 0})
+    ea.Reload()
+    return ea
+
+
+def test_event_files_hold_open_runs_numbers(store, tmp_path):
+    out = str(tmp_path / "tb")
+    r = CliRunner().invoke(cli.cli, ["export", store, out, "--format", "tensorboard"])
+    assert r.exit_code == 0, r.output
+    run, ea = open_run(store), read(out)
+    lo, hi = fmt.bin_edges()
+    nonfinite = 0
+    for kind in run.kinds:
+        stats = run.stats(kind).compute()
+        for layer in stats.layer.values.tolist():
+            tag = f"{kind}/{layer}"
+            hist = run.histogram(layer, kind).values
+            events = {e.step: e.histogram_value for e in ea.Histograms(tag)}
+            for j, step in enumerate(stats.step.values.tolist()):
+                counts = hist[j]
+                held = np.nonzero(counts > 0)[0]
+                if not len(held):
+                    assert step not in events
+                    continue
+                h = events[step]
+                a, b = held[0], held[-1] + 1
+                assert h.bucket_limit == [lo[a], *hi[a:b]]                  # the true edges
+                assert h.bucket == [0, *counts[a:b]]
+                assert h.num == counts.sum()
+                for s in fmt.STATS:                                         # as float32
+                    got = [e.value for e in ea.Scalars(f"{tag}/{s}") if e.step == step]
+                    want = np.float32(stats[s].sel(layer=layer, step=step).values)
+                    np.testing.assert_array_equal(np.float32(got), [want], err_msg=f"{tag} {s}")
+                nonfinite += int(stats["nan"].sel(layer=layer, step=step))
+    assert nonfinite > 0                                                   # NaN counts exported
+    ds = run.scalars()
+    for name in ("loss", "lr"):
+        got = [(e.step, np.float32(e.value)) for e in ea.Scalars(f"scalars/{name}")]
+        assert [s for s, _ in got] == ds.step.values.tolist()        # a NaN loss included
+        np.testing.assert_array_equal([v for _, v in got], np.float32(ds[name].values))
+
+
+def test_an_existing_export_is_refused_without_force_and_torch_is_not_imported(store, tmp_path):
+    out = str(tmp_path / "tb")
+    code = ("import sys, cli\n"
+            "try:\n"
+            f"    cli.main(['export', {store!r}, {out!r}, '--format', 'tensorboard'])\n"
+            "except SystemExit as e:\n"
+            "    assert not e.code, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stderr
+    r = CliRunner().invoke(cli.cli, ["export", store, out, "--format", "tensorboard"])
+    assert r.exit_code == 2 and "--force" in r.output
+    r = CliRunner().invoke(cli.cli, ["export", store, out, "--format", "tensorboard", "--force"])
+    assert r.exit_code == 0
+    assert len([f for f in os.listdir(out) if f.startswith("events.out.tfevents.")]) == 1
