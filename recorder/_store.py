@@ -140,7 +140,7 @@ class RunStore:
         """One step's logged scalars (``rec.log``), a row each: the name's index in the
         rank state's ``scalar_names``, and its value."""
         from ._scalars import columns
-        table = self._table(fmt.scalars_table(self.rank), committed, columns, recording)
+        table = self._open(fmt.scalars_table(self.rank), committed, recording, columns)
         for i, v in zip(ids, values):
             table.append(_tagged({"step": np.int64(step), "name": np.int64(i),
                                   "value": np.float64(v)}, table, recording))

@@ -15,6 +15,7 @@ import cli
 from analysis import open_run
 from recorder import Recorder
 from recorder import format as fmt
+from recorder import histogram
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -52,7 +53,7 @@ def test_event_files_hold_open_runs_numbers(store, tmp_path):
     r = CliRunner().invoke(cli.cli, ["export", store, out, "--format", "tensorboard"])
     assert r.exit_code == 0, r.output
     run, ea = open_run(store), read(out)
-    lo, hi = fmt.bin_edges()
+    lo, hi = histogram.bin_edges()
     nonfinite = 0
     for kind in run.kinds:
         stats = run.stats(kind).compute()
