@@ -11,13 +11,10 @@ the writer.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import os
 import sys
-import threading
-import warnings
 import weakref
 from datetime import datetime, timezone
 
@@ -25,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _replay
+from . import _exit
 from . import format as fmt
 from ._config import RecorderConfig
 from ._engines import engine_choice
@@ -37,54 +34,11 @@ from ._buffer import StepBuffer
 from ._drops import DropLedger
 from ._claim import Claim
 from ._store import RunStore, check_mode, open_root, write_threads
+from ._replay import Replayer
 from ._writer import Writer
 from .errors import ConfigError, InspectionError, NonFiniteError
 
 __all__ = ["Recorder"]
-
-
-_open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
-_ending: "set[Writer]" = set()          # writers a finaliser asked to end the run
-
-
-def _close_at_exit() -> None:
-    """At interpreter exit, close every Recorder still open as ``interrupted``: a
-    script that raised or was interrupted keeps every step it captured.  It runs
-    among threading's exit calls, before thread pools (zarr's among them) refuse
-    new work, and waits at most each Recorder's ``close_timeout``."""
-    for rec in list(_open_recorders):
-        try:
-            rec.close(fmt.STATUS_INTERRUPTED)
-        except BaseException as e:   # never raise at exit; say it in one line
-            print(f"tensortape: closing {rec.store_location!r} at exit failed: "
-                  f"{type(e).__name__}: {e}", file=sys.stderr)
-    for writer in list(_ending):
-        writer.worker.thread.join(writer.config.close_timeout)
-
-
-def _forgotten(writer: Writer, hooks: HookSet, buffer: StepBuffer, location: str) -> None:
-    """A Recorder collected without ``close()``: remove its hooks, end its open step
-    (unless a thread is inside the step buffer now), and ask its writer to end the
-    run ``interrupted``.  A finaliser may run in the middle of any code, even code
-    holding one of tensortape's locks, so this takes no lock it could wait for and
-    waits for nothing."""
-    hooks.detach()
-    if buffer.state.step is not None and buffer.idle():
-        writer.post_nowait(buffer.end())
-    writer.close_nowait()
-    _ending.add(writer)
-    try:
-        warnings.warn(f"tensortape: a Recorder of {location!r} was never closed; it is closed "
-                      f"now with status 'interrupted' (use `with Recorder(...)` or call close())",
-                      ResourceWarning, stacklevel=2)
-    except Exception:            # a filter that makes it an error: not from a finaliser
-        pass
-
-
-try:                                  # before concurrent.futures' own exit call (reversed order)
-    threading._register_atexit(_close_at_exit)
-except (AttributeError, RuntimeError):       # another Python, or already shutting down
-    atexit.register(_close_at_exit)
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -210,6 +164,7 @@ class Recorder:
         self._hooks: HookSet | None = None
         self._writer: Writer | None = None
         self._buffer: StepBuffer | None = None
+        self._replayer: Replayer | None = None        # on_nonfinite="replay"
         self._closed = False
         self._finalizer: weakref.finalize | None = None
         self._claim: Claim | None = None              # rank 0's; the writer releases it
@@ -279,13 +234,16 @@ class Recorder:
             if self._claim is not None:
                 self._claim.release()
             raise
+        if self._buffer.keeper is not None:
+            self._replayer = Replayer(self._buffer.keeper, self.rank, self.pause,
+                                      self._buffer.fault)
         self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
         self._model = None
         self._hooks.attach()
-        _open_recorders.add(self)
-        self._finalizer = weakref.finalize(self, _forgotten, self._writer, self._hooks,
+        _exit.opened(self)
+        self._finalizer = weakref.finalize(self, _exit.forgotten, self._writer, self._hooks,
                                            self._buffer, self.store_location)
-        self._finalizer.atexit = False           # _close_at_exit closes it, bounded
+        self._finalizer.atexit = False           # _exit closes it, bounded
         return self
 
     def close(self, status: str = fmt.STATUS_COMPLETE) -> None:
@@ -294,7 +252,7 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
-        _open_recorders.discard(self)
+        _exit.closed(self)
         if self._finalizer is not None:
             self._finalizer.detach()
         try:
@@ -382,33 +340,6 @@ class Recorder:
         if self._writer is not None:
             self._writer.flush()
 
-    def _replay(self, record) -> None:
-        """``on_nonfinite="replay"``: at the run's first step with a NaN/Inf, replay
-        the call that made it and attach what it found to that call's event
-        (``_replay``); later steps keep nothing.  It waits for the step's
-        summaries; it never raises into training."""
-        buffer = self._buffer
-        calls = buffer.keeper.take()
-        dropped, buffer.keeper.dropped = buffer.keeper.dropped, 0
-        if dropped:
-            record.drops[_replay.REPLAY_CAP] = record.drops.get(_replay.REPLAY_CAP, 0) + dropped
-        if not calls:
-            return
-        try:
-            events = record.resolve().events
-            if not events:
-                return
-            buffer.keeper.done = True           # the run's first NaN/Inf: the one replayed
-            i, found, call = _replay.investigate(calls, events, self.pause)
-            if call is not None:                # the bundle, for run.replay(model)
-                path = fmt.replay_group(self.rank, record.step)
-                attrs, arrays = _replay.bundle(call)
-                record.bundle = (path, {**attrs, "phase": found["phase"]}, arrays)
-                found = {**found, "bundle": path}
-            events[i] = dataclasses.replace(events[i], replay=found)
-        except Exception as e:                  # the guard: a failed replay is counted
-            buffer.fault(e, "replay", "(the step's producer)")
-
     def _end_step(self, raise_nonfinite: bool) -> None:
         buffer, cfg = self._buffer, self.config
         step = buffer.state.step
@@ -425,8 +356,8 @@ class Recorder:
             self._last_step = step
             record = buffer.end()
         silent = not buffer.captured and not self._warned_silent and self._hooks.backward_ran()
-        if buffer.keeper is not None:
-            self._replay(record)
+        if self._replayer is not None:          # on_nonfinite="replay"
+            self._replayer.on_step_end(record)
         events = []
         if cfg.on_nonfinite == "raise":         # the one policy that waits for the device
             try:
