@@ -5,8 +5,12 @@ It wires the one-way flow and owns the lifecycle, nothing more::
     hooks (_hooks) -> captures -> step buffer (_buffer) -> records (_record) -> writer (_writer)
         -> tables (_store) -> commit
 
-Settings are validated once (``_config``); the run's durable state lives with
-the writer.
+Settings are validated once (``_config``); the run is opened on every rank by
+``_open``; the run's durable state lives with the writer.  Under
+``on_nonfinite="replay"`` a step's end goes through ``_replay.Replayer`` too.
+A Recorder left open at exit, or collected unclosed, is ended by ``_exit``.
+
+Training thread.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import dataclasses
 import os
 import sys
 import weakref
-from datetime import datetime, timezone
 
 import numpy as np
 import torch
@@ -32,28 +35,13 @@ from ._selection import select_layers, unwrap
 from ._budget import resolve as resolve_budget
 from ._buffer import StepBuffer
 from ._drops import DropLedger
-from ._claim import Claim
-from ._store import RunStore, check_mode, open_root, write_threads
+from ._open import all_ranks_then, open_run, rank_and_world
+from ._store import check_mode, write_threads
 from ._replay import Replayer
 from ._writer import Writer
 from .errors import ConfigError, InspectionError, NonFiniteError
 
 __all__ = ["Recorder"]
-
-
-def _rank_and_world() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _all_ranks_then(world: int, error: BaseException | None) -> None:
-    """Wait for every rank (under torch.distributed), then raise ``error`` if any."""
-    if world > 1:
-        torch.distributed.barrier()
-    if error is not None:
-        raise error
 
 
 class _StepScope:
@@ -158,7 +146,7 @@ class Recorder:
         engine_choice()                   # a bad TENSORTAPE_ENGINE or TENSORTAPE_WRITE_THREADS:
         write_threads()                   # one line, before anything is written
         self.layers = select_layers(model, layers)
-        self.rank, self._world = _rank_and_world()
+        self.rank, self._world = rank_and_world()
         self._model_class = type(unwrap(model)).__qualname__
         self._model = model
         self._hooks: HookSet | None = None
@@ -167,7 +155,6 @@ class Recorder:
         self._replayer: Replayer | None = None        # on_nonfinite="replay"
         self._closed = False
         self._finalizer: weakref.finalize | None = None
-        self._claim: Claim | None = None              # rank 0's; the writer releases it
         self._last_step: int | None = None           # the store's, for numbering steps
         self._own_last: int | None = None            # this Recorder's: steps must increase
         self._dropped_before = self._outside_before = 0
@@ -178,7 +165,7 @@ class Recorder:
                 check_mode(self.store_location, self.config.mode)   # before any hook
         except Exception as e:        # raised after the barrier, so no other rank hangs
             error = e
-        _all_ranks_then(self._world, error)      # every rank looks before rank 0 creates
+        all_ranks_then(self._world, error)       # every rank looks before rank 0 creates
 
     # --- lifecycle ------------------------------------------------------------
     def attach(self) -> "Recorder":
@@ -192,47 +179,18 @@ class Recorder:
         self.config = cfg = dataclasses.replace(self.config, max_bytes=budget.limit)
         if budget.text and self.rank == 0:        # a line, not a warning (-W error)
             print(budget.text, file=sys.stderr)
-        root, error = None, None
-        fresh = dict(tensortape_format=fmt.FORMAT_VERSION, status=fmt.STATUS_RECORDING,
-                     torch_version=torch.__version__, model_class=self._model_class,
-                     config=cfg.to_json(), metadata=self.metadata,
-                     created=datetime.now(timezone.utc).isoformat())
-        if self.rank == 0:                        # applies the mode to the run as a whole
-            try:                                  # claimed first; a new root written whole
-                with quiet():
-                    self._claim = Claim.acquire(self.store_location, cfg.mode, 0, self._world)
-                    root = open_root(self.store_location, cfg.mode, claim=self._claim,
-                                     attributes=fmt.to_json(fmt.root_attrs(fmt.RankState(), fresh)))
-            except Exception as e:
-                error = e
-                if self._claim is not None:
-                    self._claim.release()
-        _all_ranks_then(self._world, error)
-        if root is None:
-            with quiet():
-                root = open_root(self.store_location, cfg.mode, self.rank)
-        store = None
+        run = open_run(self.store_location, cfg, self.rank, self._world, self._model_class,
+                       self.metadata)
         try:                                      # a failure here gives the claim back
-            store = RunStore(root, self.rank, cfg.compression)
-            state = store.state() if cfg.mode == "a" else fmt.RankState(rank=self.rank)
-            state.rank = self.rank
-            root_base = None
-            if self.rank == 0:
-                old = dict(root.attrs) if cfg.mode == "a" else {}
-                root_base = {**old, **fresh, "created": old.get("created", fresh["created"]),
-                             "metadata": self.metadata or old.get("metadata", {})}
-                store.commit(state, fmt.root_attrs(state, root_base))
+            state = run.state
             self._last_step, self._dropped_before = state.last_step, state.dropped
             self._outside_before = state.outside_steps
             drops = DropLedger()                  # one for the step buffer and the writer's handle
             self._buffer = StepBuffer(cfg, state.layers, drops)
             self._buffer.summarizer.warm(self._model)
-            self._writer = Writer(store, state, root_base, cfg, drops, self._claim)
+            self._writer = Writer(run.store, state, run.root_base, cfg, drops, run.claim)
         except BaseException:
-            if store is not None:
-                store.close(wait=False)
-            if self._claim is not None:
-                self._claim.release()
+            run.abandon()
             raise
         if self._buffer.keeper is not None:
             self._replayer = Replayer(self._buffer.keeper, self.rank, self.pause,
