@@ -298,7 +298,7 @@ def record(out, mode, layers, capture, tensors_every, stats_every, ring, on_nonf
     The model is found at its first forward with grad enabled; a step is one optimizer
     step. Exits with the script's exit status (130 after Ctrl-C), or 2 with one line
     when it cannot record."""
-    from recorder._script import run_script
+    from recorder.script import run_script
     kw = dict(layers=list(layers) or "*", stats_every=stats_every, ring=ring,
               on_nonfinite=on_nonfinite, mode=mode, max_samples=max_samples,
               max_bytes=_size(max_bytes, "--max-bytes"),

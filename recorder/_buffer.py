@@ -15,6 +15,11 @@ Anything raised while capturing is a fault (``fault``): the capture is
 dropped and counted with its reason, a failing engine is demoted, and it
 warns once per cause; training goes on.
 
+``keeper``: under ``on_nonfinite="replay"``, the step's module calls kept for
+a replay (``_keeper.Keeper``), else None.  The hooks hand it each recorded
+call (``HookSet`` reads the attribute); ``_replay.Replayer`` takes them when
+the step ends.
+
 Training thread; ``add`` and ``fault`` also on autograd's threads (a lock
 guards the captures).  ``end`` holds its warnings until ``tell``, once its
 record is handed on.
@@ -31,7 +36,7 @@ from ._config import RecorderConfig
 from ._drops import DropLedger
 from ._quiet import holding, warn
 from ._record import CloseRecord, StepRecord, TensorRow
-from ._replay import Keeper
+from ._keeper import Keeper
 from ._scalars import ScalarLog
 from ._step import StepState
 from ._summarizer import Capture, EngineFailed, Summarizer
@@ -54,7 +59,9 @@ class StepBuffer:
         self.state = StepState(config)
         self.drops = drops                      # shared with the writer's handle
         self.summarizer = Summarizer(config, self.drops, self.fault)
-        self.keeper = Keeper(config.max_replay_bytes) if config.on_nonfinite == "replay" else None
+        # on_nonfinite="replay": the calls the hooks keep for a replay (see the module)
+        self.keeper: Keeper | None = (Keeper(config.max_replay_bytes)
+                                      if config.on_nonfinite == "replay" else None)
         self.on_end: list = []                  # called when a step ends (the hooks' cleanup)
         self.captured = 0                       # captures of the last step ended
         self.pending: list[str] = []            # warnings held by end(), for tell()

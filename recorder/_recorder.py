@@ -5,27 +5,27 @@ It wires the one-way flow and owns the lifecycle, nothing more::
     hooks (_hooks) -> captures -> step buffer (_buffer) -> records (_record) -> writer (_writer)
         -> tables (_store) -> commit
 
-Settings are validated once (``_config``); the run's durable state lives with
-the writer.
+Settings are validated once (``_config``); the run is opened on every rank by
+``_open``; the run's durable state lives with the writer.  Under
+``on_nonfinite="replay"`` a step's end goes through ``_replay.Replayer`` too.
+A Recorder left open at exit, or collected unclosed, is ended by ``_exit``.
+
+Training thread.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import os
 import sys
-import threading
-import warnings
 import weakref
-from datetime import datetime, timezone
 
 import numpy as np
 import torch
 from torch import nn
 
-from . import _replay, _scalars
+from . import _exit, _scalars
 from . import format as fmt
 from ._config import RecorderConfig
 from ._engines import engine_choice
@@ -35,73 +35,14 @@ from ._selection import select_layers, unwrap
 from ._budget import resolve as resolve_budget
 from ._buffer import StepBuffer
 from ._drops import DropLedger
-from ._claim import Claim
+from ._open import all_ranks_then, open_run, rank_and_world
 from ._pool import write_threads
-from ._root import check_mode, open_root
-from ._store import RunStore
+from ._root import check_mode
+from ._replay import Replayer
 from ._writer import Writer
 from .errors import ConfigError, InspectionError, NonFiniteError
 
 __all__ = ["Recorder"]
-
-
-_open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
-_ending: "set[Writer]" = set()          # writers a finaliser asked to end the run
-
-
-def _close_at_exit() -> None:
-    """At interpreter exit, close every Recorder still open as ``interrupted``: a
-    script that raised or was interrupted keeps every step it captured.  It runs
-    among threading's exit calls, before thread pools (zarr's among them) refuse
-    new work, and waits at most each Recorder's ``close_timeout``."""
-    for rec in list(_open_recorders):
-        try:
-            rec.close(fmt.STATUS_INTERRUPTED)
-        except BaseException as e:   # never raise at exit; say it in one line
-            print(f"tensortape: closing {rec.store_location!r} at exit failed: "
-                  f"{type(e).__name__}: {e}", file=sys.stderr)
-    for writer in list(_ending):
-        writer.worker.thread.join(writer.config.close_timeout)
-
-
-def _forgotten(writer: Writer, hooks: HookSet, buffer: StepBuffer, location: str) -> None:
-    """A Recorder collected without ``close()``: remove its hooks, end its open step
-    (unless a thread is inside the step buffer now), and ask its writer to end the
-    run ``interrupted``.  A finaliser may run in the middle of any code, even code
-    holding one of tensortape's locks, so this takes no lock it could wait for and
-    waits for nothing."""
-    hooks.detach()
-    if buffer.state.step is not None and buffer.idle():
-        writer.post_nowait(buffer.end())
-    writer.close_nowait()
-    _ending.add(writer)
-    try:
-        warnings.warn(f"tensortape: a Recorder of {location!r} was never closed; it is closed "
-                      f"now with status 'interrupted' (use `with Recorder(...)` or call close())",
-                      ResourceWarning, stacklevel=2)
-    except Exception:            # a filter that makes it an error: not from a finaliser
-        pass
-
-
-try:                                  # before concurrent.futures' own exit call (reversed order)
-    threading._register_atexit(_close_at_exit)
-except (AttributeError, RuntimeError):       # another Python, or already shutting down
-    atexit.register(_close_at_exit)
-
-
-def _rank_and_world() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _all_ranks_then(world: int, error: BaseException | None) -> None:
-    """Wait for every rank (under torch.distributed), then raise ``error`` if any."""
-    if world > 1:
-        torch.distributed.barrier()
-    if error is not None:
-        raise error
 
 
 class _StepScope:
@@ -206,15 +147,15 @@ class Recorder:
         engine_choice()                   # a bad TENSORTAPE_ENGINE or TENSORTAPE_WRITE_THREADS:
         write_threads()                   # one line, before anything is written
         self.layers = select_layers(model, layers)
-        self.rank, self._world = _rank_and_world()
+        self.rank, self._world = rank_and_world()
         self._model_class = type(unwrap(model)).__qualname__
         self._model = model
         self._hooks: HookSet | None = None
         self._writer: Writer | None = None
         self._buffer: StepBuffer | None = None
+        self._replayer: Replayer | None = None        # on_nonfinite="replay"
         self._closed = False
         self._finalizer: weakref.finalize | None = None
-        self._claim: Claim | None = None              # rank 0's; the writer releases it
         self._last_step: int | None = None           # the store's, for numbering steps
         self._own_last: int | None = None            # this Recorder's: steps must increase
         self._dropped_before = self._outside_before = 0
@@ -225,7 +166,7 @@ class Recorder:
                 check_mode(self.store_location, self.config.mode)   # before any hook
         except Exception as e:        # raised after the barrier, so no other rank hangs
             error = e
-        _all_ranks_then(self._world, error)      # every rank looks before rank 0 creates
+        all_ranks_then(self._world, error)       # every rank looks before rank 0 creates
 
     # --- lifecycle ------------------------------------------------------------
     def attach(self) -> "Recorder":
@@ -239,55 +180,29 @@ class Recorder:
         self.config = cfg = dataclasses.replace(self.config, max_bytes=budget.limit)
         if budget.text and self.rank == 0:        # a line, not a warning (-W error)
             print(budget.text, file=sys.stderr)
-        root, error = None, None
-        fresh = dict(tensortape_format=fmt.FORMAT_VERSION, status=fmt.STATUS_RECORDING,
-                     torch_version=torch.__version__, model_class=self._model_class,
-                     config=cfg.to_json(), metadata=self.metadata,
-                     created=datetime.now(timezone.utc).isoformat())
-        if self.rank == 0:                        # applies the mode to the run as a whole
-            try:                                  # claimed first; a new root written whole
-                with quiet():
-                    self._claim = Claim.acquire(self.store_location, cfg.mode, 0, self._world)
-                    root = open_root(self.store_location, cfg.mode, claim=self._claim,
-                                     attributes=fmt.to_json(fmt.root_attrs(fmt.RankState(), fresh)))
-            except Exception as e:
-                error = e
-                if self._claim is not None:
-                    self._claim.release()
-        _all_ranks_then(self._world, error)
-        if root is None:
-            with quiet():
-                root = open_root(self.store_location, cfg.mode, self.rank)
-        store = None
+        run = open_run(self.store_location, cfg, self.rank, self._world, self._model_class,
+                       self.metadata)
         try:                                      # a failure here gives the claim back
-            store = RunStore(root, self.rank, cfg.compression)
-            state = store.state() if cfg.mode == "a" else fmt.RankState(rank=self.rank)
-            state.rank = self.rank
-            root_base = None
-            if self.rank == 0:
-                old = dict(root.attrs) if cfg.mode == "a" else {}
-                root_base = {**old, **fresh, "created": old.get("created", fresh["created"]),
-                             "metadata": self.metadata or old.get("metadata", {})}
-                store.commit(state, fmt.root_attrs(state, root_base))
+            state = run.state
             self._last_step, self._dropped_before = state.last_step, state.dropped
             self._outside_before = state.outside_steps
             drops = DropLedger()                  # one for the step buffer and the writer's handle
             self._buffer = StepBuffer(cfg, state.layers, drops)
             self._buffer.summarizer.warm(self._model)
-            self._writer = Writer(store, state, root_base, cfg, drops, self._claim)
+            self._writer = Writer(run.store, state, run.root_base, cfg, drops, run.claim)
         except BaseException:
-            if store is not None:
-                store.close(wait=False)
-            if self._claim is not None:
-                self._claim.release()
+            run.abandon()
             raise
+        if self._buffer.keeper is not None:
+            self._replayer = Replayer(self._buffer.keeper, self.rank, self.pause,
+                                      self._buffer.fault)
         self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
         self._model = None
         self._hooks.attach()
-        _open_recorders.add(self)
-        self._finalizer = weakref.finalize(self, _forgotten, self._writer, self._hooks,
+        _exit.opened(self)
+        self._finalizer = weakref.finalize(self, _exit.forgotten, self._writer, self._hooks,
                                            self._buffer, self.store_location)
-        self._finalizer.atexit = False           # _close_at_exit closes it, bounded
+        self._finalizer.atexit = False           # _exit closes it, bounded
         return self
 
     def close(self, status: str = fmt.STATUS_COMPLETE) -> None:
@@ -296,7 +211,7 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
-        _open_recorders.discard(self)
+        _exit.closed(self)
         if self._finalizer is not None:
             self._finalizer.detach()
         try:
@@ -398,33 +313,6 @@ class Recorder:
         if self._writer is not None:
             self._writer.flush()
 
-    def _replay(self, record) -> None:
-        """``on_nonfinite="replay"``: at the run's first step with a NaN/Inf, replay
-        the call that made it and attach what it found to that call's event
-        (``_replay``); later steps keep nothing.  It waits for the step's
-        summaries; it never raises into training."""
-        buffer = self._buffer
-        calls = buffer.keeper.take()
-        dropped, buffer.keeper.dropped = buffer.keeper.dropped, 0
-        if dropped:
-            record.drops[_replay.REPLAY_CAP] = record.drops.get(_replay.REPLAY_CAP, 0) + dropped
-        if not calls:
-            return
-        try:
-            events = record.resolve().events
-            if not events:
-                return
-            buffer.keeper.done = True           # the run's first NaN/Inf: the one replayed
-            i, found, call = _replay.investigate(calls, events, self.pause)
-            if call is not None:                # the bundle, for run.replay(model)
-                path = fmt.replay_group(self.rank, record.step)
-                attrs, arrays = _replay.bundle(call)
-                record.bundle = (path, {**attrs, "phase": found["phase"]}, arrays)
-                found = {**found, "bundle": path}
-            events[i] = dataclasses.replace(events[i], replay=found)
-        except Exception as e:                  # the guard: a failed replay is counted
-            buffer.fault(e, "replay", "(the step's producer)")
-
     def _end_step(self, raise_nonfinite: bool) -> None:
         buffer, cfg = self._buffer, self.config
         step = buffer.state.step
@@ -441,8 +329,8 @@ class Recorder:
             self._last_step = step
             record = buffer.end()
         silent = not buffer.captured and not self._warned_silent and self._hooks.backward_ran()
-        if buffer.keeper is not None:
-            self._replay(record)
+        if self._replayer is not None:          # on_nonfinite="replay"
+            self._replayer.on_step_end(record)
         events = []
         if cfg.on_nonfinite == "raise":         # the one policy that waits for the device
             try:

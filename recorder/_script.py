@@ -1,40 +1,16 @@
-"""Record a training script that knows nothing of tensortape (``tensortape record``).
+"""The internals of ``tensortape record`` (``script.run_script``, which says what
+it does): the ``Tracker`` that finds the model and turns optimizer steps into
+recorder steps, the probe of the store before the script starts, and the
+CLI's wording of an error.
 
-The script runs in this process (``runpy``), unchanged:
-
-- **The model** is the outermost module of the first forward pass run with
-  grad enabled.  ``torch.nn.Module.__call__`` is wrapped until then, so the
-  recorder attaches before that call begins and records it like any later
-  one (a global forward pre-hook runs after torch has read the module's own
-  hooks: the root's would miss that call); torch's own ``__call__`` is put
-  back as soon as the model is found.
-- **A step** is one optimizer step (torch.optim's global step hooks): a step
-  ends just before an optimizer steps, so ``weight_grads`` are still there,
-  and the next begins at the model's next forward with grad enabled.  Forward
-  passes without grad (evaluation) between them run outside any step: not
-  recorded, only counted.
-- **The loss**, the 0-dim tensor ``backward()`` is called on inside a step
-  (``torch.Tensor.backward``, wrapped while recording), is logged as ``loss``
-  (``rec.log``: read at the step's end, no sync; the last one of a step).
-- The script's exit status and output are its own; the run is ``complete``
-  when the script ends normally (or exits 0), else ``interrupted``.  Ctrl-C
-  ends it as ``interrupted`` with status 130 and no traceback.
-- ``python -m pkg.mod`` is found as python finds it: ``sys.path[0]`` is the
-  current folder (the script's folder for ``python script.py``) while it runs.
-- Before the script starts, the store is checked (its mode, and a probe write
-  that leaves nothing behind); when it cannot record there, or later when a
-  pattern matches nothing, it stops the script with one line
-  (``RecorderError``, worded in the CLI's flags), unless ``keep_going`` lets
-  the script train unrecorded after one warning line.
+Training thread (the script's own).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import runpy
 import sys
-import traceback
 import uuid
 
 import torch
@@ -43,13 +19,12 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from . import format as fmt
 from ._recorder import Recorder
-from ._root import check_mode
 from .errors import ConfigError, RecorderError
 
-__all__ = ["run_script"]
+__all__ = ["Stop", "Tracker", "cli_words", "find_module", "probe"]
 
 
-class _Stop(BaseException):
+class Stop(BaseException):
     """Raised through the script when it cannot be recorded (not an Exception:
     the script's own ``except Exception`` does not swallow it)."""
 
@@ -58,7 +33,7 @@ class _Stop(BaseException):
         self.error = error
 
 
-class _Tracker:
+class Tracker:
     """Finds the model, then turns optimizer steps into recorder steps."""
 
     def __init__(self, store, kwargs: dict, keep_going: bool):
@@ -108,8 +83,8 @@ class _Tracker:
             self.recorder = Recorder(module, self.store, **self.kwargs).attach()
         except RecorderError as e:
             if not self.keep_going:
-                raise _Stop(e) from None
-            print(f"tensortape: not recording: {_cli_words(e)}", file=sys.stderr)  # trains on
+                raise Stop(e) from None
+            print(f"tensortape: not recording: {cli_words(e)}", file=sys.stderr)  # trains on
             return
         module.register_forward_pre_hook(self._model_forward, prepend=True)
         self.scope = self.recorder.step(self.step)
@@ -155,12 +130,12 @@ class _Tracker:
             self.recorder.close("complete" if ok else "interrupted")
 
 
-def _cli_words(error: BaseException) -> str:
+def cli_words(error: BaseException) -> str:
     """An error's message as the command line says it: ``--mode w``, not ``mode='w'``."""
     return re.sub(r"\bmode=(['\"])(w-|w|a)\1", r"--mode \2", str(error))
 
 
-def _probe(location) -> None:
+def probe(location) -> None:
     """Raise ``ConfigError`` now if the run cannot be written at ``location``: create
     its folder as the recorder would and write a file there the way zarr does (a
     ``.partial`` a killed start leaves is cleared by the recorder), then remove
@@ -197,7 +172,7 @@ def _probe(location) -> None:
                           f"e.g. a new folder under your home") from None
 
 
-def _find_module(target: str) -> None:
+def find_module(target: str) -> None:
     import importlib.util
     try:
         found = importlib.util.find_spec(target)
@@ -206,68 +181,3 @@ def _find_module(target: str) -> None:
     if found is None:
         raise ConfigError(f"no module {target!r} to run with -m; check its name and run "
                           f"tensortape from the folder python -m would run it from")
-
-
-def run_script(command: list[str], store, keep_going: bool = False, **recorder_kwargs) -> int:
-    """Run ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) here, recording its
-    model into ``store``; returns the script's exit status (130 after Ctrl-C).
-
-    Raises ``RecorderError`` (one line, in the CLI's words) when the script is
-    missing, or when it cannot be recorded and ``keep_going`` is false."""
-    if command and os.path.basename(command[0]).startswith("python"):
-        command = command[1:]
-    if not command:
-        raise ConfigError("no script to run; give it after --, e.g. -- python train.py")
-    as_module = command[0] == "-m"
-    if as_module:
-        command = command[1:]
-        if not command:
-            raise ConfigError("no module after -m; e.g. -- python -m mypackage.train")
-    target, args = command[0], command[1:]
-    if not as_module and not os.path.isfile(target):
-        raise ConfigError(f"no script {target!r}; check the path after --")
-    recording = True
-    try:
-        check_mode(store, recorder_kwargs.get("mode", "w-"))
-        _probe(store)
-    except RecorderError as e:
-        if not keep_going:
-            raise type(e)(f"{_cli_words(e)}; the script was not started (pass --keep-going "
-                          f"to let it train unrecorded)") from None
-        print(f"tensortape: not recording: {_cli_words(e)}", file=sys.stderr)
-        recording = False
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
-    # sys.path[0] as python sets it: the current folder for -m, else the script's folder
-    sys.path.insert(0, os.getcwd() if as_module else os.path.dirname(os.path.abspath(target)))
-    sys.argv = [target, *args]
-    status, stopped, tracker = 0, None, None
-    try:
-        if as_module:
-            _find_module(target)
-        tracker = _Tracker(store, recorder_kwargs, keep_going) if recording else None
-        try:
-            if as_module:
-                runpy.run_module(target, run_name="__main__", alter_sys=True)
-            else:
-                runpy.run_path(target, run_name="__main__")
-        except SystemExit as e:
-            status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if e.code is not None and not isinstance(e.code, int):
-                print(e.code, file=sys.stderr)
-        except _Stop as e:
-            stopped = e.error
-        except KeyboardInterrupt:
-            print("tensortape: interrupted (Ctrl-C); the run is closed as 'interrupted'",
-                  file=sys.stderr)
-            status = 130
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-        if tracker is not None:
-            tracker.close(ok=status == 0 and stopped is None)
-    if stopped is not None:
-        raise type(stopped)(f"{_cli_words(stopped)}; the script was stopped (pass --keep-going "
-                            f"to let it train unrecorded)") from None
-    return status

@@ -6,7 +6,8 @@ step's first NaN/Inf as a *bundle* (``format.replay_group``): its inputs,
 parameters, buffers and output gradients as arrays, its structure, RNG and
 autocast state as JSON.  ``replay_bundle`` builds that call again in a model
 the user builds (the same architecture) and runs it under the recorder's own
-op check (``_replay``), so the answer is the one the recording gave.
+op check (``_replay``; the bundle is ``_bundle``'s), so the answer is the one the
+recording gave.
 
 The reader hands the bundle over as plain JSON and numpy (``read``), so the
 torch-free reader (``analysis``) never imports the recorder's private modules,
@@ -38,11 +39,11 @@ def replay_bundle(attrs: dict, read: Callable[[str], tuple[np.ndarray, str | Non
     or None.  Returns what the replay found, as the event's ``replay`` dict."""
     import torch
 
-    from . import _replay
+    from . import _bundle, _replay
 
     def tensor(name: str) -> torch.Tensor:
         data, logical = read(name)
         t = torch.from_numpy(np.array(data, copy=True))
         return t.view(getattr(torch, logical)) if logical in fmt.BITS_DTYPES else t
-    call = _replay.from_bundle(attrs, tensor, model)
+    call = _bundle.from_bundle(attrs, tensor, model)
     return _replay.replay(call, contextlib.nullcontext, backward=attrs.get("phase") == "backward")

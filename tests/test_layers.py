@@ -19,9 +19,6 @@ ANALYSIS = sorted(f"analysis/{n}" for n in os.listdir(os.path.join(ROOT, "analys
                   if n.endswith(".py"))
 RECORDER = sorted(f"recorder/{n}" for n in os.listdir(os.path.join(ROOT, "recorder"))
                   if n.endswith(".py"))
-# private recorder names cli.py still imports, each to go when it has a public home
-# (and no other may be added): ``tensortape record``'s ``run_script``
-CLI_KNOWN = {"recorder._script"}
 
 
 def imports(relpath: str, module_level: bool = False) -> list[tuple[int, str]]:
@@ -62,9 +59,8 @@ def test_the_reader_imports_no_private_name_of_the_recorder(relpath):
     assert not bad, _where(relpath, bad)
 
 
-def test_the_command_line_imports_no_new_private_name_of_the_recorder():
-    bad = [(line, n) for line, n in imports("cli.py") if private_recorder(n)
-           and not any(n == k or n.startswith(k + ".") for k in CLI_KNOWN)]
+def test_the_command_line_imports_no_private_name_of_the_recorder():
+    bad = [(line, n) for line, n in imports("cli.py") if private_recorder(n)]
     assert not bad, _where("cli.py", bad)
 
 
