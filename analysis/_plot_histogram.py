@@ -196,7 +196,7 @@ def _draw(ax, occupied, lo_e, hi_e, density, scale):
                        label=f"step {s}: {m:,} values ({m / c.sum():.1%}) exactly {v:g} "
                              f"(a point mass: no density)")
             ends += [v, v]
-        bulk |= scale == "linear" and lo.size > 1 and k.max() > 0.5 * c.sum()
+        bulk |= scale == "linear" and lo.size > 3 and np.sort(k)[-3:].sum() > 0.6 * c.sum()
     lo_v, hi_v = min(ends), max(ends)
     if scale == "symlog":
         ax.set_xscale("symlog", linthresh=lt, linscale=LINSCALE)
@@ -213,12 +213,13 @@ def _draw(ax, occupied, lo_e, hi_e, density, scale):
         ax.set_yticks([])
     what = ("value (linear axis)" if scale == "linear" else
             f"value (symmetric-log axis: linear within ±{_value(lt)}, log beyond)")
-    ax.set_xlabel(what + ("\none bar holds most values: scale='symlog' shows the bulk"
+    ax.set_xlabel(what + ("\nmost values are in three bars: scale='symlog' (--scale symlog) "
+                          "shows the bulk"
                           if bulk else ""))
     ax.set_ylabel(("density per unit of value" if scale == "linear" else
                    "density per decade of |value|") if density else
                   "count per bar (bars of unequal width)")
-    ax.legend(fontsize="x-small", loc="upper right")
+    ax.legend(fontsize="x-small", loc="best")
 
 
 def _nonfinite_bars(ax, counts: dict) -> None:
@@ -230,7 +231,7 @@ def _nonfinite_bars(ax, counts: dict) -> None:
                                       for k in names])
     ax.set_xlim(-0.6, len(names) - 0.4)
     ax.set_title("NaN / Inf\n(counts)", fontsize="small")
-    ax.tick_params(axis="y", labelsize="x-small")
+    ax.tick_params(labelsize="x-small")
     if any(vals):
         bars = ax.bar(range(len(names)), vals, color="tab:red", hatch="//", edgecolor="darkred")
         for bar, v in zip(bars, vals):

@@ -60,9 +60,10 @@ def _value(v: float) -> str:
 
 def _decade_ticks(linthresh: float, lo: float, hi: float, most: int = 9) -> list[float]:
     """0 and clean powers of ten on each occupied side of a symmetric-log axis,
-    thinned to at most ``most`` ticks, none inside the linear region."""
+    thinned to at most ``most`` ticks, none inside the linear region nor at its
+    edge (whose label would run into 0's)."""
     top = np.log10(max(abs(lo), abs(hi), linthresh))
-    decades = np.arange(np.ceil(np.log10(linthresh)), np.floor(top) + 1)
+    decades = np.arange(np.ceil(np.log10(linthresh)) + 1, np.floor(top) + 1)  # none at ±linthresh
     sides = [s for s, ok in ((1, hi > 0), (-1, lo < 0)) if ok]
     step = max(1, int(np.ceil(len(decades) * len(sides) / max(most - 1, 1))))
     decades = decades[::-1][::step][::-1]                       # keep the largest decade
@@ -116,7 +117,7 @@ def _scale(ax, stat: str, vals: np.ndarray) -> None:
 
 SMALL_MULTIPLES = 6         # more layers than this: a panel per layer
 MAX_PANELS, COLS = 40, 4    # at most this many panels, in this many columns
-TITLE_WIDTH = 40            # characters on a line of a panel's title
+TITLE_WIDTH = 46            # characters on a line of a panel's title
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -378,10 +379,12 @@ def comparison(diff, line_a, line_b, labels=("run A", "run B"), first=None, nonf
         gone = np.nonzero((~np.isfinite(da.values.astype(float)) & ran) |
                           (da.coords["nonfinite"].values > 0 if "nonfinite" in da.coords
                            else False))[0]
-        if gone.size:
-            lines.plot(da.step.values[gone], np.full(gone.size, 0.97 - 0.05 * n), "x",
-                       color=f"C{n}", transform=lines.get_xaxis_transform(), ls="",
-                       label=f"{_short(name, 20)}: NaN/Inf ({gone.size} steps)")
+        if gone.size:                          # shaded, never drawn as values
+            mask = np.zeros(da.sizes["step"], bool)
+            mask[gone] = True
+            lines.fill_between(da.step.values, 0, 1, where=mask, step="mid", color=f"C{n}",
+                               alpha=0.15, lw=0, transform=lines.get_xaxis_transform(),
+                               label=f"{_short(name, 20)}: NaN/Inf ({gone.size} steps)")
     if first is not None and first[1] == layer:
         lines.axvline(first[0], color="tab:blue", lw=1, ls=":")
     lines.set_xlabel("step")
