@@ -470,11 +470,17 @@ def nan(run, around, fmt):
 @click.option("--step", type=int, default=None,
               help="step for --type histogram (default: the last with finite values)")
 @steps_option
-@click.option("--density", is_flag=True,
-              help="--type histogram: counts per unit of value instead of counts per bin")
+@click.option("--scale", type=click.Choice(["linear", "symlog"]), default="linear",
+              show_default=True,
+              help="--type histogram: linear, density per unit of value (a Gaussian is one "
+                   "bell); symlog, a symmetric-log value axis and density per decade of |value| "
+                   "(for heavy tails)")
+@click.option("--density/--counts", default=True, show_default=True,
+              help="--type histogram: each bar's density (its area is its share of the "
+                   "values), or the count in each bar")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, writable=True),
               help="PNG file to write")
-def plot(run, layer, kind, plot_type, stat, step, steps, density, output):
+def plot(run, layer, kind, plot_type, stat, step, steps, scale, density, output):
     """Plot a layer of RUN into a PNG file."""
     r = _open(run)
     if plot_type != "evolution" and any(ch in layer for ch in "*?["):
@@ -484,7 +490,7 @@ def plot(run, layer, kind, plot_type, stat, step, steps, density, output):
     span = _span(steps)
     if plot_type == "histogram":
         _check_step(step, r.steps(kind))
-        fig = r.plot_histogram(layer, kind=kind, steps=step, density=density)
+        fig = r.plot_histogram(layer, kind=kind, steps=step, density=density, scale=scale)
     elif plot_type == "evolution":
         fig = r.plot_evolution(layers=layer, kind=kind, stat=stat, steps=span)
     else:

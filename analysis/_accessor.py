@@ -9,6 +9,7 @@ from typing import Generic, TypeVar
 
 from recorder.errors import ConfigError
 
+from ._plot_histogram import SCALES
 from ._select import within
 
 __all__ = ["RunPlotAccessor", "UncachedAccessor"]
@@ -45,23 +46,30 @@ class RunPlotAccessor:
         self._run = run
 
     def histogram(self, layer, kind="activations", steps=None, rank=None, ax=None,
-                  density: bool = False):
+                  density: bool = True, scale: str = "linear"):
         """Histogram of ``layer`` at some steps (an int or a list; default: the last
-        with finite values) over values: bars of the bins' true widths on a
-        symmetric-log axis, NaN/+Inf/-Inf as their own bars -> Figure.
-        ``density``: counts per unit of value instead of counts per bin."""
+        with finite values) over values -> Figure.  Each bar is a density, so that
+        the picture's shape is the data's: ``scale="linear"`` (the default), a
+        linear value axis and density per unit of value (a Gaussian is one bell);
+        ``scale="symlog"``, a symmetric-log axis and density per decade of |value|
+        (for heavy tails: a log-normal is one bell).  The axis labels say which.
+        ``density=False``: the count in each bar instead.  Exact zeros are marked
+        lines; NaN/+Inf/-Inf are counted in bars beside, never drawn as values."""
+        if scale not in SCALES:
+            raise ConfigError(f"scale {scale!r}: use one of {', '.join(SCALES)}")
         run = self._run
         rank = run._rank(rank)                   # one rank's picture (default: the first)
         from . import _plots
         h = run.histogram(layer, kind, rank=rank).compute()
         st = run.stats(kind, [layer], rank=rank).isel(layer=0).compute()
-        return _plots.histogram(_with_range(h, st), steps, ax, density=density)
+        return _plots.histogram(_with_range(h, st), steps, ax, density=density, scale=scale)
 
     def evolution(self, layers=None, kind="activations", stat="std", rank=None, ax=None,
                   steps: slice | None = None):
         """One statistic over the steps (``steps``: a slice of step numbers, half-open;
-        default all), a line per layer (small multiples past 6 layers), each layer's
-        NaN/Inf steps marked with their counts -> Figure."""
+        default all), a line per layer (past 6 layers, a panel per layer, at most 40,
+        each titled with the layer's full name), each layer's NaN/Inf steps marked on a
+        strip below or shaded, never drawn as values, with their counts -> Figure."""
         run = self._run
         rank = run._rank(rank)
         from . import _plots

@@ -12,9 +12,11 @@ does, over the occupied range.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
-__all__ = ["comparison", "distribution", "evolution", "histogram", "last_finite_step"]
+__all__ = ["comparison", "distribution", "evolution", "histogram", "last_finite_step", "wrap"]
 
 NONFINITE = ("nan", "posinf", "neginf")
 PERCENTILES = (0.0, 0.0668, 0.3085, 0.5, 0.6915, 0.9332, 1.0)   # TensorBoard's bands
@@ -35,15 +37,33 @@ def _short(name: str, width: int = 28) -> str:
     return name if len(name) <= width else "…" + name[-(width - 1):]
 
 
+def wrap(text: str, width: int) -> str:
+    """``text`` on lines of at most ``width`` characters, broken after a ``.``, ``:``,
+    ``_``, ``/``, ``-`` or space where it can be, mid-word where it must; every
+    character kept (joining the lines gives ``text`` back)."""
+    lines, line = [], ""
+    for piece in re.split(r"(?<=[.:_/ -])", str(text)):
+        if line and len(line) + len(piece) > width:
+            lines.append(line)
+            line = ""
+        line += piece
+        while len(line) > width:
+            lines.append(line[:width])
+            line = line[width:]
+    return "\n".join(lines + [line] if line or not lines else lines)
+
+
 def _value(v: float) -> str:
-    return "0" if v == 0 else f"{v:.1e}".replace("e-0", "e-").replace("e+0", "e")
+    """A tick's value, short: 0, 0.01, 1, 100, 1e-5, 1e6."""
+    return "0" if v == 0 else f"{v:g}".replace("e-0", "e-").replace("e+0", "e").replace("e+", "e")
 
 
 def _decade_ticks(linthresh: float, lo: float, hi: float, most: int = 9) -> list[float]:
     """0 and clean powers of ten on each occupied side of a symmetric-log axis,
-    thinned to at most ``most`` ticks, none inside the linear region."""
+    thinned to at most ``most`` ticks, none inside the linear region nor at its
+    edge (whose label would run into 0's)."""
     top = np.log10(max(abs(lo), abs(hi), linthresh))
-    decades = np.arange(np.ceil(np.log10(linthresh)), np.floor(top) + 1)
+    decades = np.arange(np.ceil(np.log10(linthresh)) + 1, np.floor(top) + 1)  # none at ±linthresh
     sides = [s for s, ok in ((1, hi > 0), (-1, lo < 0)) if ok]
     step = max(1, int(np.ceil(len(decades) * len(sides) / max(most - 1, 1))))
     decades = decades[::-1][::step][::-1]                       # keep the largest decade
@@ -59,28 +79,6 @@ def _linthresh(values: np.ndarray) -> float:
     return float(10.0 ** np.floor(np.log10(np.quantile(mags, 0.05))))
 
 
-def _nonfinite_bars(ax, counts: dict) -> None:
-    """NaN, +Inf and -Inf counts as their own red bars, labelled with the count."""
-    names = list(counts)
-    vals = [counts[k] for k in names]
-    bars = ax.bar(range(len(names)), vals, color="tab:red", hatch="//", edgecolor="darkred")
-    for bar, v in zip(bars, vals):
-        if v:
-            ax.annotate(f"{v:,}", (bar.get_x() + bar.get_width() / 2, v), ha="center",
-                        va="bottom", fontsize="x-small", color="darkred")
-    ax.set_xticks(range(len(names)), [{"nan": "NaN", "posinf": "+Inf", "neginf": "-Inf"}[k]
-                                      for k in names])
-    ax.set_title("non-finite", fontsize="small")
-    ax.tick_params(axis="y", labelsize="x-small")
-    if any(vals):
-        ax.set_yscale("log")
-        ax.set_ylim(0.5, max(vals) * 3)
-    else:
-        ax.set_yticks([])
-        ax.text(0.5, 0.5, "none", ha="center", va="center", transform=ax.transAxes,
-                fontsize="small")
-
-
 def last_finite_step(h) -> int | None:
     """The last step of a histogram (``Run.histogram``) that holds finite values (a
     step where the layer did not run holds -1 in every bin)."""
@@ -89,63 +87,10 @@ def last_finite_step(h) -> int | None:
     return int(steps[-1]) if len(steps) else None
 
 
-def histogram(h, steps=None, ax=None, density: bool = False):
-    """Counts of one layer at one or more steps (default: the last with finite
-    values) drawn over values: each bin a bar of its true width (clipped to the
-    step's true min and max when ``h`` carries them), on a symmetric-log value
-    axis with a 0 tick and decade ticks; NaN/+Inf/-Inf counts as their own red
-    bars beside it.  ``density``: counts per unit of value, over all counts."""
-    layer, kind = h.attrs.get("layer", h.name), h.attrs.get("kind", "")
-    if steps is None:
-        last = last_finite_step(h)
-        steps = [] if last is None else [last]
-    elif np.isscalar(steps):
-        steps = [int(steps)]
-    if ax is None:
-        from matplotlib.figure import Figure
-        fig = Figure(figsize=(8, 4), layout="constrained")
-        ax, side = fig.subplots(1, 2, width_ratios=(6, 1))
-    else:
-        fig, side = ax.figure, None
-    lo_e, hi_e = h.bin_lo.values.astype(float), h.bin_hi.values.astype(float)
-    occupied = []
-    bad = {k: 0 for k in NONFINITE}
-    for n, s in enumerate(steps):
-        at = h.sel(step=s)
-        c = np.maximum(at.values.astype(np.int64), 0)      # -1: the layer did not run
-        used = np.nonzero(c)[0]
-        for k in NONFINITE:
-            if k in h.coords:
-                bad[k] += max(int(at[k]), 0)
-        if not used.size:
-            continue
-        lo, hi = lo_e[used].copy(), hi_e[used].copy()
-        if "min" in h.coords and np.isfinite(float(at["min"])):
-            lo, hi = np.clip(lo, float(at["min"]), None), np.clip(hi, None, float(at["max"]))
-            hi = np.maximum(hi, lo)
-        width = hi - lo
-        y = c[used] / np.where(width > 0, width, 1) / c.sum() if density else c[used]
-        ax.bar(lo, y, width=np.where(width > 0, width, 0), align="edge", alpha=0.6,
-               color=f"C{n}", edgecolor=f"C{n}", lw=0.6, label=f"step {s}")
-        occupied.append((lo.min(), hi.max(), np.concatenate([lo, hi])))
-    if occupied:
-        lo_v, hi_v = min(o[0] for o in occupied), max(o[1] for o in occupied)
-        lt = _linthresh(np.concatenate([o[2] for o in occupied]))
-        ax.set_xscale("symlog", linthresh=lt, linscale=0.5)
-        ticks = _decade_ticks(lt, lo_v, hi_v)
-        ax.set_xticks(ticks, [_value(t) for t in ticks])
-        ax.set_xlim(min(lo_v, 0.0), max(hi_v, 0.0))
-        ax.set_yscale("log")
-        ax.legend(fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no finite values at these steps", ha="center", transform=ax.transAxes)
-    ax.set_xlabel("value (symmetric log; bars are the bins' true widths)")
-    ax.set_ylabel("density" if density else "count per bin")
-    ax.set_title(f"{_short(layer, 50)} · {kind}" + (f" · step {steps[0]}" if len(steps) == 1 else ""))
-    ax.grid(alpha=0.3)
-    if side is not None:
-        _nonfinite_bars(side, bad)
-    return fig
+def histogram(h, steps=None, ax=None, density: bool = True, scale: str = "linear"):
+    """A layer's histogram at some steps over values -> Figure (``_plot_histogram``)."""
+    from ._plot_histogram import histogram
+    return histogram(h, steps, ax, density=density, scale=scale)
 
 
 def _nonfinite_spans(ax, steps: np.ndarray, bad: np.ndarray, label: bool = True) -> None:
@@ -171,75 +116,123 @@ def _scale(ax, stat: str, vals: np.ndarray) -> None:
 
 
 SMALL_MULTIPLES = 6         # more layers than this: a panel per layer
+MAX_PANELS, COLS = 40, 4    # at most this many panels, in this many columns
+TITLE_WIDTH = 46            # characters on a line of a panel's title
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """(start, stop) indices of each run of True in ``mask``."""
+    d = np.diff(np.concatenate([[0], np.asarray(mask, np.int8), [0]]))
+    return list(zip(np.nonzero(d == 1)[0], np.nonzero(d == -1)[0]))
+
+
+def _shade(ax, steps: np.ndarray, mask: np.ndarray) -> None:
+    """A red band over each run of steps where ``mask`` holds (NaN/Inf: not a value)."""
+    gap = np.min(np.diff(steps)) if len(steps) > 1 else 1
+    for a, b in _runs(mask):
+        ax.axvspan(steps[a] - gap / 2, steps[b - 1] + gap / 2, color="red", alpha=0.15, lw=0)
+
+
+def _note(steps: np.ndarray, bad: np.ndarray) -> str:
+    hit = np.nonzero(bad)[0]
+    return (f"NaN/Inf from step {steps[hit[0]]} ({int(bad[hit[0]]):,} values, {len(hit)} steps)"
+            if hit.size else "")
 
 
 def evolution(ds, stat: str = "std", ax=None, max_legend: int = 12):
-    """One statistic of ``Run.stats`` over the steps, a line per layer; past
-    ``SMALL_MULTIPLES`` layers, a small panel per layer (at most 24).  Steps where
-    a layer held NaN/Inf are left out of its line (its statistics cover only its
-    finite values there), marked with an x on the line's colour at the top, and
-    the layer's first such step and count are in its label.  The run is named in
-    the title (``ds.attrs["run"]``)."""
+    """One statistic of ``Run.stats`` over the steps, a line per layer, named in full
+    in the legend; past ``SMALL_MULTIPLES`` layers, a panel per layer (at most
+    ``MAX_PANELS``), its full name wrapped in its title.  Steps where a layer held
+    NaN/Inf are left out of its line (its statistics cover only its finite values
+    there), never drawn as values: they are marked on a strip below the lines
+    (shaded, in a panel or in an ``ax`` given), and the layer's first such step
+    and count are in its label.  The run is named in the title (``ds.attrs["run"]``)."""
     kind, run = ds.attrs.get("kind", ""), ds.attrs.get("run", "")
     da = ds[stat]
     bad = sum(ds[k].astype(np.int64).clip(min=0) for k in NONFINITE)   # -1: did not run
     shown = da.where(bad == 0)
+    title = f"{stat} of {kind} over training" + (f" · {run}" if run else "")
+    if da.sizes["layer"] > SMALL_MULTIPLES and ax is None:
+        return _small_multiples(shown, bad, stat, title)
     steps = da.step.values
     names = [str(x) for x in da.layer.values]
-    many = len(names) > SMALL_MULTIPLES and ax is None
-    if many:
+    hit = [i for i in range(len(names)) if bad.isel(layer=i).values.any()]
+    if ax is None:
         from matplotlib.figure import Figure
-        names = names[:24]
-        cols = 4
-        rows = -(-len(names) // cols)
-        fig = Figure(figsize=(12, 1.9 * rows + 0.8), layout="constrained")
-        axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, squeeze=False).ravel())
-        for extra in axes[len(names):]:
-            extra.set_visible(False)
+        fig = Figure(figsize=(10, 4.5 + (0.3 + 0.2 * len(hit) if hit else 0)),
+                     layout="constrained")
+        ax, strip = (fig.subplots(2, 1, sharex=True, height_ratios=(5, 0.4 + 0.3 * len(hit)))
+                     if hit else (fig.add_subplot(), None))
+        legend = {"loc": "upper left", "bbox_to_anchor": (1.01, 1), "borderaxespad": 0}
     else:
-        fig, one = _figure((8, 4.5), ax)
-        axes = [one] * len(names)
+        fig, strip, legend = ax.figure, None, {"loc": "best"}
     for i, name in enumerate(names):
-        a = axes[i]
-        y = shown.isel(layer=i).values
-        b = bad.isel(layer=i).values
-        hit = np.nonzero(b)[0]
-        label = _short(name) + (f"  NaN/Inf from step {steps[hit[0]]} ({int(b[hit[0]]):,} values, "
-                                f"{len(hit)} steps)" if hit.size else "")
-        color = "C0" if many else f"C{i % 10}"
-        line, = a.plot(steps, y, lw=1.2, color=color,
-                       label=label if (many or i < max_legend) else None)
-        if hit.size:
-            row = 0.98 if many else 0.98 - 0.03 * (i % 12)     # a row of marks per layer
-            a.plot(steps[hit], np.full(hit.size, row), "x", color=color, ms=5, mew=1.4,
-                   transform=a.get_xaxis_transform(), clip_on=False)
-            if many:
-                for j in hit:
-                    a.axvspan(steps[j] - 0.5, steps[j] + 0.5, color="red", alpha=0.15, lw=0)
-        if many:
-            _scale(a, stat, y)
-            a.set_title(label, fontsize="x-small", color="darkred" if hit.size else "black")
-            a.grid(alpha=0.3)
-            a.tick_params(labelsize="x-small")
-    if many:
-        fig.suptitle(f"{stat} of {kind} over training · {run}" +
-                     (f" (first {len(names)} of {da.sizes['layer']} layers)"
-                      if da.sizes["layer"] > len(names) else ""), fontsize="small")
-        fig.supxlabel("step", fontsize="small")
-        return fig
-    ax = axes[0] if names else _figure((8, 4.5), ax)[1]
+        note = _note(steps, bad.isel(layer=i).values)
+        ax.plot(steps, shown.isel(layer=i).values, lw=1.2, color=f"C{i % 10}",
+                label=name + (f"\n  {note}" if note else "") if i < max_legend else None)
+    if hit and strip is None:
+        _shade(ax, steps, bad.values.any(axis=list(bad.dims).index("layer")))
+    elif hit:
+        _strip(strip, steps, bad, hit, names)
     _scale(ax, stat, shown.values.ravel())
     if len(steps):
         ax.set_xlim(steps[0], steps[-1] if steps[-1] > steps[0] else steps[0] + 1)
-    ax.set_xlabel("step")
+    (strip or ax).set_xlabel("step")
     ax.set_ylabel(stat)
-    ax.set_title(f"{stat} of {kind} over training" + (f" · {run}" if run else "") +
-                 ("\nx: a step where that layer held NaN/Inf (left out of its line)"
-                  if int(bad.sum()) else ""), fontsize="small")
+    ax.set_title(title + ("\nsteps where a layer held NaN/Inf are left out of its line, and "
+                          + ("marked below" if strip else "shaded") if hit else ""),
+                 fontsize="small")
     if da.sizes["layer"] > max_legend:
         ax.plot([], [], " ", label=f"+{da.sizes['layer'] - max_legend} more layers")
-    ax.legend(fontsize="x-small", loc="best")
+    ax.legend(fontsize="x-small", **legend)
     ax.grid(alpha=0.3)
+    return fig
+
+
+def _strip(strip, steps, bad, hit, names) -> None:
+    """A row per layer that held NaN/Inf, a mark at each such step, in its line's colour."""
+    for row, i in enumerate(hit):
+        at = bad.isel(layer=i).values > 0
+        strip.plot(steps[at], np.full(int(at.sum()), row), "|", color=f"C{i % 10}", ms=9,
+                   mew=1.5, ls="")
+    strip.set_yticks(range(len(hit)), [_short(names[i], 24) for i in hit], fontsize="x-small")
+    for label, i in zip(strip.get_yticklabels(), hit):
+        label.set_color(f"C{i % 10}")
+    strip.set_ylim(len(hit) - 0.5, -0.5)
+    strip.set_ylabel("NaN/Inf", fontsize="small")
+    strip.grid(alpha=0.3, axis="x")
+
+
+def _small_multiples(shown, bad, stat: str, title: str):
+    """A panel per layer: its line, its NaN/Inf steps shaded, its full name (wrapped)
+    and its first NaN/Inf step in its title."""
+    from matplotlib.figure import Figure
+    names = [str(x) for x in shown.layer.values][:MAX_PANELS]
+    steps = shown.step.values
+    notes = [_note(steps, bad.isel(layer=i).values) for i in range(len(names))]
+    titles = [wrap(n, TITLE_WIDTH) + (f"\n{wrap(t, TITLE_WIDTH)}" if t else "")
+              for n, t in zip(names, notes)]
+    rows = -(-len(names) // COLS)
+    lines = max(t.count("\n") + 1 for t in titles)
+    fig = Figure(figsize=(12, rows * (1.3 + 0.15 * lines) + 0.6), layout="constrained")
+    axes = fig.subplots(rows, COLS, sharex=True, squeeze=False).ravel()
+    for i, (a, text) in enumerate(zip(axes, titles)):
+        y = shown.isel(layer=i).values
+        a.plot(steps, y, lw=1.2, color="C0", label=names[i])
+        _shade(a, steps, bad.isel(layer=i).values > 0)
+        _scale(a, stat, y)
+        a.set_title(text, fontsize="x-small", loc="left", color="darkred" if notes[i] else "black")
+        a.grid(alpha=0.3)
+        a.tick_params(labelsize="x-small")
+    for a in axes[len(names):]:
+        a.set_visible(False)
+    for a in axes[max(len(names) - COLS, 0):len(names)]:      # each column's last panel
+        a.xaxis.set_tick_params(labelbottom=True)
+    more = shown.sizes["layer"] - len(names)
+    fig.suptitle(title + (f" (first {len(names)} of {shown.sizes['layer']} layers)" if more
+                          else "") + ("\nred bands: steps where a layer held NaN/Inf (left out "
+                                      "of its line)" if any(notes) else ""), fontsize="small")
+    fig.supxlabel("step", fontsize="small")
     return fig
 
 
@@ -386,10 +379,12 @@ def comparison(diff, line_a, line_b, labels=("run A", "run B"), first=None, nonf
         gone = np.nonzero((~np.isfinite(da.values.astype(float)) & ran) |
                           (da.coords["nonfinite"].values > 0 if "nonfinite" in da.coords
                            else False))[0]
-        if gone.size:
-            lines.plot(da.step.values[gone], np.full(gone.size, 0.97 - 0.05 * n), "x",
-                       color=f"C{n}", transform=lines.get_xaxis_transform(), ls="",
-                       label=f"{_short(name, 20)}: NaN/Inf ({gone.size} steps)")
+        if gone.size:                          # shaded, never drawn as values
+            mask = np.zeros(da.sizes["step"], bool)
+            mask[gone] = True
+            lines.fill_between(da.step.values, 0, 1, where=mask, step="mid", color=f"C{n}",
+                               alpha=0.15, lw=0, transform=lines.get_xaxis_transform(),
+                               label=f"{_short(name, 20)}: NaN/Inf ({gone.size} steps)")
     if first is not None and first[1] == layer:
         lines.axvline(first[0], color="tab:blue", lw=1, ls=":")
     lines.set_xlabel("step")

@@ -212,9 +212,9 @@ class Run:
 
     # --- plots (``run.plot``) and export ----------------------------------------------
     def plot_histogram(self, layer, kind="activations", steps=None, rank=None, ax=None,
-                       density: bool = False):
+                       density: bool = True, scale: str = "linear"):
         """``run.plot.histogram``: histogram of ``layer`` at some steps -> Figure."""
-        return self.plot.histogram(layer, kind, steps, rank, ax, density=density)
+        return self.plot.histogram(layer, kind, steps, rank, ax, density=density, scale=scale)
 
     def plot_evolution(self, layers=None, kind="activations", stat="std", rank=None, ax=None,
                        steps: slice | None = None):

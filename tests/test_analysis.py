@@ -174,7 +174,7 @@ def test_evolution_marks_each_layers_nonfinite_steps_and_breaks_its_line_there(t
     assert "a.zarr" in ax.get_title()                                     # the run is named
     bad = (ds.nan + ds.posinf + ds.neginf)
     lines = {ln.get_label(): ln for ln in ax.get_lines() if ln.get_linestyle() == "-"}
-    marks = [ln for ln in ax.get_lines() if ln.get_marker() == "x"]
+    marks = [ln for a in fig.axes for ln in a.get_lines() if ln.get_marker() == "|"]  # the strip
     for i, layer in enumerate(ds.layer.values):
         steps = ds.step.values[bad.isel(layer=i).values > 0]
         label = next(k for k in lines if k.startswith(str(layer)[:20]) or str(layer) in k)
@@ -197,7 +197,7 @@ def test_histogram_defaults_to_the_last_step_with_finite_values(tmp_path):
             with rec.step(i):
                 model(torch.full((2, 4), float("nan")) if i == 3 else torch.randn(2, 4))
     fig = open_run(store).plot_histogram("(root)")
-    assert fig.axes[0].get_legend().get_texts()[0].get_text() == "step 2"
+    assert fig.axes[0].get_legend().get_texts()[0].get_text().startswith("step 2 ")
 
 
 def test_comparison_marks_the_first_divergence_on_a_layer_by_step_map(tmp_path):
