@@ -32,7 +32,7 @@ import torch
 
 from . import _ops
 
-__all__ = ["GONE", "Expected", "GradientLedger"]
+__all__ = ["GONE", "BackwardProbe", "Expected", "GradientLedger"]
 
 
 class _Gone:
@@ -123,6 +123,25 @@ class GradientLedger:
         handles, self._leaf_handles = self._leaf_handles, []
         for h in handles:
             h.remove()
+
+
+class BackwardProbe:
+    """Whether a gradient reached ``model``'s first parameter since ``reset``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = model
+        self._state: tuple | None = None
+
+    def reset(self) -> None:
+        self._state = self._grad_state()
+
+    def ran(self) -> bool:
+        return self._state is not None and self._grad_state() != self._state
+
+    def _grad_state(self) -> tuple:
+        p = next(self._model.parameters(), None)
+        g = None if p is None else p.grad
+        return ("grad", None) if g is None else ("grad", id(g), g._version)
 
 
 class _Once:

@@ -7,10 +7,10 @@ A ``HookSet`` turns module calls into named captures and hands each one to a
 sink (``_buffer.StepBuffer``, or the Inspector): ``sink.add(kind, name, tensor,
 token, micro)``.  ``sink.current_token()`` identifies the step a capture
 belongs to; a gradient carries the token, name and micro-batch of the forward
-call that produced it (its *serial*), whenever it arrives.  Its rooms: the
-calls' names (``_callnames.CallNamer``), the serials (``_gradients.GradientLedger``),
-activation checkpointing (``_recompute.Recomputation``) and Dynamo
-(``_compile.HookGuards``).
+call that produced it (its *serial*), whenever it arrives.  Its rooms: call
+names (``_callnames``), serials and leaf outputs (``_gradients``), activation
+checkpointing (``_recompute``: a hook that fires while the autograd engine
+runs is a recomputation) and Dynamo (``_compile``).
 
 The hooks are traceable by ``torch.compile``: they only walk a module's
 output (or inputs) and hand each tensor to ``_ops`` (custom ops while
@@ -25,20 +25,6 @@ ways from a hook into tensortape, and each catches whatever it raises: the
 capture is dropped and counted (``sink.fault``), and training goes on.  Only
 the policies a user chose raise through it (``_POLICY``), a tensortape warning
 that the user's filters make an error included.
-
-Hooks act only on the modules they were attached to: a ``deepcopy`` of the
-model (an EMA or evaluation copy) carries no-op hooks.
-
-**Evaluation passes.**  A call of the root module under ``no_grad`` or
-``inference_mode`` inside a step is an evaluation pass (``on_pass`` with
-``grad=False``): it is not a micro-batch, nothing of it is recorded, and the
-sink counts it (``sink.eval_pass``, where the sink has one).  A step of such
-passes alone (recording inference) records them: the sink decides
-(``StepBuffer.eval_pass``).
-
-**Leaf outputs** and **checkpointing**: see ``_gradients`` and ``_recompute``.
-A hook that fires while the autograd engine runs (``_current_graph_task_id()
-!= -1``, one C call) is a checkpoint's recomputation.
 
 The common path pays one C call per capture, and a grad-mode check per call.
 """
@@ -56,7 +42,7 @@ from torch import nn
 from . import _ops
 from ._callnames import CallNamer, Phase
 from ._compile import HookGuards
-from ._gradients import GradientLedger
+from ._gradients import BackwardProbe, GradientLedger
 from ._naming import input_leaves, leaves
 from ._ops import What
 from ._recompute import Recomputation, reentrant_forward
@@ -74,15 +60,14 @@ _graph_task = torch._C._current_graph_task_id      # -1 unless the autograd engi
 
 
 class Sink(Protocol):
-    def add(self, kind: str, name: str, tensor: torch.Tensor, token: object, micro: int) -> None: ...
-
-    def current_token(self) -> object: ...
-
-    def begin_pass(self) -> None: ...
-
-    def fault(self, error: BaseException, kind: str, name: str) -> None: ...
+    """Where captures go (``_buffer.StepBuffer``, the Inspector's); optional:
+    ``keeper``, ``on_end`` (a list of callbacks at a step's end) and ``eval_pass``."""
 
     micro: int
+    def add(self, kind: str, name: str, tensor: torch.Tensor, token: object, micro: int) -> None: ...
+    def current_token(self) -> object: ...
+    def begin_pass(self) -> None: ...
+    def fault(self, error: BaseException, kind: str, name: str) -> None: ...
 
 
 class HookSet:
@@ -100,7 +85,7 @@ class HookSet:
         self._gradients = GradientLedger()
         self._recompute = Recomputation(self._gradients)
         self._guards = HookGuards()
-        self._probe: tuple | None = None
+        self._probe = BackwardProbe(self._root)
         self._depth = 0                                      # nesting of root-module calls
         self._evaluating = False                   # the root's outermost call is under no_grad
         self.id = _ops.register(self)
@@ -156,7 +141,7 @@ class HookSet:
         self._depth = 0
         self._evaluating = False
         self._gradients.new_step()
-        self._probe = self._grad_state()
+        self._probe.reset()
 
     def weight_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``module:param`` and ``.grad`` of every hooked module's own parameters."""
@@ -166,21 +151,18 @@ class HookSet:
                     yield f"{self._names.label(name)}:{pname}", p.grad
 
     def backward_ran(self) -> bool:
-        """Whether a gradient reached the model's first parameter since ``new_step``:
-        the model ran, whether or not its hooks did."""
-        return self._probe is not None and self._grad_state() != self._probe
-
-    def _grad_state(self):
-        p = next(self._root.parameters(), None)
-        g = None if p is None else p.grad
-        return ("grad", None) if g is None else ("grad", id(g), g._version)
+        """Whether a gradient reached the model since ``new_step``: the model ran,
+        whether or not its hooks did."""
+        return self._probe.ran()
 
     # --- called from the hooks (through ``_ops``), at run time: the guard ------------
     def on_pass(self, enter: bool, grad: bool = True) -> None:
         """The root module's forward begins (``enter``) or ends: the outermost call
         begins a forward pass, whose module calls are named afresh.  An outermost
-        call without grad (``grad=False``) inside a step is an evaluation pass: no
-        micro-batch, nothing recorded until it ends, counted by the sink."""
+        call without grad (``grad=False``: ``no_grad``, ``inference_mode``) inside a
+        step is an evaluation pass: no micro-batch, nothing recorded until it ends,
+        counted by ``sink.eval_pass()``, which may make it a micro-batch after all
+        (a step of evaluation passes alone records them: recording inference)."""
         try:
             if _graph_task() != -1:             # a checkpoint recomputing the root: no pass
                 return
