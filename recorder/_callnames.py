@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import re
 
-from .format import ROOT_LABEL, join
+from .format import ROOT_LABEL
 
 __all__ = ["CallNamer", "Phase", "split_call"]
 
@@ -51,9 +51,16 @@ class CallNamer:
         name = self._names[key] = (module or self.root) + (f"#{k}" if k else "")
         return name
 
-    def name(self, phase: Phase, module: str, path: str) -> str:
-        """The recorded name of the leaf at ``path`` in ``module``'s current call."""
-        return join(self._names[(phase, module)], path)
+    def current(self, phase: Phase, module: str) -> str:
+        """The name of ``module``'s current call (as ``phase`` sees it)."""
+        return self._names[(phase, module)]
+
+    def name(self, phase: Phase, module: str, path: str, first: bool) -> str:
+        """The recorded name of the leaf at ``path`` in ``module``'s current call;
+        ``first``: the first leaf of a new call (``call``).  The hot path: one
+        call per capture, ``format.join`` inline."""
+        base = self.call(phase, module) if first else self._names[(phase, module)]
+        return f"{base}:{path}" if path else base
 
     def new_pass(self) -> None:
         """A new forward pass: its calls are counted from the first."""

@@ -57,6 +57,9 @@ __all__ = ["HookSet"]
 # a TensortapeWarning raised as an error is a policy too: the user's filter chose it
 _POLICY = (InspectionError, NonFiniteError, TensortapeWarning)
 _graph_task = torch._C._current_graph_task_id      # -1 unless the autograd engine runs here
+# an enum's member read from its class costs 50 ns: the hot path reads these
+_PRE, _POST = Phase.PRE, Phase.POST
+_INPUTS, _WEIGHTS, _ACTIVATIONS = What.INPUTS, What.WEIGHTS, What.ACTIVATIONS
 
 
 class Sink(Protocol):
@@ -83,6 +86,7 @@ class HookSet:
         self._names = CallNamer(label("", table))
         self._weighed: set[str] = set()                       # weights captured this step
         self._gradients = GradientLedger()
+        self._lookup = self._gradients.lookup
         self._recompute = Recomputation(self._gradients)
         self._guards = HookGuards()
         self._probe = BackwardProbe(self._root)
@@ -197,7 +201,7 @@ class HookSet:
         gradient is expected).  ``site``: the capture op's in compiled code (0: eager)."""
         try:
             if _graph_task() != -1:             # inside backward: a checkpoint recomputes
-                if what.phase is Phase.PRE:
+                if what.phase is _PRE:
                     return None
                 return self._recompute.recomputed(module, path, what.grad, first, site)
             return self._forward(x, module, path, what, first, site)
@@ -231,7 +235,7 @@ class HookSet:
         """The gradient of the output whose capture had ``serial`` (-1: none was
         recorded, so neither is this).  A serial of a step older than the last is
         a late gradient, dropped and counted like any."""
-        token, name, micro, _ = self._gradients.lookup(serial)
+        token, name, micro, _ = self._lookup(serial)
         try:
             if self._keeper is not None and token is self._sink.current_token():
                 self._keeper.grad(serial, g)
@@ -254,28 +258,26 @@ class HookSet:
             return None
         token = self._sink.current_token()
         micro = self._sink.micro
-        phase = what.phase
-        eager_no_grad = not site and not torch.is_grad_enabled()
-        if first:                                   # a new call of the module
-            base = self._names.call(phase, module)
-            if eager_no_grad and phase is Phase.POST:
-                self._recompute.forward_call(module, base, token, micro)
-        if what is What.WEIGHTS:         # a module's weights: once a step, not per micro-batch
+        name = self._names.name(what.phase, module, path, first)
+        if first and what.phase is _POST and not site and not torch.is_grad_enabled():
+            base = self._names.current(_POST, module)
+            self._recompute.forward_call(module, base, token, micro)
+        if what is _WEIGHTS:             # a module's weights: once a step, not per micro-batch
             name = f"{self._names.label(module)}:{path}"
             if token is not None and name not in self._weighed:    # recorded, not paused
                 self._weighed.add(name)
                 self._sink.add("weights", name, x, token, micro)
             return None
-        name = self._names.name(phase, module, path)
         if what.kind is not None:
             self._sink.add(what.kind, name, x, token, micro)
         if not what.grad or token is None:
             return None
         # without grad, no gradient: unless the call is a reentrant checkpoint's forward
-        if eager_no_grad and not self._recompute.in_forward(module):
+        no_grad = not site and not torch.is_grad_enabled()
+        if no_grad and not self._recompute.in_forward(module):
             return None
         serial = self._gradients.expect(token, name, micro, site)
-        if eager_no_grad:
+        if no_grad:
             self._recompute.bind(path, serial)
         if self._keeper is not None:            # on_nonfinite="replay": its gradient is kept
             self._keeper.bind(module, path, serial)
@@ -351,11 +353,11 @@ class _PreHook(_Hook):
         first = True
         if self.inputs:
             for path, t in input_leaves(args, kwargs):
-                _ops.capture(t, self.hookset, self.module, path, What.INPUTS, first)
+                _ops.capture(t, self.hookset, self.module, path, _INPUTS, first)
                 first = False
         if self.weights:
             for pname, p in module.named_parameters(recurse=False):
-                _ops.capture(p, self.hookset, self.module, pname, What.WEIGHTS, first)
+                _ops.capture(p, self.hookset, self.module, pname, _WEIGHTS, first)
                 first = False
         return None
 
@@ -377,7 +379,7 @@ class _PostHook(_Hook):
             wants_grad = grads and t.requires_grad
             if not (acts or wants_grad or later):
                 continue
-            what = self.with_grad if wants_grad or later else What.ACTIVATIONS
+            what = self.with_grad if wants_grad or later else _ACTIVATIONS
             serial = _ops.capture(t, self.hookset, self.module, path, what, first)
             first = False
             if wants_grad:
