@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ._callnames import split_call
 from ._keeper import Call, floating, tensors
 
 __all__ = ["bundle", "from_bundle"]
@@ -57,8 +58,7 @@ def from_bundle(attrs: dict, arrays, model: torch.nn.Module) -> Call:
     """The call of a bundle, in ``model``: its submodule at the bundle's path gets
     the recorded parameters and buffers; the inputs come on that module's device.
     ``arrays(name)`` gives a stored tensor (on the CPU)."""
-    module = model.get_submodule(attrs["module"].split("#")[0] if attrs["module"] != "(root)"
-                                 else "")
+    module = model.get_submodule(split_call(attrs["module"])[0])
     device = next(iter(module.parameters()), torch.zeros(0)).device
     with torch.no_grad():
         for name, p in module.named_parameters():

@@ -18,7 +18,12 @@ also in compiled code.  Each capture that Dynamo traces also gets a number of
 its own, its *site*, fixed in the compiled code (``_site``): a compiled
 backward graph that recomputes a checkpointed region runs the same capture op,
 with the same site, again, and the site tells which forward capture it
-repeats (see "Checkpointing" in ``_hooks``).  Eager captures have site 0.
+repeats (see ``_recompute``).  Eager captures have site 0.
+
+What a capture holds is a ``What``; a custom op's arguments can only be
+plain values, so it crosses the op as its int ``value`` (``capture`` and
+``_capture``, the one boundary).  A capture's serial is None where no
+gradient is expected, and -1 on the wire.
 
 The custom ops are used only while compiling: in eager mode a hook calls the
 Python body directly (an op's dispatch costs about ten times its body).
@@ -26,14 +31,40 @@ Python body directly (an op's dispatch costs about ten times its body).
 
 from __future__ import annotations
 
+import enum
 import itertools
 import threading
 import weakref
 
 import torch
 
-__all__ = ["capture", "capture_grad", "fault", "forward_pass", "hookset", "register",
+from ._callnames import Phase
+
+__all__ = ["What", "capture", "capture_grad", "fault", "forward_pass", "hookset", "register",
            "unregister"]
+
+
+class What(enum.Enum):
+    """What a hook hands over for one tensor of a module call: ``kind``, the kind
+    it is recorded as now (None: nothing now, only its gradient later), ``grad``
+    whether its gradient is wanted, and ``phase``, which hook sees it."""
+
+    INPUTS = 1
+    WEIGHTS = 2
+    ACTIVATIONS = 3
+    GRADIENTS = 4                   # an output whose gradient alone is recorded
+    ACTIVATIONS_GRADIENTS = 5       # an output recorded now, and its gradient later
+
+    def __init__(self, code: int):
+        self.kind = (None, "inputs", "weights", "activations", None, "activations")[code]
+        self.grad = code >= 4
+        self.phase = Phase.PRE if code <= 2 else Phase.POST
+
+    @property
+    def label(self) -> str:
+        """The kind that a fault of this capture is counted under."""
+        return self.kind or "gradients"
+
 
 _hooksets: dict[int, weakref.ref] = {}
 _ids = itertools.count(1)
@@ -63,15 +94,16 @@ def _hookset(i: int):
     return ref() if ref is not None else None
 
 
-def _on_forward(x: torch.Tensor, hookset: int, module: str, path: str, what: str,
+def _on_forward(x: torch.Tensor, hookset: int, module: str, path: str, what: What,
                 first: bool, site: int = 0) -> int:
     hs = _hookset(hookset)
-    return hs.on_forward(x, module, path, what, first, site) if hs is not None else -1
+    serial = hs.on_forward(x, module, path, what, first, site) if hs is not None else None
+    return -1 if serial is None else serial
 
 
-def _capture(x: torch.Tensor, hookset: int, module: str, path: str, what: str,
+def _capture(x: torch.Tensor, hookset: int, module: str, path: str, what: int,
              first: bool, site: int) -> torch.Tensor:
-    return torch.full((), _on_forward(x, hookset, module, path, what, first, site),
+    return torch.full((), _on_forward(x, hookset, module, path, What(what), first, site),
                       dtype=torch.int64)
 
 
@@ -135,11 +167,11 @@ else:                                              # older torch: eager only (a 
     _ops = tuple(torch.compiler.disable(f) for f in (_capture, _capture_grad, _forward_pass))
 
 
-def capture(x, hookset, module, path, what, first):
+def capture(x, hookset: int, module: str, path: str, what: What, first: bool):
     """Hand one tensor of a module call over; its serial (an int, or an int64 scalar
-    while compiling)."""
+    while compiling; -1: no gradient is expected)."""
     if torch.compiler.is_compiling():
-        return _ops[0](x, hookset, module, path, what, first, _site())
+        return _ops[0](x, hookset, module, path, what.value, first, _site())
     return _on_forward(x, hookset, module, path, what, first)
 
 

@@ -16,7 +16,7 @@ from conftest import InplaceMLP, has_hooks, transformer
 @pytest.fixture
 def fresh_dynamo():
     """Dynamo as in a fresh process: nothing compiled, and its default of no
-    guards on module hooks (an earlier Recorder in this process changed it).
+    guards on module hooks (a recorder still attached keeps it off).
     Dynamo's config is patched with its own ``patch`` (pytest's monkeypatch
     cannot set its entries, and its undo would hide them)."""
     torch._dynamo.reset()
