@@ -598,6 +598,48 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank):
 
 @cli.command()
 @click.argument("run")
+@click.argument("run_b", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="address to listen on (anything but loopback: no authentication)")
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,
+              help="port to listen on (0: a free one)")
+@click.option("--no-browser", is_flag=True, help="do not open a browser")
+def serve(run, run_b, host, port, no_browser):
+    """Serve a browser view of RUN (or of RUN and RUN_B side by side), read-only."""
+    import ipaddress
+    from analysis._serve import make_server     # here: --help and the other commands skip it
+    paths = [run] + ([run_b] if run_b else [])
+    try:
+        server = make_server(paths, host, port)
+    except OSError as e:
+        raise click.BadParameter(f"cannot listen on {host}:{port} ({e.strerror or e})",
+                                 param_hint="--port") from None
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        click.echo(f"warning: serving on {host}, which is not loopback: the view has no "
+                   f"authentication, anyone who reaches {host} can read these runs", err=True)
+    name, bound = server.server_address[:2]
+    shown = f"[{name}]" if ":" in str(name) else name
+    url = f"http://{shown}:{bound}/"
+    _out(f"serving {' and '.join(paths)} at {url}")
+    _flush_stdout()
+    if not no_browser and (sys.platform != "linux" or os.environ.get("DISPLAY")
+                           or os.environ.get("WAYLAND_DISPLAY")):
+        import webbrowser
+        webbrowser.open(url)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+@cli.command()
+@click.argument("run")
 @click.argument("out", type=click.Path())
 @click.option("--force", is_flag=True, help="overwrite OUT if it exists")
 @click.option("--format", "to", type=click.Choice(["hdf5", "tensorboard"]), default="hdf5",

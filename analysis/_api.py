@@ -1,0 +1,306 @@
+"""The browser view's JSON API as pure functions: a run (or two) and the query's
+arguments in, a JSON-able dict out (``tensortape serve`` encodes it).
+
+JSON has no NaN or Inf: they are the strings ``"nan"``, ``"inf"`` and
+``"-inf"``.  Counts are ints; every other number is the stored float64 itself
+(``json`` writes ``repr``, the shortest text that reads back bit-exact).
+
+A map column holds several steps when a window holds more steps than columns:
+its value is the largest of its steps' (never a sample), and it is
+non-finite when any of them holds a NaN or an Inf.  The map reads only the
+rows of its window, a block of rows at a time, so its memory does not grow
+with the run's steps.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import numpy as np
+
+from recorder import format as fmt
+from recorder.errors import RecorderError
+
+from ._tables import as_slice
+
+__all__ = ["MAP_STATS", "NotFound", "compare_map", "histogram", "map_", "runs", "scalars",
+           "stats"]
+
+MAP_STATS = ("abs_max", "std", "norm", "rms", "nonfinite")
+BLOCK = 8192            # rows read at a time (a multiple of the stats shards' 1024 steps)
+NONFINITE = fmt.COUNT_STATS[1:]          # nan, posinf, neginf
+
+
+class NotFound(RecorderError):
+    """An unknown run, layer, kind, rank, step or statistic (HTTP 404)."""
+
+
+# --- numbers ---------------------------------------------------------------------------
+def number(v):
+    """A float for JSON: itself (full precision), or "nan", "inf", "-inf"."""
+    v = float(v)
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return v
+
+
+def numbers(a) -> list:
+    """A float array (any shape) as nested lists of ``number``s."""
+    a = np.asarray(a, np.float64)
+    out = a.tolist()
+    if np.isfinite(a).all():
+        return out
+    def fix(x):
+        return [fix(y) for y in x] if isinstance(x, list) else number(x)
+    return fix(out)
+
+
+def ints(a) -> list:
+    return np.asarray(a, np.int64).tolist()
+
+
+# --- checks ----------------------------------------------------------------------------
+def _rank(run, rank) -> int:
+    if rank is None:
+        return run.ranks[0] if run.ranks else 0
+    if rank not in run.ranks:
+        raise NotFound(f"no rank {rank}; the run has ranks {run.ranks}")
+    return rank
+
+
+def _kind(run, kind: str, rank: int) -> None:
+    if kind not in run.kinds_of(rank):
+        raise NotFound(f"no kind {kind!r} on rank {rank}; the run has {run.kinds_of(rank)}")
+
+
+def _layer(run, layer: str, kind: str, rank: int) -> int:
+    names = run._index.stats_layers(kind, rank)
+    if layer not in names:
+        raise NotFound(f"no layer {layer!r} with {kind} statistics")
+    return names.index(layer)
+
+
+def _stat(stat: str, allowed) -> None:
+    if stat not in allowed:
+        raise NotFound(f"no statistic {stat!r}; one of {', '.join(allowed)}")
+
+
+# --- /api/runs ----------------------------------------------------------------------------
+def runs(served: list) -> list[dict]:
+    """One object per run served: what it holds and its first non-finite event."""
+    return [_run(run, size) for run, size in served]
+
+
+def _run(run, size) -> dict:
+    kinds = run.kinds
+    rank = _rank(run, None)
+    steps = [run.steps(k, rank=rank) for k in run.kinds_of(rank)]
+    steps = [s for s in steps if len(s)]
+    first = run.first_nonfinite(history=0)
+    event = None
+    if first is not None:
+        event = {k: v for k, v in first.to_json().items() if k not in ("history", "same_step")}
+        event["same_step"] = len(first.same_step)
+    has_scalars = bool(len(scalars(run)["step"]))
+    return {"path": run.path, "name": run.name, "status": run.status, "kinds": kinds,
+            "layers": run.layers, "ranks": run.ranks,
+            "steps": [int(min(s[0] for s in steps)), int(max(s[-1] for s in steps))] if steps else None,
+            "step_count": int(max(len(s) for s in steps)) if steps else 0,
+            "size_bytes": size, "first_nonfinite": event, "events": len(run.events),
+            "scalars": has_scalars, "model_class": run.attrs.get("model_class"),
+            "map_stats": list(MAP_STATS), "stats": [*fmt.STATS, "rms"]}
+
+
+# --- the map --------------------------------------------------------------------------------
+def _columns(n: int, width: int) -> np.ndarray:
+    """Edges (``cols + 1`` row offsets) that split ``n`` rows into at most ``width``
+    columns of consecutive rows, as even as can be."""
+    cols = max(1, min(width, n))
+    return (np.arange(cols + 1) * n) // cols
+
+
+def _window(steps: np.ndarray, start, stop) -> tuple[int, int]:
+    i0 = 0 if start is None else int(np.searchsorted(steps, start, "left"))
+    i1 = len(steps) if stop is None else int(np.searchsorted(steps, stop, "left"))
+    return i0, max(i0, i1)
+
+
+def _reduce(block: np.ndarray, b0: int, edges: np.ndarray, out: np.ndarray, op) -> None:
+    """Fold rows ``b0 : b0 + len(block)`` of a window into its columns (``out``)."""
+    b1 = b0 + len(block)
+    c0 = int(np.searchsorted(edges, b0, "right")) - 1
+    c1 = int(np.searchsorted(edges, b1 - 1, "right")) - 1
+    starts = np.maximum(edges[c0:c1 + 1], b0) - b0
+    out[c0:c1 + 1] = op(out[c0:c1 + 1], op.reduceat(block, starts, axis=0))
+
+
+def _read(run, kind: str, rank: int, names: tuple, rows: np.ndarray, cols) -> dict:
+    """Statistics ``names`` at ``rows`` (consecutive where they can be) and layer
+    columns ``cols``: one dask compute, which reads only the chunks they touch."""
+    import dask
+    path = fmt.stats_group(rank, kind)
+    tables = run._index.tables
+    lazy = [tables.stat(path, s, rows, cols) for s in names]
+    return dict(zip(names, dask.compute(*lazy, scheduler="threads")))
+
+
+def _map_values(got: dict, stat: str) -> np.ndarray:
+    """One block's values of ``stat`` (rows x layers): NaN where the layer did not run."""
+    bad = sum(np.nan_to_num(got[k], nan=0.0) for k in NONFINITE)
+    if stat == "nonfinite":
+        return np.where(np.isnan(got["nan"]), np.nan, bad)
+    if stat == "rms":
+        finite = got["count"] - bad
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(finite > 0, got["norm"] / np.sqrt(finite), np.nan)
+    return got[stat]
+
+
+def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start=None,
+         stop=None, width: int = 1000) -> dict:
+    """The layer x step map of ``stat`` over steps [start, stop), in at most ``width``
+    columns; rows in execution order."""
+    _stat(stat, MAP_STATS)
+    rank = _rank(run, rank)
+    _kind(run, kind, rank)
+    _, rows, steps = run._statistics.rows(kind, rank)
+    names = run._index.stats_layers(kind, rank)
+    order = {n: i for i, n in enumerate(run.layers_of(rank))}
+    cols = sorted(range(len(names)), key=lambda i: order.get(names[i], len(order) + i))
+    i0, i1 = _window(steps, start, stop)
+    n = i1 - i0
+    edges = _columns(n, max(1, int(width)))
+    ncol = len(edges) - 1 if n else 0
+    values = np.full((ncol, len(names)), np.nan)
+    bad = np.zeros((ncol, len(names)), bool)
+    need = {"nonfinite": ("nan", "posinf", "neginf"),
+            "rms": ("count", "norm", "nan", "posinf", "neginf")}.get(stat, (stat, *NONFINITE))
+    for b0 in range(0, n, BLOCK):
+        got = _read(run, kind, rank, need, as_slice(rows[i0 + b0: i0 + min(n, b0 + BLOCK)]),
+                    slice(None))
+        _reduce(_map_values(got, stat), b0, edges, values, np.fmax)
+        nonfinite = sum(np.nan_to_num(got[k], nan=0.0) for k in NONFINITE) > 0
+        _reduce(nonfinite, b0, edges, bad, np.logical_or)
+    lo = steps[i0 + edges[:-1]] if n else np.zeros(0, np.int64)
+    hi = steps[i0 + edges[1:] - 1] if n else np.zeros(0, np.int64)
+    return {"kind": kind, "stat": stat, "rank": rank, "layers": [names[i] for i in cols],
+            "step_lo": ints(lo), "step_hi": ints(hi), "steps_in_window": int(n),
+            "values": numbers(values.T[cols]), "nonfinite": bad.T[cols].tolist(),
+            "steps": [int(steps[0]), int(steps[-1])] if len(steps) else None}
+
+
+# --- one layer: its histogram and its statistics --------------------------------------------
+def histogram(run, layer: str, kind: str = "activations", step=None, rank=None) -> dict:
+    """The layer's counts at ``step`` over the bins that hold any (the bins outside
+    ``[first_bin, first_bin + len(counts))`` hold none), with its NaN/Inf counts."""
+    rank = _rank(run, rank)
+    _kind(run, kind, rank)
+    _layer(run, layer, kind, rank)
+    if step is None:
+        raise NotFound("no step asked (step=N)")
+    if int(step) not in set(run.steps(kind, rank=rank).tolist()):
+        raise NotFound(f"step {step} has no {kind} statistics")
+    h = run.histogram(layer, kind, step=int(step), rank=rank).compute()
+    counts = np.asarray(h.values, np.int64)
+    held = np.nonzero(counts > 0)[0]
+    a, b = (int(held[0]), int(held[-1]) + 1) if len(held) else (fmt.ZERO_BIN, fmt.ZERO_BIN)
+    return {"layer": layer, "kind": kind, "step": int(step), "rank": rank,
+            "absent": bool((counts < 0).all()), "first_bin": a, "bins": int(len(counts)),
+            "bin_lo": numbers(h.bin_lo.values[a:b]), "bin_hi": numbers(h.bin_hi.values[a:b]),
+            "counts": ints(np.maximum(counts[a:b], 0)),
+            **{k: int(h[k].item()) for k in NONFINITE}}
+
+
+def stats(run, layer: str, kind: str = "activations", rank=None, start=None, stop=None,
+          width=None) -> dict:
+    """Every statistic of the layer (and ``rms``) at each step of [start, stop).  With
+    ``width``, at most that many columns, each the largest of its steps'
+    (``step`` is each column's first step, ``step_hi`` its last)."""
+    rank = _rank(run, rank)
+    _kind(run, kind, rank)
+    col = _layer(run, layer, kind, rank)
+    _, rows, steps = run._statistics.rows(kind, rank)
+    i0, i1 = _window(steps, start, stop)
+    n = i1 - i0
+    edges = _columns(n, int(width) if width else max(n, 1))
+    out = {s: np.full(len(edges) - 1, np.nan) for s in (*fmt.STATS, "rms")}
+    for b0 in range(0, n, BLOCK):
+        got = _read(run, kind, rank, fmt.STATS, as_slice(rows[i0 + b0: i0 + min(n, b0 + BLOCK)]),
+                    col)
+        got["rms"] = _map_values(got, "rms")
+        for s, v in got.items():
+            _reduce(np.asarray(v, np.float64), b0, edges, out[s], np.fmax)
+    body = {s: (ints(np.nan_to_num(v, nan=-1)) if s in fmt.COUNT_STATS else numbers(v))
+            for s, v in out.items()} if n else {s: [] for s in out}
+    lo = steps[i0 + edges[:-1]] if n else []
+    hi = steps[i0 + edges[1:] - 1] if n else []
+    return {"layer": layer, "kind": kind, "rank": rank, "step": ints(lo), "step_hi": ints(hi),
+            **body}
+
+
+# --- scalars ------------------------------------------------------------------------------------
+def scalars(run) -> dict:
+    """The run's logged scalars (``run.scalars()`` where this tensortape has it):
+    ``step`` and one list per scalar; none: ``{"step": []}``."""
+    read = getattr(run, "scalars", None)
+    if read is None:
+        return {"step": []}
+    ds = read()
+    out = {"step": ints(ds["step"].values) if "step" in ds.coords else []}
+    for name in ds.data_vars:
+        out[str(name)] = numbers(ds[name].values)
+    return out
+
+
+# --- two runs ----------------------------------------------------------------------------------
+COMPARE_METRICS = ("stat_rel", "rel_l2", "max_abs", *(f"delta_{s}" for s in fmt.STATS))
+
+
+def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=None,
+                start=None, stop=None, width: int = 1000, rtol: float = 1e-3,
+                layers=None, cache=None) -> dict:
+    """The map of the two runs' difference under ``compare_runs``' ``metric`` (its
+    absolute value; the largest of a column's steps), over their common steps and
+    layers, and ``first_divergence`` of ``kind``.  ``cache``: a dict that keeps
+    the comparison between calls (the caller clears it when a run changes)."""
+    from ._compare import compare_runs, first_divergence
+    _stat(metric, COMPARE_METRICS)
+    key = (kind, rank, rtol)
+    if cache is not None and key in cache:
+        ds, first = cache[key]
+    else:
+        for r in (a, b):
+            if kind not in r.kinds:
+                raise NotFound(f"no kind {kind!r} in {r.path}")
+        ds = compare_runs(a, b, kind, rank=rank)
+        first = first_divergence(a, b, rtol=rtol, kinds=[kind], rank=rank)
+        if cache is not None:
+            cache[key] = (ds, first)
+    if metric not in ds:
+        raise NotFound(f"no metric {metric!r}: the runs do not both hold full tensors")
+    order = {n: i for i, n in enumerate(a.layers)}
+    names = sorted(ds.layer.values.tolist(), key=lambda n: order.get(n, len(order)))
+    if layers:
+        names = [n for n in names if fnmatch.fnmatchcase(n, layers)]
+    steps = ds.step.values
+    i0, i1 = _window(steps, start, stop)
+    n = i1 - i0
+    edges = _columns(n, max(1, int(width)))
+    raw = np.abs(ds[metric].sel(layer=names).values[i0:i1].astype(np.float64))
+    values = np.full((len(edges) - 1, len(names)), np.nan)
+    bad = np.zeros(values.shape, bool)
+    if n:
+        _reduce(np.where(np.isinf(raw), np.nan, raw), 0, edges, values, np.fmax)
+        _reduce(np.isinf(raw), 0, edges, bad, np.logical_or)
+        values = np.where(bad, np.inf, values)
+    return {"kind": kind, "metric": metric, "layers": names, "rtol": rtol,
+            "step_lo": ints(steps[i0 + edges[:-1]]) if n else [],
+            "step_hi": ints(steps[i0 + edges[1:] - 1]) if n else [],
+            "values": numbers(values.T), "nonfinite": bad.T.tolist(),
+            "first_divergence": None if first is None else {"step": int(first[0]),
+                                                             "layer": first[1]},
+            "steps": [int(steps[0]), int(steps[-1])] if len(steps) else None,
+            "covers": ds[metric].attrs.get("covers", "")}

@@ -1,0 +1,176 @@
+"""``tensortape serve``: the browser view's HTTP server.
+
+The standard library's ``http.server.ThreadingHTTPServer``: the view is a
+handful of GET routes for one user on loopback, so a framework (Starlette with
+uvicorn, aiohttp) would add two or three runtime dependencies and buy nothing
+(no websockets: a live run is followed by polling every second).  The page,
+its script and its styles are package data (``analysis/static``), read once;
+a request can reach only those three files and ``/api/``: no path of a request
+is ever joined to a folder.
+
+Every run is opened read-only (``open_run``).  A run still recording is
+opened again (its attributes only) at most once a second, when asked, so new
+steps show.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from urllib.parse import parse_qs, urlsplit
+
+from recorder import format as fmt
+from recorder.errors import RecorderError
+
+from . import _api
+from ._run import open_run
+
+__all__ = ["Served", "make_server"]
+
+STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
+          "/app.js": ("app.js", "text/javascript; charset=utf-8"),
+          "/chart.js": ("chart.js", "text/javascript; charset=utf-8"),
+          "/app.css": ("app.css", "text/css; charset=utf-8")}
+REOPEN_S = 0.5          # a run still recording is opened again at most this often
+
+
+class Served:
+    """The runs served: each opened once, and again while it is recording."""
+
+    def __init__(self, paths: list[str]):
+        self.paths = list(paths)
+        self.lock = threading.Lock()        # one reader at a time (the run's caches)
+        self.runs = [open_run(p) for p in self.paths]
+        self.opened = [time.monotonic()] * len(self.runs)
+        self.sizes: list[int | None] = [None] * len(self.runs)
+        self.compared: dict = {}            # compare_map's cache; cleared when a run changes
+
+    def run(self, i: int):
+        if not 0 <= i < len(self.runs):
+            raise _api.NotFound(f"no run {i}; {len(self.runs)} served (run=0"
+                                f"{' or run=1' if len(self.runs) > 1 else ''})")
+        run = self.runs[i]
+        if run.status == fmt.STATUS_RECORDING and time.monotonic() - self.opened[i] > REOPEN_S:
+            fresh = open_run(self.paths[i])
+            if fresh.attrs != run.attrs or any(fresh.state(r) != run.state(r) for r in fresh.ranks):
+                self.compared.clear()
+                self.sizes[i] = None
+            self.runs[i], self.opened[i] = fresh, time.monotonic()
+        return self.runs[i]
+
+    def size(self, i: int) -> int | None:
+        if self.sizes[i] is None:
+            try:
+                self.sizes[i] = self.runs[i].disk_bytes()
+            except OSError:
+                return None
+        return self.sizes[i]
+
+    def all(self) -> list:
+        return [(self.run(i), self.size(i)) for i in range(len(self.runs))]
+
+
+def _arg(q: dict, name: str, cast=str, default=None):
+    v = q.get(name)
+    if v is None or v == [""]:
+        return default
+    try:
+        return cast(v[0])
+    except ValueError:
+        raise ValueError(f"{name}={v[0]!r} is not {'an integer' if cast is int else 'a number'}") \
+            from None
+
+
+def answer(served: Served, path: str, q: dict):
+    """The JSON of an /api/ route (``q``: the query, as ``parse_qs`` gives it)."""
+    kind = _arg(q, "kind", default="activations")
+    rank = _arg(q, "rank", int)
+    window = {"start": _arg(q, "start", int), "stop": _arg(q, "stop", int)}
+    if path == "/api/runs":
+        return _api.runs(served.all())
+    if path == "/api/compare-map":
+        if len(served.runs) < 2:
+            raise _api.NotFound("one run is served; compare needs two (tensortape serve A B)")
+        return _api.compare_map(served.run(0), served.run(1), kind,
+                                _arg(q, "metric", default="stat_rel"), rank,
+                                width=_arg(q, "width", int, 1000),
+                                rtol=_arg(q, "rtol", float, 1e-3), cache=served.compared,
+                                **window)
+    run = served.run(_arg(q, "run", int, 0))
+    if path == "/api/map":
+        return _api.map_(run, kind, _arg(q, "stat", default="abs_max"), rank,
+                         width=_arg(q, "width", int, 1000), **window)
+    if path == "/api/histogram":
+        return _api.histogram(run, _arg(q, "layer", default=""), kind, _arg(q, "step", int), rank)
+    if path == "/api/stats":
+        return _api.stats(run, _arg(q, "layer", default=""), kind, rank,
+                          width=_arg(q, "width", int), **window)
+    if path == "/api/scalars":
+        return _api.scalars(run)
+    raise _api.NotFound(f"no route {path!r}")
+
+
+class Handler(BaseHTTPRequestHandler):
+    served: Served
+    static: dict[str, bytes]
+    server_version = "tensortape"
+
+    def log_message(self, format, *args):      # quiet: the terminal shows the URL only
+        pass
+
+    def _send(self, status: int, body: bytes, ctype: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Content-Security-Policy",
+                         "default-src 'self'; img-src 'self' data:; object-src 'none'")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, obj) -> None:
+        body = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
+        self._send(status, body, "application/json")
+
+    def do_HEAD(self):
+        self.do_GET()
+
+    def do_GET(self):
+        url = urlsplit(self.path)
+        if url.path in STATIC:
+            name, ctype = STATIC[url.path]
+            return self._send(200, self.static[name], ctype)
+        if not url.path.startswith("/api/"):
+            return self._json(404, {"error": "not found"})
+        try:
+            with self.served.lock:
+                out = answer(self.served, url.path, parse_qs(url.query))
+        except (_api.NotFound, RecorderError) as e:
+            return self._json(404, {"error": _line(e)})
+        except ValueError as e:
+            return self._json(400, {"error": _line(e)})
+        except Exception as e:          # a store that changed under a read: say so, keep serving
+            return self._json(500, {"error": f"{type(e).__name__}: {_line(e)}"})
+        self._json(HTTPStatus.OK, out)
+
+
+def _line(e: Exception) -> str:
+    text = str(e).splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def make_server(paths: list[str], host: str = "127.0.0.1", port: int = 8765):
+    """The server of ``paths`` (opened and checked first: every run's summary is read
+    once, so an unreadable run raises here, before serving)."""
+    served = Served(paths)
+    _api.runs(served.all())
+    folder = resources.files("analysis") / "static"
+    static = {name: (folder / name).read_bytes() for name, _ in STATIC.values()}
+    handler = type("ServeHandler", (Handler,), {"served": served, "static": static})
+    return ThreadingHTTPServer((host, port), handler)
