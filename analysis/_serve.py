@@ -132,7 +132,10 @@ class Handler(BaseHTTPRequestHandler):
                          "default-src 'self'; img-src 'self' data:; object-src 'none'")
         self.end_headers()
         if self.command != "HEAD":
-            self.wfile.write(body)
+            try:
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):     # the page went away: fine
+                pass
 
     def _json(self, status: int, obj) -> None:
         body = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()

@@ -6,6 +6,7 @@ const $ = id => document.getElementById(id);
 const S = { runs: [], run: 0, kind: null, stat: "abs_max", rank: null, start: null, stop: null,
             filter: "", sort: "exec", map: null, geo: null, sel: null, cmp: null, cmpGeo: null,
             metric: "stat_rel", cmpLayer: null, seen: "", busy: false };
+const LOG = new Set(["std", "abs_max", "norm", "rms"]);   // drawn on a log axis
 const EVOLUTION = ["mean", "std", "min", "max", "abs_max", "norm", "rms", "zero_frac", "nonfinite"];
 
 function el(tag, text, cls) {
@@ -295,7 +296,7 @@ async function showEvolution(layer, step) {
     grid.replaceChildren(...EVOLUTION.map(k => {
       const c = el("canvas");
       Chart.lines(c, [{ x: st.step, y: series(st, k), color: Chart.COLORS.lines[0] }],
-                  { title: k, marker: step, bad, width: 280, height: 130 });
+                  { title: k, marker: step, bad, width: 280, height: 130, log: LOG.has(k) });
       return c;
     }));
   } catch (e) { fail("evolution", e); }
@@ -331,7 +332,8 @@ async function loadCompare() {
     $("first-divergence").classList.toggle("found", !!fd);
     S.cmpGeo = drawHeat(c, { canvas: "compare-map", labels: "compare-labels", axis: "compare-axis", legend: "compare-legend" },
                         fd ? [{ layer: fd.layer, step: fd.step, testid: "first-divergence-cell" }] : []);
-    if (!S.cmpLayer && fd) S.cmpLayer = fd.layer;
+    const key = fd ? `${c.kind}|${fd.layer}` : c.kind;
+    if (S.cmpFirst !== key) { S.cmpFirst = key; S.cmpLayer = fd ? fd.layer : c.layers[0]; }
     if (S.cmpLayer) await compareEvolution(S.cmpLayer);
   } catch (e) { $("first-divergence").textContent = `could not compare: ${e.message}`; }
 }
@@ -346,7 +348,7 @@ async function compareEvolution(layer) {
     box.querySelector(".caption").textContent = `${layer} (${S.kind}): ${key} in A (blue) and B (orange)` +
       (fd && fd.layer === layer ? `; the dashed line is the first divergence, step ${fd.step}` : "");
     Chart.lines(box.querySelector("canvas"), both.map((st, i) => ({ x: st.step, y: series(st, key), color: Chart.COLORS.lines[i] })),
-                { title: key, width: 900, height: 200, marker: fd && fd.layer === layer ? fd.step : null });
+                { title: key, width: 900, height: 200, marker: fd && fd.layer === layer ? fd.step : null, log: LOG.has(key) });
   } catch (e) { box.querySelector(".caption").textContent = `could not load: ${e.message}`; }
 }
 

@@ -94,6 +94,7 @@ const Chart = (() => {
 
   // Line chart: series [{x: [...], y: [...], color, label}]; opts {title, marker, bad}.
   function lines(canvas, series, opts) {
+    if (opts.log) series = series.map(s => ({ ...s, y: s.y.map(v => { const x = num(v); return x > 0 && isFinite(x) ? Math.log10(x) : NaN; }) }));
     const W = opts.width || 300, H = opts.height || 140, L = 52, R = 8, T = 18, B = 20;
     const ctx = fit(canvas, W, H);
     let x0 = Infinity, x1 = -Infinity, y0 = Infinity, y1 = -Infinity;
@@ -110,12 +111,12 @@ const Chart = (() => {
     const py = y => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
     ctx.font = "11px sans-serif";
     ctx.fillStyle = COLORS.text;
-    ctx.fillText(opts.title || "", L, 12);
+    ctx.fillText((opts.title || "") + (opts.log ? " (log)" : ""), L, 12);
     ctx.strokeStyle = COLORS.grid;
     ctx.lineWidth = 1;
     for (const t of ticks(y0, y1, 4)) {
       ctx.beginPath(); ctx.moveTo(L, py(t)); ctx.lineTo(W - R, py(t)); ctx.stroke();
-      ctx.fillText(short(t), 2, py(t) + 4);
+      ctx.fillText(opts.log ? "1e" + (+t.toFixed(1)) : short(t), 2, py(t) + 4);
     }
     for (const t of ticks(x0, x1, 5)) ctx.fillText(short(t), px(t) - 8, H - 5);
     for (const s of series) {
@@ -144,33 +145,36 @@ const Chart = (() => {
     }
   }
 
-  // Bar chart of a histogram over its bins, then the NaN, +Inf and -Inf bars.
+  // Bar chart of a histogram over its bins (one bar a bin, the value axis as the
+  // bins are: log-spaced), then the NaN, +Inf and -Inf bars; counts on a log axis.
   function bars(canvas, h, opts) {
-    const W = opts.width || 600, H = opts.height || 200, L = 52, T = 10, B = 34, extra = 3;
-    const n = h.counts.length, slots = n + extra + 1;
+    const W = opts.width || 600, H = opts.height || 200, L = 52, T = 10, B = 34, side = 120;
+    const n = h.counts.length;
     const ctx = fit(canvas, W, H);
     const all = h.counts.concat([h.nan, h.posinf, h.neginf]);
-    const top = Math.max(1, ...all);
-    const bw = (W - L - 4) / slots;
-    const py = c => T + (1 - c / top) * (H - T - B);
+    const top = Math.log10(1 + Math.max(1, ...all));
+    const bw = (W - L - side) / Math.max(1, n);
+    const py = c => T + (1 - Math.log10(1 + c) / top) * (H - T - B);
     ctx.font = "11px sans-serif";
     ctx.fillStyle = COLORS.text;
-    for (const t of ticks(0, top, 4)) ctx.fillText(short(t), 2, py(t) + 4);
+    for (let e = 0; e <= top; e++) ctx.fillText(e ? "1e" + e : "0", 2, py(Math.pow(10, e) - (e ? 0 : 1)) + 4);
     ctx.fillStyle = COLORS.lines[0];
     h.counts.forEach((c, i) => { if (c > 0) ctx.fillRect(L + i * bw, py(c), Math.max(1, bw - 0.5), py(0) - py(c)); });
     const names = ["NaN", "+Inf", "-Inf"];
     [h.nan, h.posinf, h.neginf].forEach((c, k) => {
-      const x = L + (n + 1 + k) * bw;
+      const x = W - side + 12 + k * 36;
       ctx.fillStyle = COLORS.nonfinite;
-      if (c > 0) ctx.fillRect(x, py(c), Math.max(2, bw - 0.5), py(0) - py(c));
+      if (c > 0) ctx.fillRect(x, py(c), 24, py(0) - py(c));
       ctx.fillStyle = COLORS.text;
       ctx.fillText(names[k], x, H - 20);
+      ctx.fillText(String(c), x, H - 6);
     });
     ctx.fillStyle = COLORS.text;
-    const every = Math.max(1, Math.ceil(n / 6));
+    const every = Math.max(1, Math.ceil(n / 5));
     for (let i = 0; i < n; i += every) ctx.fillText(short(num(h.bin_lo[i])), L + i * bw, H - 6);
+    ctx.fillText("count (log)", L + 4, T + 2);
     ctx.strokeStyle = COLORS.grid;
-    ctx.beginPath(); ctx.moveTo(L, py(0)); ctx.lineTo(W - 4, py(0)); ctx.stroke();
+    ctx.beginPath(); ctx.moveTo(L, py(0)); ctx.lineTo(W - side, py(0)); ctx.stroke();
   }
 
   return { COLORS, viridis, num, fit, logScale, heatmap, lines, bars, short };

@@ -1,0 +1,368 @@
+"""``tensortape serve``: its JSON API through HTTP against ``open_run`` (the expected
+aggregates recomputed with numpy from ``run.stats``), its refusals, and its command."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from analysis import open_run
+from recorder import Recorder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+XSS = "<img src=x onerror=alert(1)>"
+STEPS, SPIKE, NAN_STEP = 1200, 1011, 733        # late one-step events in a run of 1,200 steps
+
+
+class Spiky(nn.Module):
+    """Three layers, the middle one named like an HTML tag."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 8)
+        self.add_module(XSS, nn.Linear(8, 8))
+        self.last = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.last(torch.relu(getattr(self, XSS)(self.first(x))))
+
+
+def record_spiky(path: str, steps: int = STEPS, spike: int | None = SPIKE,
+                 nan_step: int | None = NAN_STEP) -> str:
+    """Statistics only; at ``spike`` the input is 1e6 times larger, at ``nan_step``
+    one input element is NaN (each for that one step)."""
+    model = Spiky()
+    data = torch.Generator().manual_seed(1)
+    with Recorder(model, path, tensors_every=None, capture=("activations",)) as rec:
+        for step in range(steps):
+            x = torch.randn(3, 4, generator=data)
+            if step == spike:
+                x = x * 1e6
+            if step == nan_step:
+                x[0, 0] = float("nan")
+            with rec.step(step), torch.no_grad():
+                model(x)
+    return path
+
+
+@pytest.fixture(scope="module")
+def spiky(tmp_path_factory):
+    return record_spiky(str(tmp_path_factory.mktemp("serve") / "spiky.zarr"))
+
+
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory):
+    from sample_runs.task import record
+    out = str(tmp_path_factory.mktemp("serve") / "nan.zarr")
+    return record(out, steps=16, diverge=True, log=lambda s: None)
+
+
+@pytest.fixture(scope="module")
+def stable(tmp_path_factory):
+    from sample_runs.task import record
+    out = str(tmp_path_factory.mktemp("serve") / "ok.zarr")
+    return record(out, steps=16, log=lambda s: None)
+
+
+class Served:
+    """A server of ``paths`` on a free loopback port, in a thread; ``get`` answers
+    (status, JSON body)."""
+
+    def __init__(self, *paths):
+        from analysis._serve import make_server
+        self.server = make_server(list(paths), "127.0.0.1", 0)
+        self.url = "http://127.0.0.1:%d" % self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def raw(self, path: str) -> tuple[int, bytes, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=60) as r:
+                return r.status, r.read(), r.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read(), e.headers.get("Content-Type", "")
+
+    def get(self, route: str, **query):
+        status, body, _ = self.raw(f"/api/{route}?{urllib.parse.urlencode(query)}")
+        # strict JSON: a NaN or Infinity literal fails the test
+        return status, json.loads(body, parse_constant=lambda c: pytest.fail(f"JSON holds {c}"))
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def serve():
+    made = []
+
+    def start(*paths):
+        made.append(Served(*paths))
+        return made[-1]
+    yield start
+    for s in made:
+        s.close()
+
+
+def as_float(v):
+    return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.get(v, v) if isinstance(v, str) else v
+
+
+def expected_map(run, kind, stat, lo, hi):
+    """Per layer (execution order) and column [lo[c], hi[c]]: the largest finite value
+    of ``stat`` over those steps (NaN if none), and whether any is non-finite."""
+    ds = run.stats(kind).compute()
+    order = [n for n in run.layers if n in ds.layer.values]
+    steps = ds.step.values
+    bad = (ds["nan"] + ds["posinf"] + ds["neginf"]).values > 0
+    if stat == "rms":
+        finite = (ds["count"] - ds["nan"] - ds["posinf"] - ds["neginf"]).values
+        vals = ds["norm"].values / np.sqrt(np.where(finite > 0, finite, np.nan))
+    elif stat == "nonfinite":
+        vals = (ds["nan"] + ds["posinf"] + ds["neginf"]).values.astype(float)
+    else:
+        vals = ds[stat].values
+    cols = [(steps >= a) & (steps <= b) for a, b in zip(lo, hi)]
+    j = [list(ds.layer.values).index(n) for n in order]
+    values = np.array([[np.nanmax(vals[c, i]) if np.isfinite(vals[c, i]).any() else np.nan
+                        for c in cols] for i in j])
+    nonfinite = np.array([[bool(bad[c, i].any()) for c in cols] for i in j])
+    return order, values, nonfinite
+
+
+def check_partition(m, steps):
+    """The columns cover the window's steps in order, each step once."""
+    covered = []
+    for a, b in zip(m["step_lo"], m["step_hi"]):
+        covered += [int(s) for s in steps if a <= s <= b]
+    assert covered == [int(s) for s in steps]
+
+
+# --- the map -----------------------------------------------------------------------------
+@pytest.mark.parametrize("stat", ["abs_max", "std", "norm", "rms", "nonfinite"])
+def test_map_columns_are_the_largest_of_their_steps_never_a_sample(spiky, serve, stat):
+    s = serve(spiky)
+    run = open_run(spiky)
+    status, m = s.get("map", kind="activations", stat=stat, width=50)
+    assert status == 200
+    assert len(m["step_lo"]) == 50 and m["steps_in_window"] == STEPS
+    check_partition(m, run.steps("activations"))
+    order, values, nonfinite = expected_map(run, "activations", stat, m["step_lo"], m["step_hi"])
+    assert m["layers"] == order
+    got = np.array([[as_float(v) for v in row] for row in m["values"]], dtype=float)
+    np.testing.assert_array_equal(got, values)          # bit-exact: JSON carries repr
+    assert np.array(m["nonfinite"]).tolist() == nonfinite.tolist()
+
+
+def test_a_one_step_spike_and_nan_late_in_the_run_survive_aggregation(spiky, serve):
+    s = serve(spiky)
+    run = open_run(spiky)
+    ds = run.stats("activations").compute()
+    _, m = s.get("map", stat="abs_max", width=7)
+    row = m["layers"].index("first")
+    spike_col = next(c for c, (a, b) in enumerate(zip(m["step_lo"], m["step_hi"])) if a <= SPIKE <= b)
+    peak = float(ds["abs_max"].sel(layer="first", step=SPIKE))
+    assert peak > 1e5 and m["values"][row][spike_col] == peak
+    assert max(as_float(v) for v in m["values"][row]) == peak
+    nan_col = next(c for c, (a, b) in enumerate(zip(m["step_lo"], m["step_hi"])) if a <= NAN_STEP <= b)
+    assert [c for c, bad in enumerate(m["nonfinite"][row]) if bad] == [nan_col]
+
+
+def test_a_zoom_reads_its_window_at_one_step_a_column(spiky, serve):
+    s = serve(spiky)
+    run = open_run(spiky)
+    _, m = s.get("map", stat="std", start=SPIKE - 5, stop=SPIKE + 5, width=1000)
+    assert m["step_lo"] == m["step_hi"] == list(range(SPIKE - 5, SPIKE + 5))
+    std = run.stats("activations").compute()["std"]
+    for i, layer in enumerate(m["layers"]):
+        assert m["values"][i] == std.sel(layer=layer, step=slice(SPIKE - 5, SPIKE + 4)).values.tolist()
+
+
+def test_the_diverged_run_marks_its_first_nonfinite_event(diverged, serve):
+    s = serve(diverged)
+    run = open_run(diverged)
+    _, runs = s.get("runs")
+    first = run.first_nonfinite()
+    got = runs[0]["first_nonfinite"]
+    assert (got["step"], got["layer"], got["kind"], got["nan"], got["posinf"], got["neginf"]) == \
+        (first.step, first.layer, first.kind, first.nan, first.posinf, first.neginf)
+    assert runs[0]["status"] == run.status and runs[0]["layers"] == run.layers
+    assert runs[0]["kinds"] == run.kinds and runs[0]["ranks"] == run.ranks
+    steps = run.steps("activations")
+    assert runs[0]["steps"] == [int(steps[0]), int(steps[-1])]
+    _, m = s.get("map", kind=first.kind, stat="nonfinite", width=1000)
+    row = m["layers"].index(first.layer)
+    assert m["nonfinite"][row][m["step_lo"].index(first.step)]
+    assert not any(m["nonfinite"][row][:m["step_lo"].index(first.step)])
+
+
+def test_histogram_and_stats_are_the_runs_own_numbers(diverged, serve):
+    s = serve(diverged)
+    run = open_run(diverged)
+    first = run.first_nonfinite()
+    _, h = s.get("histogram", layer=first.layer, kind=first.kind, step=first.step)
+    want = run.histogram(first.layer, first.kind, step=first.step).compute()
+    counts = want.values
+    a = h["first_bin"]
+    assert h["counts"] == counts[a:a + len(h["counts"])].tolist()
+    assert sum(h["counts"]) == counts.sum()                      # nothing outside the span
+    assert [as_float(v) for v in h["bin_lo"]] == want.bin_lo.values[a:a + len(h["counts"])].tolist()
+    assert (h["nan"], h["posinf"], h["neginf"]) == (first.nan, first.posinf, first.neginf)
+    assert all(isinstance(c, int) for c in h["counts"])
+    _, st = s.get("stats", layer=first.layer, kind=first.kind)
+    ds = run.stats(first.kind, layers=[first.layer]).isel(layer=0).compute()
+    assert st["step"] == ds.step.values.tolist()
+    for k in ("mean", "std", "abs_max", "norm", "zero_frac"):
+        assert [as_float(v) for v in st[k]] == pytest.approx(ds[k].values.tolist(), nan_ok=True, rel=0, abs=0)
+    for k in ("count", "nan", "posinf", "neginf"):
+        assert st[k] == ds[k].values.tolist() and all(isinstance(v, int) for v in st[k])
+
+
+def test_scalars_answer_empty_for_a_run_without_them(diverged, serve):
+    s = serve(diverged)
+    status, sc = s.get("scalars")
+    assert status == 200 and sc["step"] == []
+
+
+def test_compare_map_marks_the_first_divergence(diverged, stable, serve):
+    from analysis import compare_runs, first_divergence
+    s = serve(stable, diverged)
+    _, c = s.get("compare-map", kind="activations", width=1000)
+    assert c["first_divergence"] is not None
+    step, layer = first_divergence(stable, diverged, kinds=["activations"])
+    assert c["first_divergence"] == {"step": step, "layer": layer}
+    ds = compare_runs(stable, diverged, "activations")
+    assert c["step_lo"] == ds.step.values.tolist()
+    for i, name in enumerate(c["layers"]):
+        want = np.abs(ds["stat_rel"].sel(layer=name).values)
+        assert [as_float(v) for v in c["values"][i]] == pytest.approx(want.tolist(), nan_ok=True, rel=0)
+        assert c["nonfinite"][i] == np.isinf(want).tolist()
+
+
+# --- refusals ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("route, query", [
+    ("map", {"run": 5}),
+    ("map", {"kind": "weights"}),
+    ("map", {"stat": "bogus"}),
+    ("map", {"rank": 3}),
+    ("histogram", {"layer": "nope", "step": 1}),
+    ("histogram", {"layer": "first", "step": 99999}),
+    ("stats", {"layer": "nope"}),
+    ("compare-map", {}),
+    ("nothing", {}),
+])
+def test_unknown_things_are_404_with_one_line_of_json(spiky, serve, route, query):
+    s = serve(spiky)
+    status, body = s.get(route, **query)
+    assert status == 404
+    assert set(body) == {"error"} and "\n" not in body["error"] and body["error"]
+
+
+@pytest.mark.parametrize("path", [
+    "/../../../../etc/passwd", "/%2e%2e/%2e%2e/etc/passwd", "/static/../_serve.py",
+    "/app.js/../../_api.py", "/..%2f..%2fzarr.json", "/zarr.json", "/rank0/zarr.json",
+    "/analysis/_serve.py", "//etc/passwd",
+])
+def test_no_path_outside_the_page_is_served(spiky, serve, path):
+    s = serve(spiky)
+    status, body, ctype = s.raw(path)
+    assert status == 404 and ctype == "application/json"
+    assert json.loads(body) == {"error": "not found"}
+
+
+def test_the_page_is_self_contained(spiky, serve):
+    s = serve(spiky)
+    status, page, ctype = s.raw("/")
+    assert status == 200 and ctype.startswith("text/html")
+    for asset in ("/app.js", "/chart.js", "/app.css"):
+        assert s.raw(asset)[0] == 200
+    text = page.decode() + s.raw("/app.js")[1].decode() + s.raw("/chart.js")[1].decode()
+    assert "http://" not in text and "https://" not in text and "innerHTML" not in text
+
+
+def test_a_layer_named_like_html_is_returned_as_data(spiky, serve):
+    s = serve(spiky)
+    _, runs = s.get("runs")
+    assert XSS in runs[0]["layers"]
+    _, m = s.get("map")
+    assert XSS in m["layers"]
+    status, st = s.get("stats", layer=XSS)
+    assert status == 200 and st["layer"] == XSS
+
+
+def test_serving_never_writes_into_the_store(spiky, serve):
+    def snapshot():
+        return sorted((os.path.relpath(os.path.join(d, f), spiky), os.stat(os.path.join(d, f)).st_mtime_ns)
+                      for d, _, fs in os.walk(spiky) for f in fs)
+    before = snapshot()
+    s = serve(spiky)
+    s.get("runs"), s.get("map"), s.get("histogram", layer="first", step=3), s.get("stats", layer="last")
+    assert snapshot() == before
+
+
+# --- the command ---------------------------------------------------------------------------------
+def _cli(*args, **kw):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def test_serve_prints_its_url_answers_and_exits_0_on_ctrl_c(spiky):
+    p = _cli("serve", spiky, "--port", "0", "--no-browser")
+    try:
+        line = p.stdout.readline()
+        assert line.startswith(f"serving {spiky} at http://127.0.0.1:"), line
+        url = line.split(" at ")[1].strip()
+        with urllib.request.urlopen(url + "api/runs", timeout=60) as r:
+            assert json.loads(r.read())[0]["path"] == spiky
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 0
+    finally:
+        p.kill()
+        p.communicate()
+
+
+def test_an_unreadable_run_is_one_line_and_exit_2_before_serving(tmp_path):
+    bad = tmp_path / "bad.zarr"
+    bad.mkdir()
+    (bad / "zarr.json").write_text("{not json")
+    for path in (str(bad), str(tmp_path / "missing.zarr")):
+        p = _cli("serve", path, "--port", "0", "--no-browser")
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and out == ""
+        assert len(err.strip().splitlines()) == 1 and err.startswith("Error: ")
+
+
+def test_a_host_other_than_loopback_warns_of_no_authentication(spiky):
+    p = _cli("serve", spiky, "--host", "0.0.0.0", "--port", "0", "--no-browser")
+    try:
+        assert p.stdout.readline().startswith(f"serving {spiky} at http://0.0.0.0:")
+    finally:
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    assert "no authentication" in err
+
+
+def test_help_and_analysis_do_not_import_the_server_or_torch():
+    code = ("import sys, analysis, cli\n"
+            "try:\n    cli.main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'analysis._serve' not in sys.modules and 'http.server' not in sys.modules\n"
+            "assert 'torch' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "--no-browser" in r.stdout
