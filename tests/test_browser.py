@@ -1,0 +1,201 @@
+"""The browser view in a real browser: Playwright drives Debian's chromium
+(``apt-get install chromium``; Playwright's own browser download cannot reach
+the internet here) against ``tensortape serve --port 0 --no-browser`` run as a
+subprocess.  Skipped, with the reason, only where no chromium can be found."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from analysis import first_divergence, open_run
+
+from test_serve import ROOT, XSS, record_spiky
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed "
+                               "(python3 -m pip install playwright pytest-playwright)")
+CHROMIUM = next((p for p in (os.environ.get("TENSORTAPE_CHROMIUM"), shutil.which("chromium"),
+                             "/usr/bin/chromium", shutil.which("chromium-browser"))
+                 if p and os.path.exists(p)), None)
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium found (apt-get install "
+                                "chromium, or set TENSORTAPE_CHROMIUM)")
+NONFINITE_RGB = [0xff, 0x2d, 0x75]         # chart.js's colour of a non-finite cell
+
+
+@pytest.fixture(scope="module")
+def debian_chromium():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+class Server:
+    def __init__(self, *runs):
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", *runs, "--port", "0",
+                                      "--no-browser"], cwd=ROOT, text=True,
+                                     env=dict(os.environ, PYTHONPATH=ROOT),
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        line = self.proc.stdout.readline()
+        assert " at http://" in line, line + self.proc.stderr.read()
+        self.url = line.split(" at ")[1].strip()
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.communicate(timeout=60)
+
+
+@pytest.fixture
+def page(debian_chromium):
+    """A page whose console errors, page errors and dialogs fail the test; and
+    ``open(*runs)``, which serves them and loads the view."""
+    pg = debian_chromium.new_page(viewport={"width": 1300, "height": 1000})
+    problems, servers = [], []
+    pg.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+    pg.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    pg.on("dialog", lambda d: (problems.append(f"dialog: {d.message}"), d.dismiss()))
+
+    def open_(*runs):
+        servers.append(Server(*runs))
+        pg.goto(servers[-1].url)
+        pg.wait_for_selector("body[data-ready='1']", timeout=60000)
+        return pg
+    pg.open = open_
+    yield pg
+    pg.close()
+    for s in servers:
+        s.close()
+    assert problems == []
+
+
+def centre(box):
+    return box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+
+
+def pixel(pg, x, y):
+    """The map canvas's colour at page point (x, y)."""
+    return pg.evaluate("""([x, y]) => {
+        const c = document.getElementById('map'), r = c.getBoundingClientRect();
+        const k = c.width / r.width;
+        return Array.from(c.getContext('2d').getImageData((x - r.left) * k, (y - r.top) * k, 1, 1).data).slice(0, 3);
+    }""", [x, y])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from sample_runs.task import record
+    d = tmp_path_factory.mktemp("browser")
+    return {"nan": record(str(d / "nan.zarr"), steps=16, diverge=True, log=lambda s: None),
+            "ok": record(str(d / "ok.zarr"), steps=16, log=lambda s: None),
+            "xss": record_spiky(str(d / "xss.zarr"), steps=40, spike=30, nan_step=None)}
+
+
+def test_the_first_nan_is_named_and_marked_at_its_layer_and_step(page, runs):
+    first = open_run(runs["nan"]).first_nonfinite()
+    pg = page.open(runs["nan"])
+    text = pg.inner_text("[data-testid=first-nonfinite]")
+    assert f"step {first.step}" in text and first.layer in text
+    pg.click("#jump")
+    mark = pg.wait_for_selector("[data-testid=first-nonfinite-cell]")
+    assert (mark.get_attribute("data-layer"), mark.get_attribute("data-step")) == \
+        (first.layer, str(first.step))
+    x, y = centre(mark.bounding_box())
+    label = pg.locator("#map-labels div", has_text=first.layer).first.bounding_box()
+    assert label["y"] <= y <= label["y"] + label["height"]          # on the layer's row
+    assert pixel(pg, x, y) == NONFINITE_RGB
+
+
+def test_clicking_a_cell_shows_that_steps_histogram_with_its_nan_count(page, runs):
+    run = open_run(runs["nan"])
+    first = run.first_nonfinite()
+    pg = page.open(runs["nan"])
+    pg.select_option("#kind", first.kind)
+    pg.wait_for_function("k => document.getElementById('map-title').textContent.includes(k)", arg=first.kind)
+    pg.fill("#start", str(first.step - 3))
+    pg.fill("#stop", str(first.step + 3))
+    pg.click("#zoom")
+    mark = pg.wait_for_selector(f"[data-testid=first-nonfinite-cell][data-step='{first.step}']")
+    box = mark.bounding_box()
+    pg.mouse.click(*centre(box))
+    pg.wait_for_selector(f"[data-testid=histogram][data-step='{first.step}']")
+    want = run.histogram(first.layer, first.kind, step=first.step)
+    caption = pg.inner_text("[data-testid=histogram] .caption")
+    assert first.layer in caption and f"NaN {int(want.nan)}" in caption
+    assert f"+Inf {int(want.posinf)}" in caption and f"-Inf {int(want.neginf)}" in caption
+    assert pg.locator("[data-testid=evolution] canvas").count() >= 8
+    # a cell before the NaN: its own step, no NaN
+    pg.mouse.click(                             # three columns to the left: step - 3
+        box["x"] - box["width"] * 2.5, centre(box)[1])
+    pg.wait_for_selector(f"[data-testid=histogram][data-step='{first.step - 3}']")
+    assert "NaN 0 " in pg.inner_text("[data-testid=histogram] .caption")
+
+
+def test_a_live_runs_new_steps_appear_within_2_s(page, tmp_path):
+    store, gate = str(tmp_path / "live.zarr"), tmp_path / "gate"
+    script = textwrap.dedent(f"""
+        import os, sys, time, torch
+        sys.path.insert(0, {ROOT!r})
+        from recorder import Recorder
+        from tests.test_serve import Spiky
+        model, gate = Spiky(), {str(gate)!r}
+        with Recorder(model, {store!r}, tensors_every=None, capture=("activations",),
+                      flush_interval=0.2) as rec:
+            for step in range(10):
+                if step == 5:
+                    rec.flush(); open(gate + ".ready", "w").close()
+                    while not os.path.exists(gate + ".more"): time.sleep(0.05)
+                with rec.step(step), torch.no_grad():
+                    model(torch.randn(3, 4))
+            rec.flush(); open(gate + ".flushed", "w").close()
+            while not os.path.exists(gate + ".stop"): time.sleep(0.05)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    try:
+        for _ in range(1200):
+            if os.path.exists(f"{gate}.ready"):
+                break
+            time.sleep(0.1)
+        pg = page.open(store)
+        assert pg.eval_on_selector("#map", "c => c.dataset.last") == "4"
+        assert "recording" in pg.inner_text("[data-testid=status]")
+        open(f"{gate}.more", "w").close()
+        for _ in range(1200):
+            if os.path.exists(f"{gate}.flushed"):
+                break
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        pg.wait_for_function("() => document.getElementById('map').dataset.last === '9'", timeout=10000)
+        assert time.monotonic() - t0 < 2.0
+        assert "steps 0–9" in pg.inner_text("[data-testid=status]")
+    finally:
+        open(f"{gate}.stop", "w").close()
+        child.wait(timeout=120)
+    pg.wait_for_function("() => document.getElementById('status').textContent.includes('complete')",
+                         timeout=10000)
+
+
+def test_compare_marks_the_first_divergence(page, runs):
+    step, layer = first_divergence(runs["ok"], runs["nan"], kinds=["activations"])
+    pg = page.open(runs["ok"], runs["nan"])
+    pg.wait_for_selector("[data-testid=compare-map]")
+    text = pg.inner_text("[data-testid=first-divergence]")
+    assert f"step {step}" in text and layer in text
+    mark = pg.wait_for_selector("[data-testid=first-divergence-cell]")
+    assert (mark.get_attribute("data-layer"), mark.get_attribute("data-step")) == (layer, str(step))
+    label = pg.locator("#compare-labels div", has_text=layer).first.bounding_box()
+    y = centre(mark.bounding_box())[1]
+    assert label["y"] <= y <= label["y"] + label["height"]
+    assert layer in pg.inner_text("[data-testid=compare-evolution]")
+
+
+def test_a_layer_named_like_html_is_shown_as_text(page, runs):
+    pg = page.open(runs["xss"])
+    assert pg.locator("#map-labels div", has_text=XSS).count() == 1
+    assert pg.locator("img").count() == 0
+    assert pg.locator("text=no scalars recorded").count() == 1
