@@ -24,12 +24,16 @@ from recorder.errors import RecorderError
 
 from ._tables import as_slice
 
-__all__ = ["MAP_STATS", "NotFound", "compare_map", "histogram", "map_", "runs", "scalars",
+__all__ = ["GRAIN", "Grains", "MAP_STATS", "NotFound", "compare_map", "histogram", "map_", "runs", "scalars",
            "stats"]
 
 MAP_STATS = ("abs_max", "std", "norm", "rms", "nonfinite")
 BLOCK = 8192            # rows read at a time (a multiple of the stats shards' 1024 steps)
 NONFINITE = fmt.COUNT_STATS[1:]          # nan, posinf, neginf
+MAP_NEEDS = {"nonfinite": NONFINITE, "rms": ("count", "norm", *NONFINITE),
+             **{s: (s, *NONFINITE) for s in ("abs_max", "std", "norm")}}
+GRAIN_NEEDS = ("count", "abs_max", "std", "norm", *NONFINITE)
+GRAIN = 128             # rows a grain (``Grains``); BLOCK is a multiple of it
 
 
 class NotFound(RecorderError):
@@ -137,12 +141,17 @@ def _reduce(block: np.ndarray, b0: int, edges: np.ndarray, out: np.ndarray, op) 
     out[c0:c1 + 1] = op(out[c0:c1 + 1], op.reduceat(block, starts, axis=0))
 
 
-def _read(run, kind: str, rank: int, names: tuple, rows: np.ndarray, cols) -> dict:
-    """Statistics ``names`` at ``rows`` (consecutive where they can be) and layer
-    columns ``cols``: one dask compute, which reads only the chunks they touch."""
-    import dask
+def _read(run, kind: str, rank: int, names: tuple, rows, cols) -> dict:
+    """Statistics ``names`` at ``rows`` (a slice where they are consecutive) and layer
+    columns ``cols``; only the chunks they touch are read.  A format-3 table read at
+    a slice of rows is sliced directly (no task graph); anything else through dask."""
     path = fmt.stats_group(rank, kind)
     tables = run._index.tables
+    if isinstance(rows, slice) and tables.version == 3:
+        run._index.checked_rows(path, rank)
+        arr = tables.source.array(f"{path}/stats")
+        return {s: np.asarray(arr[rows, cols, fmt.STATS.index(s)], np.float64) for s in names}
+    import dask
     lazy = [tables.stat(path, s, rows, cols) for s in names]
     return dict(zip(names, dask.compute(*lazy, scheduler="threads")))
 
@@ -160,9 +169,11 @@ def _map_values(got: dict, stat: str) -> np.ndarray:
 
 
 def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start=None,
-         stop=None, width: int = 1000) -> dict:
+         stop=None, width: int = 1000, grains: "Grains | None" = None) -> dict:
     """The layer x step map of ``stat`` over steps [start, stop), in at most ``width``
-    columns; rows in execution order."""
+    columns; rows in execution order.  ``grains``: a cache of each layer's maxima
+    per ``GRAIN`` rows, used when a column spans whole grains (its columns then
+    hold whole grains, and the window's partial grains at either end)."""
     _stat(stat, MAP_STATS)
     rank = _rank(run, rank)
     _kind(run, kind, rank)
@@ -171,25 +182,77 @@ def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start
     order = {n: i for i, n in enumerate(run.layers_of(rank))}
     cols = sorted(range(len(names)), key=lambda i: order.get(names[i], len(order) + i))
     i0, i1 = _window(steps, start, stop)
-    n = i1 - i0
-    edges = _columns(n, max(1, int(width)))
+    n, width = i1 - i0, max(1, int(width))
+    g0, g1 = -(-i0 // GRAIN), i1 // GRAIN
+    coarse = grains is not None and g1 - g0 >= width          # a column: whole grains
+    if coarse:
+        edges = np.concatenate([[0], _columns(g1 - g0, width)[1:-1] * GRAIN + g0 * GRAIN - i0, [n]])
+    else:
+        edges = _columns(n, width)
     ncol = len(edges) - 1 if n else 0
     values = np.full((ncol, len(names)), np.nan)
     bad = np.zeros((ncol, len(names)), bool)
-    need = {"nonfinite": ("nan", "posinf", "neginf"),
-            "rms": ("count", "norm", "nan", "posinf", "neginf")}.get(stat, (stat, *NONFINITE))
-    for b0 in range(0, n, BLOCK):
-        got = _read(run, kind, rank, need, as_slice(rows[i0 + b0: i0 + min(n, b0 + BLOCK)]),
-                    slice(None))
-        _reduce(_map_values(got, stat), b0, edges, values, np.fmax)
-        nonfinite = sum(np.nan_to_num(got[k], nan=0.0) for k in NONFINITE) > 0
-        _reduce(nonfinite, b0, edges, bad, np.logical_or)
+    need = MAP_NEEDS[stat]
+    spans = [(0, n)]
+    if coarse:
+        gv, gb = grains.get(run, kind, rank, rows, g1)
+        first = edges[:-1] + i0
+        at = np.maximum(-(-first // GRAIN), g0) - g0
+        values[:] = np.fmax.reduceat(gv[stat][g0:g1], at, axis=0)
+        bad[:] = np.logical_or.reduceat(gb[g0:g1], at, axis=0)
+        spans = [(0, g0 * GRAIN - i0), (g1 * GRAIN - i0, n)]          # the partial grains
+    for a, b in spans:
+        for b0 in range(a, b, BLOCK):
+            got = _read(run, kind, rank, need, as_slice(rows[i0 + b0: i0 + min(b, b0 + BLOCK)]),
+                        slice(None))
+            _reduce(_map_values(got, stat), b0, edges, values, np.fmax)
+            _reduce(_nonfinite(got), b0, edges, bad, np.logical_or)
     lo = steps[i0 + edges[:-1]] if n else np.zeros(0, np.int64)
     hi = steps[i0 + edges[1:] - 1] if n else np.zeros(0, np.int64)
     return {"kind": kind, "stat": stat, "rank": rank, "layers": [names[i] for i in cols],
             "step_lo": ints(lo), "step_hi": ints(hi), "steps_in_window": int(n),
             "values": numbers(values.T[cols]), "nonfinite": bad.T[cols].tolist(),
             "steps": [int(steps[0]), int(steps[-1])] if len(steps) else None}
+
+
+def _nonfinite(got: dict) -> np.ndarray:
+    return sum(np.nan_to_num(got[k], nan=0.0) for k in NONFINITE) > 0
+
+
+class Grains:
+    """Each layer's largest value of every map statistic, and whether any is
+    non-finite, per grain of ``GRAIN`` consecutive rows of a stats table: what a
+    map of many steps a column is made of (about 50 bytes a layer per grain).
+    Only whole grains are kept, so a live run's new rows add grains; rows that
+    change (a step recorded again) start the table's grains anew."""
+
+    def __init__(self):
+        self.tables: dict = {}
+
+    def get(self, run, kind: str, rank: int, rows: np.ndarray, upto: int):
+        """The grains of (kind, rank) up to grain ``upto``, read where not yet."""
+        key = (run.path, kind, rank)
+        have = self.tables.get(key)
+        if have is None or not np.array_equal(have[2], rows[:len(have[2])]):
+            have = ({s: np.zeros((0, len(run._index.stats_layers(kind, rank)))) for s in MAP_STATS},
+                    np.zeros((0, len(run._index.stats_layers(kind, rank))), bool), rows[:0].copy())
+        values, bad, done = have
+        g = len(done) // GRAIN
+        if g < upto:
+            add_v, add_b = {s: [] for s in MAP_STATS}, []
+            for r0 in range(g * GRAIN, upto * GRAIN, BLOCK):
+                r1 = min(upto * GRAIN, r0 + BLOCK)
+                got = _read(run, kind, rank, GRAIN_NEEDS, as_slice(rows[r0:r1]), slice(None))
+                k = (r1 - r0) // GRAIN
+                for s in MAP_STATS:
+                    v = _map_values(got, s).reshape(k, GRAIN, -1)
+                    add_v[s].append(np.fmax.reduce(v, axis=1))
+                add_b.append(_nonfinite(got).reshape(k, GRAIN, -1).any(axis=1))
+            values = {s: np.concatenate([values[s], *add_v[s]]) for s in MAP_STATS}
+            bad = np.concatenate([bad, *add_b])
+            done = rows[:upto * GRAIN].copy()
+        self.tables[key] = (values, bad, done)
+        return values, bad
 
 
 # --- one layer: its histogram and its statistics --------------------------------------------

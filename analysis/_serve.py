@@ -48,6 +48,7 @@ class Served:
         self.opened = [time.monotonic()] * len(self.runs)
         self.sizes: list[int | None] = [None] * len(self.runs)
         self.compared: dict = {}            # compare_map's cache; cleared when a run changes
+        self.grains = _api.Grains()         # the maps' cache of maxima per grain of rows
 
     def run(self, i: int):
         if not 0 <= i < len(self.runs):
@@ -103,7 +104,7 @@ def answer(served: Served, path: str, q: dict):
     run = served.run(_arg(q, "run", int, 0))
     if path == "/api/map":
         return _api.map_(run, kind, _arg(q, "stat", default="abs_max"), rank,
-                         width=_arg(q, "width", int, 1000), **window)
+                         width=_arg(q, "width", int, 1000), grains=served.grains, **window)
     if path == "/api/histogram":
         return _api.histogram(run, _arg(q, "layer", default=""), kind, _arg(q, "step", int), rank)
     if path == "/api/stats":

@@ -1,0 +1,234 @@
+"""The browser view's server on a long run: the map's first answer, zooms, memory,
+and the same data through TensorBoard's reader.
+
+    python bench/bench_serve.py [--steps 100000] [--layers 200] [--out DIR] [--tb-steps 2000]
+
+The store (statistics only, one kind) is written through the writer's store layer
+(``recorder._store.RunStore.append_stats``, what the background writer calls),
+with no model: recording 200 layers x 100,000 steps through hooks would take
+hours on a 2-core machine and measure the recorder, not the view.  Each layer's
+statistics drift smoothly; layer 117 has a one-step spike (x 1e4) at step
+73,211 and layer 5 a NaN at step 88,000.  Each histogram row holds a few bins.
+With ``--out`` the store is kept and reused by the next run.
+
+Reported:
+- the map's first answer (a new server, ``GET /api/map`` over every step at
+  1,000 columns) and zooms (a window of 10,000, 1,000 and 100 steps), each the
+  median of 5 over HTTP on loopback, and whether the spike and the NaN show;
+- the server's memory for the map over windows of 10,000 to all steps
+  (``tracemalloc`` peak of the Python and numpy allocations of one answer);
+- TensorBoard: an event file with the same histograms (``add_histogram_raw``,
+  first ``--tb-steps`` steps, all layers, the NaN count as a scalar), loaded by
+  ``EventAccumulator`` keeping every histogram (``size_guidance`` 0) and with its
+  defaults (500 a tag, sampled), against the same steps through ``/api/map``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+import urllib.request
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SPIKE, SPIKE_LAYER, NAN_STEP, NAN_LAYER = 73_211, 117, 88_000, 5
+
+
+def names_of(layers: int) -> list[str]:
+    return [f"layers.{i}.mlp" for i in range(layers)]
+
+
+def rows(step: int, layers: int, rng) -> tuple[dict, np.ndarray]:
+    """One step's statistics and histogram rows."""
+    from recorder import format as fmt
+    base = 1.0 + 0.5 * np.sin(step / 5000 + np.arange(layers)) + 0.01 * rng.random(layers)
+    st = {"count": np.full(layers, 4096.0), "mean": base * 0.01, "std": base,
+          "min": -3 * base, "max": 3 * base, "abs_max": 3 * base, "norm": 64 * base,
+          "zero_frac": np.zeros(layers), "nan": np.zeros(layers), "posinf": np.zeros(layers),
+          "neginf": np.zeros(layers)}
+    if step == SPIKE:
+        for k in ("std", "max", "abs_max", "norm"):
+            st[k][SPIKE_LAYER] *= 1e4
+    if step == NAN_STEP:
+        st["nan"][NAN_LAYER] = 7.0
+    hist = np.zeros((layers, fmt.NBINS), np.int64)
+    hist[:, fmt.ZERO_BIN + 60: fmt.ZERO_BIN + 70] = 400
+    return st, hist
+
+
+def write(loc: str, steps: int, layers: int) -> float:
+    from recorder import format as fmt
+    from recorder._store import RunStore, open_root
+    names = names_of(layers)
+    root = open_root(loc, "w", 0, attributes={"tensortape_format": fmt.FORMAT_VERSION,
+                                              "status": "recording", "layers": names,
+                                              "events": []})
+    store = RunStore(root, 0, "auto")
+    state = fmt.RankState(rank=0)
+    state.layers = list(names)
+    state.stats_layers["activations"] = list(names)
+    rng = np.random.default_rng(0)
+    path = fmt.stats_group(0, "activations")
+    t0 = time.perf_counter()
+    for step in range(steps):
+        st, hist = rows(step, layers, rng)
+        store.append_stats("activations", step, names, names, st, hist, state.committed.get(path, 0))
+        state.last_step = step
+        if step == NAN_STEP:
+            state.events.append(fmt.NonFiniteEvent(step, names[NAN_LAYER], "activations", 7, 0, 0,
+                                                   order=NAN_LAYER))
+            state.events_total += 1
+        if step % 5000 == 4999 or step == steps - 1:
+            state.committed.update(store.flush())
+            store.commit(state, None)
+            print(f"  wrote {step + 1} steps", file=sys.stderr, flush=True)
+    store.close()
+    root.update_attributes({"status": "complete"})
+    return time.perf_counter() - t0
+
+
+def get(url: str):
+    with urllib.request.urlopen(url, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def timed(url: str, n: int = 5) -> tuple[float, dict]:
+    out, times = None, []
+    for _ in range(n):
+        t = time.perf_counter()
+        out = get(url)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def serve(loc: str):
+    from analysis._serve import make_server
+    server = make_server([loc], "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def shows(m: dict, step: int, layer: str, nonfinite: bool) -> bool:
+    col = next(c for c, (a, b) in enumerate(zip(m["step_lo"], m["step_hi"])) if a <= step <= b)
+    row = m["layers"].index(layer)
+    if nonfinite:
+        return bool(m["nonfinite"][row][col])
+    return m["values"][row][col] == max(v for v in m["values"][row] if isinstance(v, float))
+
+
+def bench_server(loc: str, steps: int, layers: int) -> None:
+    names = names_of(layers)
+    t = time.perf_counter()
+    server, url = serve(loc)
+    started = time.perf_counter() - t
+    t = time.perf_counter()
+    m = get(f"{url}/api/map?stat=abs_max&width=1000")
+    first = time.perf_counter() - t
+    warm, _ = timed(f"{url}/api/map?stat=abs_max&width=1000")
+    print(f"server: started (run opened and checked) in {started * 1e3:.0f} ms")
+    print(f"  map, all {steps} steps x {layers} layers in {len(m['step_lo'])} columns: first answer "
+          f"{first * 1e3:.0f} ms, again {warm * 1e3:.0f} ms (median of 5)")
+    if steps > NAN_STEP:
+        print(f"  the one-step spike (step {SPIKE}) is its row's peak: "
+              f"{shows(m, SPIKE, names[SPIKE_LAYER], False)}; the NaN at step {NAN_STEP} "
+              f"is marked: {shows(m, NAN_STEP, names[NAN_LAYER], True)}")
+    for span in (10_000, 1_000, 100):
+        a = max(0, min(SPIKE, steps) - span // 2)
+        t, z = timed(f"{url}/api/map?stat=abs_max&width=1000&start={a}&stop={a + span}")
+        print(f"  zoom to {span} steps ({len(z['step_lo'])} columns): {t * 1e3:.0f} ms")
+    t, _ = timed(f"{url}/api/stats?layer={names[SPIKE_LAYER]}&width=280")
+    print(f"  one layer's evolution (every statistic, 280 columns): {t * 1e3:.0f} ms")
+    server.shutdown()
+    server.server_close()
+    from analysis import _api, open_run
+    run = open_run(loc)
+    for span in sorted({min(steps, s) for s in (10_000, 50_000, steps)}):
+        tracemalloc.start()
+        _api.map_(run, "activations", "abs_max", start=0, stop=span, width=1000)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        print(f"  memory of one map answer over {span} steps: peak {peak / 1e6:.1f} MB")
+
+
+def bench_tensorboard(loc: str, tb_steps: int, layers: int) -> None:
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        print(f"tensorboard: skipped ({e})")
+        return
+    from recorder import format as fmt
+    _, hi = fmt.bin_edges()
+    names = names_of(layers)
+    tmp = tempfile.mkdtemp(prefix="tt-tb-")
+    rng = np.random.default_rng(0)
+    t = time.perf_counter()
+    w = SummaryWriter(tmp)
+    edges = np.where(np.isinf(hi), np.finfo(np.float64).max, hi)
+    for step in range(tb_steps):
+        st, hist = rows(step, layers, rng)
+        for i, name in enumerate(names):
+            used = np.nonzero(hist[i])[0]
+            a, b = int(used[0]), int(used[-1]) + 1
+            w.add_histogram_raw(name, float(st["min"][i]), float(st["max"][i]), float(st["count"][i]),
+                                0.0, 0.0, edges[a:b].tolist(), hist[i, a:b].tolist(), step)
+            w.add_scalar(f"{name}/nan", float(st["nan"][i]), step)
+    w.close()
+    wrote = time.perf_counter() - t
+    size = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
+    print(f"tensorboard: event file of {tb_steps} steps x {layers} layers, {size / 1e6:.0f} MB, "
+          f"written in {wrote:.0f} s")
+    for label, guidance in (("every histogram (size_guidance 0)", {"histograms": 0, "scalars": 0}),
+                            ("its defaults (500 histograms a tag, sampled)", None)):
+        t = time.perf_counter()
+        acc = EventAccumulator(tmp, size_guidance=guidance) if guidance else EventAccumulator(tmp)
+        acc.Reload()
+        load = time.perf_counter() - t
+        kept = len(acc.Histograms(names[0]))
+        print(f"  EventAccumulator, {label}: {load:.1f} s to load; {kept} of {tb_steps} steps kept "
+              f"a tag")
+    shutil.rmtree(tmp, ignore_errors=True)
+    server, url = serve(loc)
+    t = time.perf_counter()
+    get(f"{url}/api/map?stat=abs_max&width=1000&start=0&stop={tb_steps}")
+    print(f"  tensortape serve, the same {tb_steps} steps x {layers} layers as a map: "
+          f"{(time.perf_counter() - t) * 1e3:.0f} ms (a new server's first answer)")
+    server.shutdown()
+    server.server_close()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=100_000)
+    ap.add_argument("--layers", type=int, default=200)
+    ap.add_argument("--out", default=None, help="folder for the store, kept and reused")
+    ap.add_argument("--tb-steps", type=int, default=2000, help="steps in the TensorBoard file (0: none)")
+    args = ap.parse_args()
+    folder = args.out or tempfile.mkdtemp(prefix="tt-serve-")
+    loc = os.path.join(folder, f"serve-{args.layers}x{args.steps}.zarr")
+    if not os.path.exists(os.path.join(loc, "zarr.json")):
+        shutil.rmtree(loc, ignore_errors=True)
+        took = write(loc, args.steps, args.layers)
+        print(f"store: {args.layers} layers x {args.steps} steps, statistics only, written in "
+              f"{took:.0f} s")
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(loc) for f in fs)
+    print(f"store: {loc}, {size / 1e6:.0f} MB")
+    bench_server(loc, args.steps, args.layers)
+    if args.tb_steps:
+        bench_tensorboard(loc, min(args.tb_steps, args.steps), args.layers)
+    if not args.out:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
