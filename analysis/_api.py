@@ -229,6 +229,11 @@ class Grains:
     def __init__(self):
         self.tables: dict = {}
 
+    def filled(self, run, kind: str, rank: int, rows: np.ndarray) -> int:
+        """How many grains of (kind, rank) are kept for these rows."""
+        have = self.tables.get((run.path, kind, rank))
+        return len(have[2]) // GRAIN if have and np.array_equal(have[2], rows[:len(have[2])]) else 0
+
     def get(self, run, kind: str, rank: int, rows: np.ndarray, upto: int):
         """The grains of (kind, rank) up to grain ``upto``, read where not yet."""
         key = (run.path, kind, rank)

@@ -63,6 +63,23 @@ class Served:
             self.runs[i], self.opened[i] = fresh, time.monotonic()
         return self.runs[i]
 
+    def warm(self) -> None:
+        """Fill the maps' cache of every run, kind and rank, a block at a time (the
+        lock is let go between blocks, so requests are answered meanwhile)."""
+        for i in range(len(self.runs)):
+            for rank in self.runs[i].ranks:
+                for kind in self.runs[i].kinds_of(rank):
+                    while True:
+                        with self.lock:
+                            run = self.run(i)
+                            _, rows, _ = run._statistics.rows(kind, rank)
+                            done = self.grains.filled(run, kind, rank, rows)
+                            want = len(rows) // _api.GRAIN
+                            if done >= want:
+                                break
+                            self.grains.get(run, kind, rank, rows,
+                                            min(want, done + _api.BLOCK // _api.GRAIN))
+
     def size(self, i: int) -> int | None:
         if self.sizes[i] is None:
             try:
@@ -169,12 +186,23 @@ def _line(e: Exception) -> str:
     return text[0] if text else type(e).__name__
 
 
-def make_server(paths: list[str], host: str = "127.0.0.1", port: int = 8765):
+def make_server(paths: list[str], host: str = "127.0.0.1", port: int = 8765, warm: bool = True):
     """The server of ``paths`` (opened and checked first: every run's summary is read
-    once, so an unreadable run raises here, before serving)."""
+    once, so an unreadable run raises here, before serving).  ``warm``: fill the
+    maps' cache in a background thread from the start."""
     served = Served(paths)
     _api.runs(served.all())
     folder = resources.files("analysis") / "static"
     static = {name: (folder / name).read_bytes() for name, _ in STATIC.values()}
     handler = type("ServeHandler", (Handler,), {"served": served, "static": static})
-    return ThreadingHTTPServer((host, port), handler)
+    server = ThreadingHTTPServer((host, port), handler)
+    if warm:
+        threading.Thread(target=_warm, args=(served,), daemon=True, name="tensortape-warm").start()
+    return server
+
+
+def _warm(served: Served) -> None:
+    try:
+        served.warm()
+    except Exception:           # a store that changed under it: the maps read it when asked
+        pass
