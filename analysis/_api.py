@@ -28,12 +28,12 @@ __all__ = ["GRAIN", "Grains", "MAP_STATS", "NotFound", "compare_map", "histogram
            "stats"]
 
 MAP_STATS = ("abs_max", "std", "norm", "rms", "nonfinite")
-BLOCK = 8192            # rows read at a time (a multiple of the stats shards' 1024 steps)
+BLOCK = 4096            # rows read at a time (a multiple of the stats shards' 1024 steps)
 NONFINITE = fmt.COUNT_STATS[1:]          # nan, posinf, neginf
 MAP_NEEDS = {"nonfinite": NONFINITE, "rms": ("count", "norm", *NONFINITE),
              **{s: (s, *NONFINITE) for s in ("abs_max", "std", "norm")}}
 GRAIN_NEEDS = ("count", "abs_max", "std", "norm", *NONFINITE)
-GRAIN = 128             # rows a grain (``Grains``); BLOCK is a multiple of it
+GRAIN = 64              # rows a grain (``Grains``); BLOCK is a multiple of it
 
 
 class NotFound(RecorderError):
@@ -173,7 +173,8 @@ def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start
     """The layer x step map of ``stat`` over steps [start, stop), in at most ``width``
     columns; rows in execution order.  ``grains``: a cache of each layer's maxima
     per ``GRAIN`` rows, used when a column spans whole grains (its columns then
-    hold whole grains, and the window's partial grains at either end)."""
+    hold whole grains, and the window's partial grains at either end).  Memory: a
+    block of ``BLOCK`` rows read at a time, whatever the window."""
     _stat(stat, MAP_STATS)
     rank = _rank(run, rank)
     _kind(run, kind, rank)
@@ -184,9 +185,12 @@ def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start
     i0, i1 = _window(steps, start, stop)
     n, width = i1 - i0, max(1, int(width))
     g0, g1 = -(-i0 // GRAIN), i1 // GRAIN
-    coarse = grains is not None and g1 - g0 >= width          # a column: whole grains
+    # a window of many grains a column is made of whole grains: at most ``width`` columns
+    # and at least one grain each (fewer columns than ``width`` below width x GRAIN steps)
+    coarse = grains is not None and g1 - g0 >= max(1, width // 4)
     if coarse:
         edges = np.concatenate([[0], _columns(g1 - g0, width)[1:-1] * GRAIN + g0 * GRAIN - i0, [n]])
+        edges = edges.astype(np.int64)
     else:
         edges = _columns(n, width)
     ncol = len(edges) - 1 if n else 0

@@ -127,6 +127,7 @@ def shows(m: dict, step: int, layer: str, nonfinite: bool) -> bool:
 
 
 def bench_server(loc: str, steps: int, layers: int) -> None:
+    from analysis._api import GRAIN
     names = names_of(layers)
     t = time.perf_counter()
     server, url = serve(loc)
@@ -145,7 +146,7 @@ def bench_server(loc: str, steps: int, layers: int) -> None:
     for th in warming:
         th.join()
     print(f"  a new server's cache of maxima (every statistic of the map, {layers} layers, "
-          f"{steps // 128} grains of 128 steps) filled in the background in "
+          f"{steps // GRAIN} grains of {GRAIN} steps) filled in the background in "
           f"{time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
     m = get(f"{url}/api/map?stat=abs_max&width=1000")
@@ -153,7 +154,25 @@ def bench_server(loc: str, steps: int, layers: int) -> None:
     warm, _ = timed(f"{url}/api/map?stat=abs_max&width=1000")
     t2, _ = timed(f"{url}/api/map?stat=rms&width=1000")
     print(f"  then the map's first answer {first * 1e3:.0f} ms, again {warm * 1e3:.0f} ms (median "
-          f"of 5), another statistic (rms) {t2 * 1e3:.0f} ms; {len(m['step_lo'])} columns")
+          f"of 5), another statistic (rms) {t2 * 1e3:.0f} ms; {len(m['step_lo'])} columns "
+          f"(over HTTP: the client's download and JSON decoding included)")
+    if steps > NAN_STEP:
+        print(f"  the one-step spike (step {SPIKE}) is its row's peak: "
+              f"{shows(m, SPIKE, names[SPIKE_LAYER], False)}; the NaN at step {NAN_STEP} "
+              f"is marked: {shows(m, NAN_STEP, names[NAN_LAYER], True)}")
+    from analysis._serve import answer
+    served = server.RequestHandlerClass.served
+    for label, q in (("all steps", {}), ("a zoom to 50,000 steps", {"start": ["40000"], "stop": ["90000"]}),
+                     ("a zoom to 1,000 steps", {"start": ["73000"], "stop": ["74000"]})):
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            with served.lock:
+                body = json.dumps(answer(served, "/api/map", {"width": ["1000"], **q}),
+                                  allow_nan=False, separators=(",", ":"))
+            times.append(time.perf_counter() - t)
+        print(f"  on the server (the answer and its JSON, no HTTP), {label}: "
+              f"{statistics.median(times) * 1e3:.0f} ms, {len(body) / 1e6:.1f} MB of JSON")
     for span in (50_000, 10_000, 1_000, 100):
         a = max(0, min(SPIKE, steps) - span // 2)
         t, z = timed(f"{url}/api/map?stat=abs_max&width=1000&start={a}&stop={a + span}")
@@ -164,18 +183,17 @@ def bench_server(loc: str, steps: int, layers: int) -> None:
     server.server_close()
     from analysis import _api, open_run
     run = open_run(loc)
+    _, rows, _ = run._statistics.rows("activations", 0)
     for span in sorted({min(steps, s) for s in (10_000, 50_000, steps)}):
         tracemalloc.start()
         _api.map_(run, "activations", "abs_max", start=0, stop=span, width=1000)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        tracemalloc.start()
         grains = _api.Grains()
-        _api.map_(run, "activations", "abs_max", start=0, stop=span, width=1000, grains=grains)
-        kept = tracemalloc.get_traced_memory()[0]
-        tracemalloc.stop()
-        print(f"  memory over {span} steps: one map answer read from the store, peak "
-              f"{peak / 1e6:.1f} MB; the cache of maxima kept {kept / 1e6:.1f} MB")
+        values, bad = grains.get(run, "activations", 0, rows[:span], span // GRAIN)
+        kept = sum(v.nbytes for v in values.values()) + bad.nbytes
+        print(f"  memory over {span} steps: a map answer read from the store (no cache), peak "
+              f"{peak / 1e6:.1f} MB; the cache of maxima {kept / 1e6:.1f} MB")
 
 
 def bench_tensorboard(loc: str, tb_steps: int, layers: int) -> None:

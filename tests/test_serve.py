@@ -154,8 +154,9 @@ def check_partition(m, steps):
 
 # --- the map -----------------------------------------------------------------------------
 @pytest.mark.parametrize("stat", ["abs_max", "std", "norm", "rms", "nonfinite"])
-@pytest.mark.parametrize("width, start, stop", [(50, None, None), (7, None, None), (3, 100, 1100),
-                                                (4, 700, 1200)])
+@pytest.mark.parametrize("width, start, stop", [(1000, None, None), (200, None, None),
+                                                (50, None, None), (7, None, None), (3, 100, 1100),
+                                                (40, 130, 1000), (4, 700, 1200)])
 def test_map_columns_are_the_largest_of_their_steps_never_a_sample(spiky, serve, stat, width,
                                                                    start, stop):
     s = serve(spiky)
@@ -166,7 +167,7 @@ def test_map_columns_are_the_largest_of_their_steps_never_a_sample(spiky, serve,
         assert status == 200
         steps = run.steps("activations")
         steps = steps[(steps >= (start or 0)) & (steps < (stop or STEPS))]
-        assert len(m["step_lo"]) == width and m["steps_in_window"] == len(steps)
+        assert 0 < len(m["step_lo"]) <= width and m["steps_in_window"] == len(steps)
         check_partition(m, steps)
         order, values, nonfinite = expected_map(run, "activations", stat, m["step_lo"], m["step_hi"])
         assert m["layers"] == order
