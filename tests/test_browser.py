@@ -102,6 +102,7 @@ def test_the_first_nan_is_named_and_marked_at_its_layer_and_step(page, runs):
     text = pg.inner_text("[data-testid=first-nonfinite]")
     assert f"step {first.step}" in text and first.layer in text
     pg.click("#jump")
+    pg.wait_for_selector(f"[data-testid=histogram][data-step='{first.step}']")   # jumped
     mark = pg.wait_for_selector("[data-testid=first-nonfinite-cell]")
     assert (mark.get_attribute("data-layer"), mark.get_attribute("data-step")) == \
         (first.layer, str(first.step))
@@ -120,8 +121,9 @@ def test_clicking_a_cell_shows_that_steps_histogram_with_its_nan_count(page, run
     pg.fill("#start", str(first.step - 3))
     pg.fill("#stop", str(first.step + 3))
     pg.click("#zoom")
-    mark = pg.wait_for_selector(f"[data-testid=first-nonfinite-cell][data-step='{first.step}']")
-    box = mark.bounding_box()
+    pg.wait_for_function("s => document.getElementById('map').dataset.first === s",
+                         arg=str(first.step - 3))
+    box = pg.locator(f"[data-testid=first-nonfinite-cell][data-step='{first.step}']").bounding_box()
     pg.mouse.click(*centre(box))
     pg.wait_for_selector(f"[data-testid=histogram][data-step='{first.step}']")
     want = run.histogram(first.layer, first.kind, step=first.step)
