@@ -201,3 +201,25 @@ def test_a_layer_named_like_html_is_shown_as_text(page, runs):
     assert pg.locator("#map-labels div", has_text=XSS).count() == 1
     assert pg.locator("img").count() == 0
     assert pg.locator("text=no scalars recorded").count() == 1
+
+
+def test_layers_filter_by_glob_sort_by_peak_and_a_hover_shows_the_stored_value(page, runs):
+    import json
+    import urllib.request
+    pg = page.open(runs["ok"])
+    with urllib.request.urlopen(pg.url.rstrip("/") + "/api/map?stat=abs_max&width=1000") as r:
+        m = json.loads(r.read())
+    pg.fill("#filter", "encoder.layers.0.*")
+    labels = pg.locator("#map-labels div").all_inner_texts()
+    assert labels == [n for n in m["layers"] if n.startswith("encoder.layers.0.")]
+    pg.fill("#filter", "")
+    pg.select_option("#sort", "peak")
+    peaks = {n: max(v) for n, v in zip(m["layers"], m["values"])}
+    assert pg.locator("#map-labels div").all_inner_texts() == sorted(peaks, key=lambda n: -peaks[n])
+    top = max(peaks, key=peaks.get)                  # the first row now; hover its last column
+    box = pg.locator("#map").bounding_box()
+    pg.mouse.move(box["x"] + box["width"] - 1, box["y"] + 2)
+    text = pg.inner_text("#tooltip")
+    lines = text.splitlines()
+    assert lines[0] == top and lines[1] == f"step {m['step_lo'][-1]}"
+    assert float(lines[2].split(" = ")[1]) == m["values"][m["layers"].index(top)][-1]
