@@ -314,13 +314,14 @@ def stats(run, layer: str, kind: str = "activations", rank=None, start=None, sto
 
 
 # --- scalars ------------------------------------------------------------------------------------
-def scalars(run) -> dict:
-    """The run's logged scalars (``run.scalars()`` where this tensortape has it):
-    ``step`` and one list per scalar; none: ``{"step": []}``."""
+def scalars(run, rank=None) -> dict:
+    """The run's logged scalars (``run.scalars()`` where this tensortape has it) of
+    ``rank`` (default: the first): ``step`` and one list per scalar, NaN (``"nan"``)
+    where a name has no value at a step; none: ``{"step": []}``."""
     read = getattr(run, "scalars", None)
     if read is None:
         return {"step": []}
-    ds = read()
+    ds = read(rank=_rank(run, rank)) if len(run.ranks) > 1 else read()
     out = {"step": ints(ds["step"].values) if "step" in ds.coords else []}
     for name in ds.data_vars:
         out[str(name)] = numbers(ds[name].values)

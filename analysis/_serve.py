@@ -128,7 +128,7 @@ def answer(served: Served, path: str, q: dict):
         return _api.stats(run, _arg(q, "layer", default=""), kind, rank,
                           width=_arg(q, "width", int), **window)
     if path == "/api/scalars":
-        return _api.scalars(run)
+        return _api.scalars(run, rank)
     raise _api.NotFound(f"no route {path!r}")
 
 

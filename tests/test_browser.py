@@ -110,6 +110,7 @@ def test_the_first_nan_is_named_and_marked_at_its_layer_and_step(page, runs):
     label = pg.locator("#map-labels div", has_text=first.layer).first.bounding_box()
     assert label["y"] <= y <= label["y"] + label["height"]          # on the layer's row
     assert pixel(pg, x, y) == NONFINITE_RGB
+    assert pg.inner_text("[data-testid=scalars] .caption") == "no scalars recorded"
 
 
 def test_clicking_a_cell_shows_that_steps_histogram_with_its_nan_count(page, runs):
@@ -200,7 +201,8 @@ def test_a_layer_named_like_html_is_shown_as_text(page, runs):
     pg = page.open(runs["xss"])
     assert pg.locator("#map-labels div", has_text=XSS).count() == 1
     assert pg.locator("img").count() == 0
-    assert pg.locator("text=no scalars recorded").count() == 1
+    assert pg.inner_text("[data-testid=scalars] .caption") == "2 scalars over 6 steps"
+    assert pg.locator("[data-testid=scalars] canvas").count() == 2      # loss and lr
 
 
 def test_layers_filter_by_glob_sort_by_peak_and_a_hover_shows_the_stored_value(page, runs):

@@ -55,7 +55,9 @@ def record_spiky(path: str, steps: int = STEPS, spike: int | None = SPIKE,
             if step == nan_step:
                 x[0, 0] = float("nan")
             with rec.step(step), torch.no_grad():
-                model(x)
+                out = model(x)
+                if step % 7 == 0:
+                    rec.log({"loss": out.square().mean(), "lr": 0.1 / (1 + step)})
     return path
 
 
@@ -244,6 +246,15 @@ def test_scalars_answer_empty_for_a_run_without_them(diverged, serve):
     s = serve(diverged)
     status, sc = s.get("scalars")
     assert status == 200 and sc["step"] == []
+
+
+def test_scalars_are_the_runs_logged_values(spiky, serve):
+    s = serve(spiky)
+    status, sc = s.get("scalars")
+    ds = open_run(spiky).scalars()
+    assert status == 200 and sc["step"] == list(range(0, STEPS, 7)) == ds.step.values.tolist()
+    assert sc["lr"] == [0.1 / (1 + step) for step in sc["step"]]          # bit-exact
+    assert sc["loss"] == ds["loss"].values.tolist()
 
 
 def test_compare_map_marks_the_first_divergence(diverged, stable, serve):
