@@ -20,7 +20,7 @@ import sys
 
 import click
 
-from recorder.errors import RecorderError
+from recorder.errors import RecorderError, command_line
 from recorder.format import COUNT_STATS, KINDS, STATS
 
 INTEGERS = COUNT_STATS + ("delta_count", "delta_nan", "delta_posinf", "delta_neginf",
@@ -276,7 +276,9 @@ def record(out, mode, layers, capture, tensors_every, stats_every, ring, on_nonf
               tensors_every=None if tensors_every == 0 else (tensors_every or 1))
     if capture:
         kw["capture"] = tuple(capture)
-    sys.exit(run_script(list(command), out, keep_going=keep_going, **kw))
+    with command_line():                           # messages name --flags, not arguments
+        status = run_script(list(command), out, keep_going=keep_going, **kw)
+    sys.exit(status)
 
 
 @cli.command()
@@ -293,11 +295,11 @@ def watch(run, interval, pattern, kind):
     live = sys.stdout.isatty()
     view = None
     for view in snapshots(run, interval, pattern, kind):
-        lines = render(view)
-        if live:
+        if live:                       # the first alert of each (layer, kind) stays on screen
             click.clear()
-            _out("\n".join(lines))
+            _out("\n".join(render(view, pinned=True)))
         else:                          # piped: a status line a refresh, alerts as they come
+            lines = render(view)
             _out("\n".join([lines[0]] + [x for x in lines if x.startswith("ALERT")]))
     if view is not None and not live:
         _out("\n".join(render(dict(view, alerts=[]))[1:]))

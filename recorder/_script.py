@@ -21,14 +21,13 @@ The script runs in this process (``runpy``), unchanged:
 - Before the script starts, the store is checked (its mode, and a probe write
   that leaves nothing behind); when it cannot record there, or later when a
   pattern matches nothing, it stops the script with one line
-  (``RecorderError``, worded in the CLI's flags), unless ``keep_going`` lets
+  (``RecorderError``; under ``errors.command_line()`` it names flags), unless ``keep_going`` lets
   the script train unrecorded after one warning line.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import runpy
 import sys
 import traceback
@@ -103,7 +102,7 @@ class _Tracker:
         except RecorderError as e:
             if not self.keep_going:
                 raise _Stop(e) from None
-            print(f"tensortape: not recording: {_cli_words(e)}", file=sys.stderr)  # trains on
+            print(f"tensortape: not recording: {e}", file=sys.stderr)  # trains on
             return
         module.register_forward_pre_hook(self._model_forward, prepend=True)
         self.scope = self.recorder.step(self.step)
@@ -131,11 +130,6 @@ class _Tracker:
             h.remove()
         if self.recorder is not None:
             self.recorder.close("complete" if ok else "interrupted")
-
-
-def _cli_words(error: BaseException) -> str:
-    """An error's message as the command line says it: ``--mode w``, not ``mode='w'``."""
-    return re.sub(r"\bmode=(['\"])(w-|w|a)\1", r"--mode \2", str(error))
 
 
 def _probe(location) -> None:
@@ -210,9 +204,9 @@ def run_script(command: list[str], store, keep_going: bool = False, **recorder_k
         _probe(store)
     except RecorderError as e:
         if not keep_going:
-            raise type(e)(f"{_cli_words(e)}; the script was not started (pass --keep-going "
+            raise type(e)(f"{e}; the script was not started (pass --keep-going "
                           f"to let it train unrecorded)") from None
-        print(f"tensortape: not recording: {_cli_words(e)}", file=sys.stderr)
+        print(f"tensortape: not recording: {e}", file=sys.stderr)
         recording = False
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     # sys.path[0] as python sets it: the current folder for -m, else the script's folder
@@ -246,6 +240,6 @@ def run_script(command: list[str], store, keep_going: bool = False, **recorder_k
         if tracker is not None:
             tracker.close(ok=status == 0 and stopped is None)
     if stopped is not None:
-        raise type(stopped)(f"{_cli_words(stopped)}; the script was stopped (pass --keep-going "
+        raise type(stopped)(f"{stopped}; the script was stopped (pass --keep-going "
                             f"to let it train unrecorded)") from None
     return status
