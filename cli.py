@@ -67,10 +67,11 @@ def _json(obj) -> None:
 
 
 def _number(name: str, v):
-    """A statistic for JSON: counts as integers, NaN as null, floats at full precision."""
+    """A statistic for JSON: counts as integers, NaN and Inf as the strings "nan", "inf"
+    and "-inf" (JSON has neither), floats at full precision."""
     v = float(v)
     if math.isnan(v):
-        return None
+        return "nan"
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
     return int(v) if name in INTEGERS else v
@@ -197,6 +198,33 @@ def _check_step(step, have) -> None:
                                  f"{steps_text(have)}", param_hint="--step")
 
 
+def _given(ctx: click.Context, name: str) -> bool:
+    """Whether the user wrote the option ``name`` (not its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source != click.core.ParameterSource.DEFAULT
+
+
+def _flag(ctx: click.Context, name: str) -> str:
+    """The option ``name`` as the user writes it (its longest flag)."""
+    param = next(p for p in ctx.command.params if p.name == name)
+    return max(param.opts, key=len)
+
+
+def _refuse(ctx: click.Context, conflicts=(), only_for=None) -> None:
+    """One line and exit 2 for flags that conflict or would do nothing:
+    ``conflicts``, pairs of options not to be given together; ``only_for``,
+    (option, choice option, the choices it applies to, why) where it is ignored
+    under the other choices."""
+    for x, y in conflicts:
+        if _given(ctx, x) and _given(ctx, y):
+            raise click.UsageError(f"{_flag(ctx, x)} and {_flag(ctx, y)} conflict; give one")
+    for name, by, choices, why in only_for or ():
+        if _given(ctx, name) and ctx.params[by] not in choices:
+            raise click.UsageError(
+                f"{_flag(ctx, name)} applies to {_flag(ctx, by)} {'|'.join(choices)} only; "
+                f"{_flag(ctx, by)} {ctx.params[by]} {why}")
+
+
 @contextlib.contextmanager
 def _importable_from(folder: str):
     """``folder`` first on ``sys.path`` for the block (where ``python -m`` puts the
@@ -215,7 +243,7 @@ kind_option = click.option("--kind", type=click.Choice(KINDS), default="activati
                            show_default=True, help="which recorded tensors")
 format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]),
                              default="table", show_default=True,
-                             help="json: for scripts (counts are integers, NaN is null)")
+                             help='json: for scripts (counts are integers; NaN, Inf: "nan", "inf", "-inf")')
 
 
 # --- the commands ----------------------------------------------------------------------
@@ -263,7 +291,8 @@ def demo(out, steps, diverge):
               help="when the run cannot be recorded (the store exists, a pattern matches "
                    "nothing), let the script train unrecorded instead of stopping it")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def record(out, mode, layers, capture, tensors_every, stats_every, ring, on_nonfinite,
+@click.pass_context
+def record(ctx, out, mode, layers, capture, tensors_every, stats_every, ring, on_nonfinite,
            keep_going, command):
     """Record an unchanged training script: tensortape record -o RUN -- python train.py ARGS.
 
@@ -271,6 +300,9 @@ def record(out, mode, layers, capture, tensors_every, stats_every, ring, on_nonf
     step. Exits with the script's exit status (130 after Ctrl-C), or 2 with one line
     when it cannot record."""
     from recorder._script import run_script
+    if _given(ctx, "ring") and ring and on_nonfinite == "record":
+        raise click.UsageError("--ring keeps steps for a dump; with --on-nonfinite record "
+                               "nothing is dumped: add --on-nonfinite dump (or raise, replay)")
     kw = dict(layers=list(layers) or "*", stats_every=stats_every, ring=ring,
               on_nonfinite=on_nonfinite, mode=mode,
               tensors_every=None if tensors_every == 0 else (tensors_every or 1))
@@ -318,21 +350,26 @@ def info(run, fmt):
     if fmt == "json":
         return _json(s)
     _out(f"run      {run}")
-    _out(f"status   {s['status']}    ranks {s['ranks']}    format {s['format']}")
+    _out(f"status   {_status_words(s)}    ranks {s['ranks']}    format {s['format']}")
+    if s["recordings"] > 1:
+        _out(f"resumed  {s['recordings'] - 1} time{'s' * (s['recordings'] > 2)} (mode a): "
+             f"{s['recordings']} recordings; a step recorded again reads as its latest")
     _out(f"model    {s['model_class']}    torch {s['torch_version']}")
     raw, disk = s["bytes_raw"], s["disk_bytes"]
     ratio = f"    (full tensors recorded: {format_bytes(raw)}, {raw / disk:.2f}x the store)" \
         if disk and raw else ""
     _out(f"size     {format_bytes(disk)} on disk{ratio}")
     for k, v in s["steps"].items():
-        _out(f"{k:<13} statistics at {v['count']} steps ({v['first']}..{v['last']}), "
-             f"full tensors at {v['tensor_steps']} steps" if v["count"] else f"{k}: none")
+        _out(f"{k:<13} statistics at {_n(v['count'], 'step')} ({v['first']}..{v['last']}), "
+             f"full tensors at {_n(v['tensor_steps'], 'step')}" if v["count"] else f"{k}: none")
     _out()
     _table(["layer", *s["kinds"]],
            [[layer] + [("S" if m[k]["stats"] else "") + (
                f"T {format_bytes(m[k]['tensor_bytes'])}" if m[k]["tensor_bytes"] is not None
                else "") or "-" for k in s["kinds"]] for layer, m in s["layers"].items()])
-    _out("(S = statistics, T = full tensors, with their size decoded)")
+    _out("(S = statistics, T = full tensors, with their size decoded; name:0, name:1, ... are "
+         "the tensors of a module that returns several, name:key a field of its output; "
+         "name#1 its second call in a step)")
     ev = s["events"]
     several = s["per_rank"] is not None
     where = f" on rank {ev[0]['rank']}" if ev and several else ""
@@ -351,6 +388,21 @@ def info(run, fmt):
             _out(f"{what}: {s[key]}")
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _status_words(s: dict) -> str:
+    """The status, and for a run still ``recording``, whether a live job holds it
+    and when it last committed (a killed job leaves ``recording`` behind)."""
+    when = f"last commit {s['last_commit']}" if s.get("last_commit") else "no commit yet"
+    if s["status"] != "recording":
+        return s["status"]
+    if s.get("job_alive"):
+        return f"recording ({when})"
+    return f"recording, or died (no live job holds the run; {when})"
+
+
 @cli.command()
 @click.argument("run")
 @kind_option
@@ -359,9 +411,11 @@ def info(run, fmt):
 @steps_option
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
               show_default=True, help="csv and json: for scripts (counts are integers)")
-def stats(run, kind, pattern, step, steps, fmt):
+@click.pass_context
+def stats(ctx, run, kind, pattern, step, steps, fmt):
     """Per-step statistics of RUN: a row per (step, layer); counts are integers."""
     from analysis._run import within
+    _refuse(ctx, conflicts=[("step", "steps")])
     ds = _open(run).stats(kind, pattern)
     _check_step(step, ds.step.values)
     ds = ds.sel(step=[step]) if step is not None else within(ds, _span(steps))
@@ -390,7 +444,9 @@ def nan(run, around, fmt):
     if fmt == "json":
         _json(None if first is None else first.to_json())
     elif first is None:
-        _out("clean: no NaN or Inf recorded")
+        live = r.status == "recording"
+        _out(f"clean{' so far' if live else ''}: no NaN or Inf recorded"
+             + (" (the run is still recording)" if live else ""))
     else:
         ranks = len(r.ranks) > 1
         where = f" on rank {first.rank}" if ranks else ""
@@ -400,7 +456,8 @@ def nan(run, around, fmt):
         if first.replay:
             _say_replay(first.replay)
         if first.history is not None:
-            _out(f"\n{first.layer} ({first.kind}) in the steps before:")
+            _out(f"\n{first.layer} ({first.kind}) in the steps before step {first.step}, "
+                 f"and at it:")
             h = first.history[["mean", "std", "abs_max", "norm", "nan", "posinf", "neginf"]]
             df = h.to_dataframe().drop(columns="layer", errors="ignore")
             for c in ("nan", "posinf", "neginf"):
@@ -433,8 +490,14 @@ def nan(run, around, fmt):
               help="--type histogram: counts per unit of value instead of counts per bin")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, writable=True),
               help="PNG file to write")
-def plot(run, layer, kind, plot_type, stat, step, steps, density, output):
+@click.pass_context
+def plot(ctx, run, layer, kind, plot_type, stat, step, steps, density, output):
     """Plot a layer of RUN into a PNG file."""
+    _refuse(ctx, only_for=[
+        ("step", "plot_type", ("histogram",), "draws every step (narrow them with --steps)"),
+        ("steps", "plot_type", ("evolution", "distribution"), "draws one step (pick it with --step)"),
+        ("stat", "plot_type", ("evolution",), "draws the histogram's counts, not a statistic"),
+        ("density", "plot_type", ("histogram",), "has no such option")])
     r = _open(run)
     if plot_type != "evolution" and any(ch in layer for ch in "*?["):
         raise click.BadParameter(f"a {plot_type} shows one layer; {layer!r} is a pattern (use "
