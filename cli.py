@@ -556,18 +556,31 @@ def _say_replay(found: dict) -> None:
               help="PNG: where the runs differ (layer x step) and the first diverging layer")
 @click.option("--rank", type=click.IntRange(min=0), default=None,
               help="which rank of each run to compare (default: each run's first)")
-def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank):
+@click.option("--strict", is_flag=True,
+              help="refuse (exit 2) runs that are not alike: other model classes, other "
+                   "recorded layers, or a shared layer of another shape")
+def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
     """Compare two runs layer by layer; exit 1 when they diverge, 0 when they agree.
 
     It says which steps and layers each metric covers, where the runs first
     diverge (and whether full tensors or statistics show it), and per layer each
-    metric at its worst step. Runs that share no layer of KIND: exit 2."""
+    metric at its worst step. Runs that share no layer of KIND: exit 2. Runs not alike
+    (model classes, recorded layers, shapes): a warning, and only the shared layers
+    whose shapes agree are compared (--strict: exit 2)."""
+    import warnings
     from analysis import compare_runs, first_divergence, plot_comparison
     from analysis._compare import summarize
+    from recorder.errors import TensortapeWarning
     a, b = _open(run_a), _open(run_b)
-    ds = compare_runs(a, b, kind=kind, layers=pattern, progress=_progress("comparing tensors"),
-                      rank=rank)
-    first = first_divergence(a, b, rtol=rtol, kinds=[kind], layers=pattern, rank=rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TensortapeWarning)
+        try:
+            ds = compare_runs(a, b, kind=kind, layers=pattern, rank=rank, strict=strict,
+                              progress=_progress("comparing tensors"))
+            first = first_divergence(a, b, rtol=rtol, kinds=[kind], layers=pattern, rank=rank)
+        finally:                     # said once each, before an error's line too
+            for text in dict.fromkeys(str(w.message) for w in caught):
+                click.echo(f"warning: {text.removeprefix('tensortape: ')}", err=True)
     table = summarize(ds)
     stats_steps = [int(x) for x in ds.step.values]
     by = None
