@@ -217,10 +217,10 @@ def _refuse(ctx: click.Context, conflicts=(), only_for=None) -> None:
     under the other choices."""
     for x, y in conflicts:
         if _given(ctx, x) and _given(ctx, y):
-            raise click.UsageError(f"{_flag(ctx, x)} and {_flag(ctx, y)} conflict; give one")
+            raise TensortapeError(f"{_flag(ctx, x)} and {_flag(ctx, y)} conflict; give one")
     for name, by, choices, why in only_for or ():
         if _given(ctx, name) and ctx.params[by] not in choices:
-            raise click.UsageError(
+            raise TensortapeError(
                 f"{_flag(ctx, name)} applies to {_flag(ctx, by)} {'|'.join(choices)} only; "
                 f"{_flag(ctx, by)} {ctx.params[by]} {why}")
 
@@ -301,7 +301,7 @@ def record(ctx, out, mode, layers, capture, tensors_every, stats_every, ring, on
     when it cannot record."""
     from recorder._script import run_script
     if _given(ctx, "ring") and ring and on_nonfinite == "record":
-        raise click.UsageError("--ring keeps steps for a dump; with --on-nonfinite record "
+        raise TensortapeError("--ring keeps steps for a dump; with --on-nonfinite record "
                                "nothing is dumped: add --on-nonfinite dump (or raise, replay)")
     kw = dict(layers=list(layers) or "*", stats_every=stats_every, ring=ring,
               on_nonfinite=on_nonfinite, mode=mode,
@@ -643,11 +643,15 @@ def export(run, out, force):
 @cli.command()
 @click.argument("old")
 @click.argument("new")
-def migrate(old, new):
-    """Convert OLD, a store of an older tensortape format, into NEW in the current one
-    (OLD is not changed; NEW must not exist)."""
+@click.option("--mode", type=click.Choice(["w-", "w"]), default="w-", show_default=True,
+              help="w-: NEW must not exist; w: overwrite a tensortape run at NEW (never "
+                   "other files)")
+def migrate(old, new, mode):
+    """Convert OLD, a store of an older tensortape format (or an HDF5 export), into NEW
+    in the current one (OLD is not changed; a failed copy leaves nothing behind)."""
     from analysis._migrate import migrate as convert
-    _out(convert(old, new, progress=_progress("converting")))
+    with command_line():
+        _out(convert(old, new, progress=_progress("converting"), mode=mode))
 
 
 @cli.command()
