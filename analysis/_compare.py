@@ -69,12 +69,14 @@ def _shape(r: Run, kind: str, layer: str) -> tuple[int, ...] | None:
     return tuple(int(x) for x in r.tensor(layer, kind).shape[1:])
 
 
-def _alike(a: Run, b: Run, kind: str, layers, names: list[str], steps, strict: bool) -> list[str]:
+def _alike(a: Run, b: Run, kind: str, layers, names: list[str], steps,
+           strict: bool) -> tuple[list[str], str | None]:
     """Whether the runs are alike enough to compare: the model classes, the
     recorded layer sets of ``kind`` (those ``layers`` matches) and each shared
     layer's shape (its element count at the common steps where both ran, and its
-    full tensors' shape where both hold them).  What differs is one warning (a
-    ``ConfigError`` under ``strict``); the shared layers whose shapes agree."""
+    full tensors' shape where both hold them).  The shared layers whose shapes
+    agree, and what differs in words (None when alike; under ``strict``, a
+    ``ConfigError`` instead)."""
     notes = []
     ca, cb = a.attrs.get("model_class"), b.attrs.get("model_class")
     if ca != cb:
@@ -105,25 +107,30 @@ def _alike(a: Run, b: Run, kind: str, layers, names: list[str], steps, strict: b
     if bad:
         notes.append(f"{len(bad)} shared layer{'s differ' if len(bad) > 1 else ' differs'} in shape, not "
                      f"compared ({'; '.join(bad[:4])}{'; ...' if len(bad) > 4 else ''})")
-    if notes:
-        text = (f"{a.name} and {b.name} are not alike: {'; '.join(notes)}")
-        if strict:
-            raise ConfigError(f"{text}; refused (strict)")
+    text = f"{a.name} and {b.name} are not alike: {'; '.join(notes)}" if notes else None
+    if text and strict:
+        raise ConfigError(f"{text}; refused (strict)")
+    return [n for n in names if n not in gone], text
+
+
+def _say(text: str | None) -> None:
+    """What makes two runs unlike, once, where something is still compared."""
+    if text:
         import warnings
         from recorder.errors import TensortapeWarning
         warnings.warn(f"tensortape: {text}; comparing only the shared layers whose shapes "
                       f"agree", TensortapeWarning, stacklevel=3)
-    return [n for n in names if n not in gone]
 
 
-def _no_common(a: Run, b: Run, kinds, layers) -> ConfigError:
-    """Why two runs cannot be compared, in one line."""
+def _no_common(a: Run, b: Run, kinds, layers, unlike: str | None = None) -> ConfigError:
+    """Why two runs cannot be compared, in one line (``unlike``: what differs)."""
     where = f" matching {layers!r}" if layers else ""
     held = "; ".join(f"{r.path} has {', '.join(f'{k}: {len(r.stats(k).layer)} layers' for k in r.kinds) or 'nothing'}"
                      f" (e.g. {', '.join(r.layers[:3]) or 'none'})" for r in (a, b))
     return ConfigError(f"the runs share no recorded (layer, kind) of {', '.join(kinds)}{where} with "
                        f"common steps, so they cannot be compared ({held}); compare runs of the same "
-                       f"model, or pick --kind/--layer that both hold")
+                       f"model, or pick --kind/--layer that both hold"
+                       + (f"; {unlike}" if unlike else ""))
 
 
 def _absent(st: xr.Dataset) -> xr.DataArray:
@@ -187,9 +194,10 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     """
     a, b = _runs(a, b, rank)
     names, steps = _common(a, b, kind, layers)
-    names = _alike(a, b, kind, layers, names, steps, strict)
+    names, unlike = _alike(a, b, kind, layers, names, steps, strict)
     if not names or not len(steps):
-        raise _no_common(a, b, [kind], layers)
+        raise _no_common(a, b, [kind], layers, unlike)
+    _say(unlike)
     sa = a.stats(kind, names).sel(step=steps).compute()
     sb = b.stats(kind, names).sel(step=steps).compute()
     gone = _absent(sa) | _absent(sb)         # not a difference of the statistics there
@@ -247,10 +255,11 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
     order = {n: i for i, n in enumerate(a.layers)}
     asked = list(kinds or fmt.FORWARD_KINDS + fmt.BACKWARD_KINDS)
     kinds = [k for k in asked if k in a.kinds and k in b.kinds]
-    per_kind = {}
+    per_kind, unlikes = {}, []
     for kind in kinds:
         names, steps = _common(a, b, kind, layers)
-        names = _alike(a, b, kind, layers, names, steps, strict)
+        names, unlike = _alike(a, b, kind, layers, names, steps, strict)
+        unlikes.append(unlike)
         if names and len(steps):
             sa = a.stats(kind, names).sel(step=steps).compute()
             sb = b.stats(kind, names).sel(step=steps).compute()
@@ -258,7 +267,9 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
                               _relative(sa, sb), set(a.tensor_layers(kind)),
                               set(b.tensor_layers(kind)))
     if not per_kind:
-        raise _no_common(a, b, kinds or asked, layers)
+        raise _no_common(a, b, kinds or asked, layers, next((u for u in unlikes if u), None))
+    for text in dict.fromkeys(u for u in unlikes if u):
+        _say(text)
     all_steps = sorted({int(s) for v in per_kind.values() for s in v[1]})
     tensor_steps: dict = {}
 
