@@ -20,7 +20,7 @@ import sys
 
 import click
 
-from recorder.errors import RecorderError
+from recorder.errors import RecorderError, command_line
 from recorder.format import COUNT_STATS, KINDS, STATS
 
 INTEGERS = COUNT_STATS + ("delta_count", "delta_nan", "delta_posinf", "delta_neginf",
@@ -67,10 +67,11 @@ def _json(obj) -> None:
 
 
 def _number(name: str, v):
-    """A statistic for JSON: counts as integers, NaN as null, floats at full precision."""
+    """A statistic for JSON: counts as integers, NaN and Inf as the strings "nan", "inf"
+    and "-inf" (JSON has neither), floats at full precision."""
     v = float(v)
     if math.isnan(v):
-        return None
+        return "nan"
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
     return int(v) if name in INTEGERS else v
@@ -197,6 +198,33 @@ def _check_step(step, have) -> None:
                                  f"{steps_text(have)}", param_hint="--step")
 
 
+def _given(ctx: click.Context, name: str) -> bool:
+    """Whether the user wrote the option ``name`` (not its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source != click.core.ParameterSource.DEFAULT
+
+
+def _flag(ctx: click.Context, name: str) -> str:
+    """The option ``name`` as the user writes it (its longest flag)."""
+    param = next(p for p in ctx.command.params if p.name == name)
+    return max(param.opts, key=len)
+
+
+def _refuse(ctx: click.Context, conflicts=(), only_for=None) -> None:
+    """One line and exit 2 for flags that conflict or would do nothing:
+    ``conflicts``, pairs of options not to be given together; ``only_for``,
+    (option, choice option, the choices it applies to, why) where it is ignored
+    under the other choices."""
+    for x, y in conflicts:
+        if _given(ctx, x) and _given(ctx, y):
+            raise TensortapeError(f"{_flag(ctx, x)} and {_flag(ctx, y)} conflict; give one")
+    for name, by, choices, why in only_for or ():
+        if _given(ctx, name) and ctx.params[by] not in choices:
+            raise TensortapeError(
+                f"{_flag(ctx, name)} applies to {_flag(ctx, by)} {'|'.join(choices)} only; "
+                f"{_flag(ctx, by)} {ctx.params[by]} {why}")
+
+
 @contextlib.contextmanager
 def _importable_from(folder: str):
     """``folder`` first on ``sys.path`` for the block (where ``python -m`` puts the
@@ -215,7 +243,7 @@ kind_option = click.option("--kind", type=click.Choice(KINDS), default="activati
                            show_default=True, help="which recorded tensors")
 format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]),
                              default="table", show_default=True,
-                             help="json: for scripts (counts are integers, NaN is null)")
+                             help='json: for scripts (counts are integers; NaN, Inf: "nan", "inf", "-inf")')
 
 
 # --- the commands ----------------------------------------------------------------------
@@ -291,7 +319,8 @@ def _size(text: str, flag: str):
               help="when the run cannot be recorded (the store exists, a pattern matches "
                    "nothing), let the script train unrecorded instead of stopping it")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def record(out, mode, layers, capture, tensors_every, stats_every, ring, on_nonfinite,
+@click.pass_context
+def record(ctx, out, mode, layers, capture, tensors_every, stats_every, ring, on_nonfinite,
            max_bytes, max_samples, keep_going, command):
     """Record an unchanged training script: tensortape record -o RUN -- python train.py ARGS.
 
@@ -299,13 +328,18 @@ def record(out, mode, layers, capture, tensors_every, stats_every, ring, on_nonf
     step. Exits with the script's exit status (130 after Ctrl-C), or 2 with one line
     when it cannot record."""
     from recorder.script import run_script
+    if _given(ctx, "ring") and ring and on_nonfinite == "record":
+        raise TensortapeError("--ring keeps steps for a dump; with --on-nonfinite record "
+                               "nothing is dumped: add --on-nonfinite dump (or raise, replay)")
     kw = dict(layers=list(layers) or "*", stats_every=stats_every, ring=ring,
               on_nonfinite=on_nonfinite, mode=mode, max_samples=max_samples,
               max_bytes=_size(max_bytes, "--max-bytes"),
               tensors_every=None if tensors_every == 0 else (tensors_every or 1))
     if capture:
         kw["capture"] = tuple(capture)
-    sys.exit(run_script(list(command), out, keep_going=keep_going, **kw))
+    with command_line():                           # messages name --flags, not arguments
+        status = run_script(list(command), out, keep_going=keep_going, **kw)
+    sys.exit(status)
 
 
 @cli.command()
@@ -322,11 +356,11 @@ def watch(run, interval, pattern, kind):
     live = sys.stdout.isatty()
     view = None
     for view in snapshots(run, interval, pattern, kind):
-        lines = render(view)
-        if live:
+        if live:                       # the first alert of each (layer, kind) stays on screen
             click.clear()
-            _out("\n".join(lines))
+            _out("\n".join(render(view, pinned=True)))
         else:                          # piped: a status line a refresh, alerts as they come
+            lines = render(view)
             _out("\n".join([lines[0]] + [x for x in lines if x.startswith("ALERT")]))
     if view is not None and not live:
         _out("\n".join(render(dict(view, alerts=[]))[1:]))
@@ -345,21 +379,26 @@ def info(run, fmt):
     if fmt == "json":
         return _json(s)
     _out(f"run      {run}")
-    _out(f"status   {s['status']}    ranks {s['ranks']}    format {s['format']}")
+    _out(f"status   {_status_words(s)}    ranks {s['ranks']}    format {s['format']}")
+    if s["recordings"] > 1:
+        _out(f"resumed  {s['recordings'] - 1} time{'s' * (s['recordings'] > 2)} (mode a): "
+             f"{s['recordings']} recordings; a step recorded again reads as its latest")
     _out(f"model    {s['model_class']}    torch {s['torch_version']}")
     raw, disk = s["bytes_raw"], s["disk_bytes"]
     ratio = f"    (full tensors recorded: {format_bytes(raw)}, {raw / disk:.2f}x the store)" \
         if disk and raw else ""
     _out(f"size     {format_bytes(disk)} on disk{ratio}")
     for k, v in s["steps"].items():
-        _out(f"{k:<13} statistics at {v['count']} steps ({v['first']}..{v['last']}), "
-             f"full tensors at {v['tensor_steps']} steps" if v["count"] else f"{k}: none")
+        _out(f"{k:<13} statistics at {_n(v['count'], 'step')} ({v['first']}..{v['last']}), "
+             f"full tensors at {_n(v['tensor_steps'], 'step')}" if v["count"] else f"{k}: none")
     _out()
     _table(["layer", *s["kinds"]],
            [[layer] + [("S" if m[k]["stats"] else "") + (
                f"T {format_bytes(m[k]['tensor_bytes'])}" if m[k]["tensor_bytes"] is not None
                else "") or "-" for k in s["kinds"]] for layer, m in s["layers"].items()])
-    _out("(S = statistics, T = full tensors, with their size decoded)")
+    _out("(S = statistics, T = full tensors, with their size decoded; name:0, name:1, ... are "
+         "the tensors of a module that returns several, name:key a field of its output; "
+         "name#1 its second call in a step)")
     ev = s["events"]
     several = s["per_rank"] is not None
     where = f" on rank {ev[0]['rank']}" if ev and several else ""
@@ -378,6 +417,21 @@ def info(run, fmt):
             _out(f"{what}: {s[key]}")
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _status_words(s: dict) -> str:
+    """The status, and for a run still ``recording``, whether a live job holds it
+    and when it last committed (a killed job leaves ``recording`` behind)."""
+    when = f"last commit {s['last_commit']}" if s.get("last_commit") else "no commit yet"
+    if s["status"] != "recording":
+        return s["status"]
+    if s.get("job_alive"):
+        return f"recording ({when})"
+    return f"recording, or died (no live job holds the run; {when})"
+
+
 @cli.command()
 @click.argument("run")
 @kind_option
@@ -392,6 +446,7 @@ def info(run, fmt):
 def stats(ctx, run, kind, pattern, step, steps, fmt, scalars):
     """Per-step statistics of RUN: a row per (step, layer); counts are integers."""
     from analysis._run import within
+    _refuse(ctx, conflicts=[("step", "steps")])
     if scalars:
         default = click.core.ParameterSource.DEFAULT
         for name, flag in (("kind", "--kind"), ("pattern", "--layer")):
@@ -431,7 +486,9 @@ def nan(run, around, fmt):
     if fmt == "json":
         _json(None if first is None else first.to_json())
     elif first is None:
-        _out("clean: no NaN or Inf recorded")
+        live = r.status == "recording"
+        _out(f"clean{' so far' if live else ''}: no NaN or Inf recorded"
+             + (" (the run is still recording)" if live else ""))
     else:
         ranks = len(r.ranks) > 1
         where = f" on rank {first.rank}" if ranks else ""
@@ -441,7 +498,8 @@ def nan(run, around, fmt):
         if first.replay:
             _say_replay(first.replay)
         if first.history is not None:
-            _out(f"\n{first.layer} ({first.kind}) in the steps before:")
+            _out(f"\n{first.layer} ({first.kind}) in the steps before step {first.step}, "
+                 f"and at it:")
             h = first.history[["mean", "std", "abs_max", "norm", "nan", "posinf", "neginf"]]
             df = h.to_dataframe().drop(columns="layer", errors="ignore")
             for c in ("nan", "posinf", "neginf"):
@@ -480,8 +538,15 @@ def nan(run, around, fmt):
                    "values), or the count in each bar")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, writable=True),
               help="PNG file to write")
-def plot(run, layer, kind, plot_type, stat, step, steps, scale, density, output):
+@click.pass_context
+def plot(ctx, run, layer, kind, plot_type, stat, step, steps, scale, density, output):
     """Plot a layer of RUN into a PNG file."""
+    _refuse(ctx, only_for=[
+        ("step", "plot_type", ("histogram",), "draws every step (narrow them with --steps)"),
+        ("steps", "plot_type", ("evolution", "distribution"), "draws one step (pick it with --step)"),
+        ("stat", "plot_type", ("evolution",), "draws the histogram's counts, not a statistic"),
+        ("density", "plot_type", ("histogram",), "has no such option"),
+        ("scale", "plot_type", ("histogram",), "has no such option")])
     r = _open(run)
     if plot_type != "evolution" and any(ch in layer for ch in "*?["):
         raise click.BadParameter(f"a {plot_type} shows one layer; {layer!r} is a pattern (use "
@@ -540,18 +605,31 @@ def _say_replay(found: dict) -> None:
               help="PNG: where the runs differ (layer x step) and the first diverging layer")
 @click.option("--rank", type=click.IntRange(min=0), default=None,
               help="which rank of each run to compare (default: each run's first)")
-def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank):
+@click.option("--strict", is_flag=True,
+              help="refuse (exit 2) runs that are not alike: other model classes, other "
+                   "recorded layers, or a shared layer of another shape")
+def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
     """Compare two runs layer by layer; exit 1 when they diverge, 0 when they agree.
 
     It says which steps and layers each metric covers, where the runs first
     diverge (and whether full tensors or statistics show it), and per layer each
-    metric at its worst step. Runs that share no layer of KIND: exit 2."""
+    metric at its worst step. Runs that share no layer of KIND: exit 2. Runs not alike
+    (model classes, recorded layers, shapes): a warning, and only the shared layers
+    whose shapes agree are compared (--strict: exit 2)."""
+    import warnings
     from analysis import compare_runs, first_divergence, plot_comparison
     from analysis._compare import summarize
+    from recorder.errors import TensortapeWarning
     a, b = _open(run_a), _open(run_b)
-    ds = compare_runs(a, b, kind=kind, layers=pattern, progress=_progress("comparing tensors"),
-                      rank=rank)
-    first = first_divergence(a, b, rtol=rtol, kinds=[kind], layers=pattern, rank=rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TensortapeWarning)
+        try:
+            ds = compare_runs(a, b, kind=kind, layers=pattern, rank=rank, strict=strict,
+                              progress=_progress("comparing tensors"))
+            first = first_divergence(a, b, rtol=rtol, kinds=[kind], layers=pattern, rank=rank)
+        finally:                     # said once each, before an error's line too
+            for text in dict.fromkeys(str(w.message) for w in caught):
+                click.echo(f"warning: {text.removeprefix('tensortape: ')}", err=True)
     table = summarize(ds)
     stats_steps = [int(x) for x in ds.step.values]
     by = None
@@ -672,11 +750,15 @@ def export(run, out, force, to):
 @cli.command()
 @click.argument("old")
 @click.argument("new")
-def migrate(old, new):
-    """Convert OLD, a store of an older tensortape format, into NEW in the current one
-    (OLD is not changed; NEW must not exist)."""
+@click.option("--mode", type=click.Choice(["w-", "w"]), default="w-", show_default=True,
+              help="w-: NEW must not exist; w: overwrite a tensortape run at NEW (never "
+                   "other files)")
+def migrate(old, new, mode):
+    """Convert OLD, a store of an older tensortape format (or an HDF5 export), into NEW
+    in the current one (OLD is not changed; a failed copy leaves nothing behind)."""
     from analysis._migrate import migrate as convert
-    _out(convert(old, new, progress=_progress("converting")))
+    with command_line():
+        _out(convert(old, new, progress=_progress("converting"), mode=mode))
 
 
 @cli.command()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import numpy as np
 import xarray as xr
 
@@ -53,14 +55,82 @@ def _common(a: Run, b: Run, kind: str, layers) -> tuple[list[str], np.ndarray]:
     return names, steps
 
 
-def _no_common(a: Run, b: Run, kinds, layers) -> ConfigError:
-    """Why two runs cannot be compared, in one line."""
+def _matches(name: str, layers) -> bool:
+    if layers is None:
+        return True
+    return any(name == p or fnmatch.fnmatchcase(name, p)
+               for p in ([layers] if isinstance(layers, str) else layers))
+
+
+def _shape(r: Run, kind: str, layer: str) -> tuple[int, ...] | None:
+    """A layer's full-tensor shape past the step (the largest recorded), or None."""
+    if layer not in r.tensor_layers(kind):
+        return None
+    return tuple(int(x) for x in r.tensor(layer, kind).shape[1:])
+
+
+def _alike(a: Run, b: Run, kind: str, layers, names: list[str], steps,
+           strict: bool) -> tuple[list[str], str | None]:
+    """Whether the runs are alike enough to compare: the model classes, the
+    recorded layer sets of ``kind`` (those ``layers`` matches) and each shared
+    layer's shape (its element count at the common steps where both ran, and its
+    full tensors' shape where both hold them).  The shared layers whose shapes
+    agree, and what differs in words (None when alike; under ``strict``, a
+    ``ConfigError`` instead)."""
+    notes = []
+    ca, cb = a.attrs.get("model_class"), b.attrs.get("model_class")
+    if ca != cb:
+        notes.append(f"the model classes differ ({ca} and {cb})")
+    held = [[n for n in r.stats(kind).layer.values.tolist() if _matches(n, layers)]
+            if kind in r.kinds else [] for r in (a, b)]
+    only = [[n for n in held[i] if n not in set(held[1 - i])] for i in (0, 1)]
+    if only[0] or only[1]:
+        notes.append("the recorded layers differ (" + "; ".join(
+            f"{len(o)} only in {r.name}: {', '.join(o[:4])}{', ...' if len(o) > 4 else ''}"
+            for r, o in zip((a, b), only) if o) + ")")
+    bad, gone = [], set()
+    if names and len(steps):
+        ca_, cb_ = (r.stats(kind, names)["count"].sel(step=steps).values for r in (a, b))
+        ran = (ca_ >= 0) & (cb_ >= 0)
+        for j, n in enumerate(names):
+            diff = ran[:, j] & (ca_[:, j] != cb_[:, j])
+            sa, sb = _shape(a, kind, n), _shape(b, kind, n)
+            if diff.any():
+                i = int(np.nonzero(diff)[0][0])
+                bad.append(f"{n}: {int(ca_[i, j])} and {int(cb_[i, j])} elements at step "
+                           f"{int(steps[i])}")
+            elif sa is not None and sb is not None and sa != sb:
+                bad.append(f"{n}: shapes {sa} and {sb}")
+            else:
+                continue
+            gone.add(n)
+    if bad:
+        notes.append(f"{len(bad)} shared layer{'s differ' if len(bad) > 1 else ' differs'} in shape, not "
+                     f"compared ({'; '.join(bad[:4])}{'; ...' if len(bad) > 4 else ''})")
+    text = f"{a.name} and {b.name} are not alike: {'; '.join(notes)}" if notes else None
+    if text and strict:
+        raise ConfigError(f"{text}; refused (strict)")
+    return [n for n in names if n not in gone], text
+
+
+def _say(text: str | None) -> None:
+    """What makes two runs unlike, once, where something is still compared."""
+    if text:
+        import warnings
+        from recorder.errors import TensortapeWarning
+        warnings.warn(f"tensortape: {text}; comparing only the shared layers whose shapes "
+                      f"agree", TensortapeWarning, stacklevel=3)
+
+
+def _no_common(a: Run, b: Run, kinds, layers, unlike: str | None = None) -> ConfigError:
+    """Why two runs cannot be compared, in one line (``unlike``: what differs)."""
     where = f" matching {layers!r}" if layers else ""
     held = "; ".join(f"{r.path} has {', '.join(f'{k}: {len(r.stats(k).layer)} layers' for k in r.kinds) or 'nothing'}"
                      f" (e.g. {', '.join(r.layers[:3]) or 'none'})" for r in (a, b))
     return ConfigError(f"the runs share no recorded (layer, kind) of {', '.join(kinds)}{where} with "
                        f"common steps, so they cannot be compared ({held}); compare runs of the same "
-                       f"model, or pick --kind/--layer that both hold")
+                       f"model, or pick --kind/--layer that both hold"
+                       + (f"; {unlike}" if unlike else ""))
 
 
 def _absent(st: xr.Dataset) -> xr.DataArray:
@@ -96,7 +166,7 @@ def _runs(a, b, rank: int | None) -> tuple[Run, Run]:
 
 
 def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
-                 rank: int | None = None) -> xr.Dataset:
+                 rank: int | None = None, strict: bool = False) -> xr.Dataset:
     """An ``xr.Dataset`` (step, layer) over the steps and layers both runs hold.
 
     Where both hold full tensors: ``rel_l2``, ``cosine``, ``max_abs``,
@@ -117,12 +187,17 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     progress: wraps the iterable of layers whose full tensors are scanned
     (for example ``tqdm.tqdm``).  rank: which rank of each run (default: each
     run's first).  Raises ``ConfigError`` when the runs share no (layer, kind)
-    with common steps.
+    with common steps.  Runs that are not alike (model classes, recorded layers,
+    a shared layer's shape) are compared on the shared layers whose shapes agree,
+    with one ``TensortapeWarning`` that says what differs (``strict``: a
+    ``ConfigError`` instead).
     """
     a, b = _runs(a, b, rank)
     names, steps = _common(a, b, kind, layers)
+    names, unlike = _alike(a, b, kind, layers, names, steps, strict)
     if not names or not len(steps):
-        raise _no_common(a, b, [kind], layers)
+        raise _no_common(a, b, [kind], layers, unlike)
+    _say(unlike)
     sa = a.stats(kind, names).sel(step=steps).compute()
     sb = b.stats(kind, names).sel(step=steps).compute()
     gone = _absent(sa) | _absent(sb)         # not a difference of the statistics there
@@ -165,7 +240,7 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
 
 
 def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
-                     rank: int | None = None) -> tuple[int, str] | None:
+                     rank: int | None = None, strict: bool = False) -> tuple[int, str] | None:
     """The first (step, layer) where the runs differ, or None.
 
     Steps in order; within a step, forward kinds before gradients, each in
@@ -173,15 +248,18 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
     tensor; otherwise any statistic differing by more than ``rtol`` relatively.
     ``kinds`` and ``layers`` (glob patterns) narrow the search; ``rank`` picks
     the rank of each run (default: each run's first).  Raises ``ConfigError``
-    when the runs share no (layer, kind) with common steps.
+    when the runs share no (layer, kind) with common steps.  Runs not alike: as
+    in ``compare_runs`` (only the shared layers whose shapes agree; ``strict``).
     """
     a, b = _runs(a, b, rank)
     order = {n: i for i, n in enumerate(a.layers)}
     asked = list(kinds or fmt.FORWARD_KINDS + fmt.BACKWARD_KINDS)
     kinds = [k for k in asked if k in a.kinds and k in b.kinds]
-    per_kind = {}
+    per_kind, unlikes = {}, []
     for kind in kinds:
         names, steps = _common(a, b, kind, layers)
+        names, unlike = _alike(a, b, kind, layers, names, steps, strict)
+        unlikes.append(unlike)
         if names and len(steps):
             sa = a.stats(kind, names).sel(step=steps).compute()
             sb = b.stats(kind, names).sel(step=steps).compute()
@@ -189,7 +267,9 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
                               _relative(sa, sb), set(a.tensor_layers(kind)),
                               set(b.tensor_layers(kind)))
     if not per_kind:
-        raise _no_common(a, b, kinds or asked, layers)
+        raise _no_common(a, b, kinds or asked, layers, next((u for u in unlikes if u), None))
+    for text in dict.fromkeys(u for u in unlikes if u):
+        _say(text)
     all_steps = sorted({int(s) for v in per_kind.values() for s in v[1]})
     tensor_steps: dict = {}
 

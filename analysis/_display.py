@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import html
 
+from recorder import format as fmt
+
 from ._events import events_of
 from ._index import RunIndex
 from ._stats import Statistics
@@ -39,10 +41,38 @@ def summary(index: RunIndex, statistics: Statistics, tensors: Tensors,
             "format": attrs.get("tensortape_format"), "model_class": attrs.get("model_class"),
             "torch_version": attrs.get("torch_version"), "ranks": index.ranks,
             "rank": rank, "kinds": kinds, "steps": steps, "layers": layers,
+            "recordings": max((index.states[r].recording for r in index.ranks), default=0) + 1,
+            **_liveness(index, attrs.get("status")),
             "events": [e.to_json() for e in events_of(index, None if every else rank)],
             **_counters(index, [r for r in index.ranks if every or r == rank]),
             "per_rank": [{"rank": r, "last_step": index.states[r].last_step,
                           **_counters(index, [r])} for r in index.ranks] if every else None}
+
+
+def _liveness(index: RunIndex, status) -> dict:
+    """When the run was last committed (``last_commit``: ISO time, UTC, of the
+    newest rank state written), and for a run still ``recording``, whether a live
+    job holds it (``job_alive``: None when that cannot be known)."""
+    import datetime
+    import fsspec
+    when = None
+    try:
+        fs, root = fsspec.core.url_to_fs(index.path)
+        for r in index.ranks:
+            info = fs.info(f"{root.rstrip('/')}/{fmt.rank_group(r)}/zarr.json")
+            t = info.get("mtime") or info.get("LastModified") or info.get("created")
+            t = t.timestamp() if hasattr(t, "timestamp") else t
+            if isinstance(t, (int, float)):
+                when = max(when or t, t)
+    except Exception:                  # an HDF5 export, a store without that file
+        when = None
+    alive = None
+    if status == fmt.STATUS_RECORDING:
+        from recorder.liveness import recording_job
+        job = recording_job(index.path)
+        alive = bool(job and job["alive"])
+    return {"last_commit": None if when is None else datetime.datetime.fromtimestamp(
+        when, datetime.timezone.utc).isoformat(timespec="seconds"), "job_alive": alive}
 
 
 def _counters(index: RunIndex, ranks: list[int]) -> dict:

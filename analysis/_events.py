@@ -25,7 +25,7 @@ class FirstNonFinite(NonFiniteEvent):
 
     def to_json(self) -> dict:
         """The event, the other events of its step, and the statistics before it
-        (counts as integers, NaN as null)."""
+        (counts as integers, NaN and Inf as "nan", "inf", "-inf")."""
         out = NonFiniteEvent(**{k: getattr(self, k) for k in NonFiniteEvent.__dataclass_fields__}).to_json()
         out["same_step"] = [e.to_json() for e in self.same_step]
         if self.history is not None:
@@ -37,7 +37,7 @@ class FirstNonFinite(NonFiniteEvent):
 
 def _plain(name: str, v: float):
     if np.isnan(v):
-        return None
+        return "nan"
     if np.isinf(v):
         return "inf" if v > 0 else "-inf"
     return int(v) if name in ("count", "nan", "posinf", "neginf") else float(v)

@@ -3,6 +3,16 @@
 Streams a block of rows at a time, or one chunk at a time where a block of rows
 would be large, so memory stays bounded by ``BLOCK_BYTES`` or a chunk of the store.
 ``open_run("run.h5")`` reads it back with the same API.
+
+Self-describing for readers without tensortape (``xr.open_dataset(path,
+engine="h5netcdf", group=...)``, h5py): every dimension is a named HDF5
+dimension scale with its coordinate values, the layer names are data, and the
+variables carry CF-style attributes (``long_name``, ``units``, ``Conventions``).
+The root holds the run's layers (``layer``, in execution order); a stats group
+``rankR/stats/KIND`` has ``stats`` (step, layer, stat), ``hist`` (step, layer,
+bin) with the coordinates ``step``, ``layer``, ``stat`` and ``bin`` (its edges in
+``bin_lo``, ``bin_hi``); a tensor group has ``data`` (row, dim_0, ...), one row
+per step and micro-batch, named by ``step`` and ``micro`` (row).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ def to_hdf5(run, path, progress=None) -> str:
 def _write(run, h5py, path: str, tables, progress) -> None:
     with h5py.File(path, "w") as f:
         f.attrs[JSON_ATTR] = json.dumps(run.attrs)
+        _describe_root(f, run, h5py)
         for r in run.ranks:
             g = f.require_group(fmt.rank_group(r))
             g.attrs[JSON_ATTR] = json.dumps(run.state(r).to_json())
@@ -63,6 +74,82 @@ def _write(run, h5py, path: str, tables, progress) -> None:
                     dst.attrs[k] = v
                 for block in _blocks(shape, src.chunks, np.dtype(src.dtype).itemsize):
                     dst[block] = np.asarray(src[block])
+            _describe(group, table, run.state(table.rank).stats_layers.get(table.kind, []), h5py)
+
+
+_LONG = {"stats": "per-step statistics of each layer (counts as whole numbers; NaN: not run)",
+         "hist": "element counts per bin of the shared histogram bins",
+         "bin_lo": "lower edge of the bin", "bin_hi": "upper edge of the bin",
+         "step": "training step", "micro": "micro-batch within the step (0: the first)",
+         "extent": "true extent of the row along each axis (the rest is NaN padding)",
+         "data": "full tensor, NaN-padded to the largest shape",
+         "recording": "which recording of the run wrote the row (a resumed run: 1, 2, ...)"}
+
+
+def _scale(group, name: str, values, h5py, long_name: str) -> None:
+    """A dimension scale ``name`` with ``values`` (strings stored as UTF-8)."""
+    values = np.asarray(values)
+    if values.dtype.kind in "US":
+        values = np.asarray(values, dtype=object)
+        ds = group.create_dataset(name, data=values, dtype=h5py.string_dtype())
+    else:
+        ds = group.create_dataset(name, data=values)
+    ds.attrs["long_name"] = long_name
+    ds.make_scale(name)
+
+
+def _attach(group, name: str, dims: tuple[str, ...]) -> None:
+    var = group[name]
+    for i, d in enumerate(dims):
+        var.dims[i].attach_scale(group[d])
+        var.dims[i].label = d
+
+
+def _describe_root(f, run, h5py) -> None:
+    f.attrs["Conventions"] = "CF-1.8"
+    f.attrs["title"] = f"tensortape run {run.name}"
+    f.attrs["source"] = "tensortape"
+    for k in ("status", "model_class", "torch_version", "tensortape_format"):
+        if isinstance(run.attrs.get(k), (str, int)):
+            f.attrs[k] = run.attrs[k]
+    _scale(f, "layer", np.array(run.layers, dtype=str) if run.layers else np.zeros(0, "S1"),
+           h5py, "recorded layer (module name), in execution order")
+
+
+def _describe(group, table, layers: list[str], h5py) -> None:
+    """Name the dimensions of one table's datasets and give them coordinates."""
+    for name in group:
+        if name in _LONG:
+            group[name].attrs["long_name"] = _LONG[name]
+    if table.section == "stats":
+        group["step"].make_scale("step")
+        _scale(group, "layer", np.array(layers, dtype=str), h5py, "layer (module name)")
+        _scale(group, "stat", np.array(fmt.STATS, dtype=str), h5py, "statistic")
+        _scale(group, "bin", fmt.bin_centers(), h5py, "bin centre")
+        group["stats"].attrs["coordinates"] = "step layer stat"
+        for name, dims in (("stats", ("step", "layer", "stat")), ("hist", ("step", "layer", "bin")),
+                           ("bin_lo", ("bin",)), ("bin_hi", ("bin",)),
+                           *((("recording", ("step",)),) if "recording" in group else ())):
+            _attach(group, name, dims)
+        return
+    data = group["data"]
+    group.attrs["layer"], group.attrs["kind"] = table_name(group), table.kind
+    _scale(group, "row", np.arange(data.shape[0]), h5py, "row: one per step and micro-batch")
+    for i, n in enumerate(data.shape[1:]):
+        _scale(group, f"dim_{i}", np.arange(n), h5py, f"index along the tensor's axis {i}")
+    _scale(group, "axis", np.arange(group["extent"].shape[1]), h5py, "tensor axis")
+    data.attrs["coordinates"] = "step micro"
+    _attach(group, "data", ("row", *(f"dim_{i}" for i in range(data.ndim - 1))))
+    _attach(group, "extent", ("row", "axis"))
+    for name in ("step", "micro", "recording"):
+        if name in group:
+            _attach(group, name, ("row",))
+
+
+def table_name(group) -> str:
+    """A tensor table's layer, as its attributes name it (its group name is escaped)."""
+    name = json.loads(group.attrs[JSON_ATTR]).get("name")
+    return name if isinstance(name, str) else group.name.rsplit("/", 1)[-1]
 
 
 def _blocks(shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int):

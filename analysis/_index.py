@@ -119,8 +119,11 @@ class RunIndex:
     def kind(self, kind: str, rank: int) -> str:
         """``kind``, checked: one that ``rank`` recorded."""
         if kind not in self.kinds_of(rank):
+            hint = (f" ({kind!r} is a layer, not a kind: name the arguments, e.g. "
+                    f"histogram(layer={kind!r}, kind=...), stats(kind=..., layers={kind!r}))"
+                    if isinstance(kind, str) and kind in self.layers_of(rank) else "")
             raise ConfigError(f"kind {kind!r} was not recorded in this run; recorded kinds: "
-                              f"{', '.join(self.kinds_of(rank)) or 'none'}")
+                              f"{', '.join(self.kinds_of(rank)) or 'none'}{hint}")
         return kind
 
     def stats_layers(self, kind: str, rank: int) -> list[str]:

@@ -22,17 +22,31 @@ __all__ = ["migrate"]
 BLOCK_ROWS = 1024
 
 
-def migrate(old, new, progress=None) -> str:
-    """Write ``old`` (a path or URL) to ``new`` in the current format; ``new``."""
+def migrate(old, new, progress=None, mode: str = "w-") -> str:
+    """Write ``old`` (a path or URL: a store of an older format, or an HDF5
+    export) to ``new`` in the current format; ``new``.  ``mode``: ``"w-"``
+    refuses an existing ``new``, ``"w"`` overwrites a tensortape run there (and
+    nothing else).  A Zarr store already in the current format is refused (there
+    is nothing to convert)."""
+    from recorder.errors import ConfigError
     from recorder.migrate import TableRows, write_run
     run = open_run(old)
+    if run.attrs.get("tensortape_format") == fmt.FORMAT_VERSION and not _is_hdf5(run):
+        raise ConfigError(f"{old!r} is already in format {fmt.FORMAT_VERSION}, the current "
+                          f"one: there is nothing to migrate (copy the folder for a copy)")
     listed = [(r, p, run.checked_rows(p, r)) for r in run.ranks
               for p, n in run.state(r).committed.items() if n]
 
     def tables():
         for rank, path, n in (progress(listed) if progress else listed):
             yield _table(run, path, n, TableRows)
-    return write_run(new, run.attrs, {r: run.state(r) for r in run.ranks}, tables())
+    return write_run(new, run.attrs, {r: run.state(r) for r in run.ranks}, tables(), mode=mode,
+                     source=run.path)
+
+
+def _is_hdf5(run) -> bool:
+    from ._source import H5Source
+    return isinstance(run.source, H5Source)
 
 
 def _table(run, path: str, n: int, TableRows):

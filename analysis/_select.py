@@ -8,6 +8,7 @@ import fnmatch
 import numpy as np
 
 from recorder.errors import ConfigError
+from recorder.format import KINDS
 from recorder.patterns import closest, match_layers
 
 __all__ = ["columns_of", "missing", "steps_text", "within"]
@@ -55,5 +56,8 @@ def columns_of(names: list[str], layers, strict: bool = True) -> list[int]:
 
 
 def missing(layer: str, names: list[str], what: str) -> str:
-    """The words for a layer that has no ``what``: the closest names it has."""
-    return f"layer {layer!r} has no {what} in this run; closest: {closest(layer, names)}"
+    """The words for a layer that has no ``what``: the closest names it has (and,
+    for a kind passed where a layer goes, how to pass it)."""
+    hint = (f" ({layer!r} is a kind: pass the layer first and kind={layer!r}, e.g. "
+            f"histogram({(names or ['layer'])[0]!r}, kind={layer!r}))" if layer in KINDS else "")
+    return f"layer {layer!r} has no {what} in this run; closest: {closest(layer, names)}{hint}"

@@ -24,6 +24,13 @@ def counts(raw):
     return np.where(np.isnan(raw), -1, raw).astype(np.int64)
 
 
+def _execution_order(names: list[str], layers: list[str]) -> list[int]:
+    """Positions of ``names`` in the run's execution order (``run.layers``: first
+    capture; a stats table of gradients holds its columns as backward sent them)."""
+    where = {n: i for i, n in enumerate(layers)}
+    return sorted(range(len(names)), key=lambda j: (where.get(names[j], len(where)), j))
+
+
 class Statistics:
     """The reads of a run's stats tables (``Run.stats``, ``Run.histogram``)."""
 
@@ -101,7 +108,7 @@ class Statistics:
             data[s] = (("step", "layer"), counts(raw) if s in fmt.COUNT_STATS else raw.astype(dtype))
         ds = xr.Dataset(data, coords={"step": steps, "layer": [names[i] for i in idx]})
         ds.attrs.update(kind=kind, rank=rank)
-        return ds
+        return ds.isel(layer=_execution_order([names[i] for i in idx], ix.layers_of(rank)))
 
     def histogram(self, layer: str, kind: str = "activations", step=None,
                   rank: int | None = None) -> xr.DataArray:

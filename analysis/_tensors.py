@@ -11,10 +11,17 @@ from recorder.dtypes import decode_bits
 from recorder.errors import ConfigError, LayerNotFoundError
 
 from ._index import RunIndex
-from ._select import missing, steps_text
+from ._select import missing
 from ._tables import as_slice
 
 __all__ = ["Tensors"]
+
+
+def _where(layer: str, kind: str, step, micro: int) -> str:
+    """One wording for a full tensor asked for: layer (kind), step, micro-batch."""
+    at = [f"step {step}"] if step is not None else []
+    at += [f"micro-batch {micro}"] if micro or step is None else []
+    return f"{layer!r} ({kind}) at {', '.join(at)}"
 
 
 class Tensors:
@@ -74,8 +81,9 @@ class Tensors:
         mine = current[micros[current] == m]
         rows = mine[fmt.latest_rows(steps[mine])]
         if not len(rows):
-            raise ConfigError(f"no full {kind} tensor of {layer!r} has micro-batch {m}; "
-                              f"micro-batches recorded: {sorted(set(micros[current].tolist()))}")
+            have = ", ".join(map(str, sorted(set(micros[current].tolist()))))
+            raise ConfigError(f"{_where(layer, kind, None, m)} has no full tensor: its micro-batches "
+                              f"(the forward passes of a step, from 0) are {have}")
         steps, extent = steps[rows], np.asarray(ix.source.array(path + "/extent")[:n])[rows]
         data = ix.tables.lazy(path + "/data")[:n][as_slice(rows)]
         logical = dict(ix.source.array(path + "/data").attrs).get(fmt.LOGICAL_ATTR)
@@ -91,8 +99,8 @@ class Tensors:
             return out
         hits = np.nonzero(steps == step)[0]
         if not hits.size:
-            raise ConfigError(f"step {step} has no full {kind} tensor for {layer!r}"
-                              f"{f' (micro-batch {m})' if m else ''}; it has full tensors at "
-                              f"{steps_text(steps)}")
+            raise ConfigError(f"{_where(layer, kind, step, m)} has no full tensor; "
+                              f"{'it has' if not m else f'micro-batch {m} has'} full tensors at "
+                              f"step{'s' * (len(steps) > 1)} {', '.join(map(str, steps[:8]))}{', ...' if len(steps) > 8 else ''}")
         row = out.isel(step=int(hits[0]))
         return row.isel({d: slice(0, int(e)) for d, e in zip(dims[1:], extent[hits[0]])}).compute()

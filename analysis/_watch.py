@@ -82,6 +82,7 @@ def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations
     only those the store keeps).  A refresh of a live run whose statistics cannot
     be read keeps the last ones and says why in ``note``."""
     alerted: set = set()
+    pinned: list = []                 # every alert so far: the first event of each (layer, kind)
     rate = _Rate()
     shown = None, []                  # the last step and statistics read
     opened, since = False, time.monotonic()
@@ -107,8 +108,10 @@ def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations
             if (e.layer, e.kind) not in alerted:
                 alerted.add((e.layer, e.kind))
                 view["alerts"].append(e)
+                pinned.append(e)
             view["last_event"] = max(view["last_event"] or e.step, e.step)
         view["nonfinite_layers"] = len(alerted)
+        view["pinned"] = list(pinned)
         try:
             view["step"], view["rows"] = _latest(run, kind, layers)
         except StoreFormatError as e:
@@ -126,16 +129,27 @@ def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations
         sleep(interval)
 
 
-def render(view: dict, width: int = 100) -> list[str]:
+def _alert(e) -> str:
+    return (f"ALERT {e.layer} ({e.kind}) went non-finite at step {e.step} (micro-batch "
+            f"{e.micro}): {e.nan} NaN, {e.posinf} +Inf, {e.neginf} -Inf")
+
+
+def render(view: dict, width: int = 100, pinned: bool = False) -> list[str]:
     """Lines of text for one view: a status line, the table, the alerts, and a
-    summary of the non-finite events."""
+    summary of the non-finite events.  ``pinned`` (a screen redrawn in place):
+    every alert so far, the first step of each (layer, kind), stays under the
+    status line, above the table, instead of only the new ones below it."""
     if "waiting" in view:
         return [f"waiting for the run: {view['waiting']}"]
     note = f"   ({view['note']})" if view.get("note") else ""
+    alerts = [_alert(e) for e in view.get("pinned" if pinned else "alerts", [])]
     if view["step"] is None:
-        return [f"status {view['status']}   waiting for the first commit{note}"]
+        return [f"status {view['status']}   waiting for the first commit{note}"] + (
+            alerts if pinned else [])
     rate = f"{view['rate']:.2f} steps/s" if view["rate"] is not None else "- steps/s"
     lines = [f"status {view['status']}   step {view['step']}   {rate}{note}"]
+    if pinned:
+        lines += alerts
     if view["rows"]:
         name_w = min(max(len(n) for n, _ in view["rows"]), width - 70)
         lines.append("layer".ljust(name_w) + "".join(f"{c:>10}" for c in COLUMNS))
@@ -143,9 +157,8 @@ def render(view: dict, width: int = 100) -> list[str]:
             cells = "".join(f"{int(vals[c]):>10d}" if c in fmt.COUNT_STATS
                             else f"{vals[c]:>10.3g}" for c in COLUMNS)
             lines.append(name[-name_w:].ljust(name_w) + cells)
-    for e in view["alerts"]:
-        lines.append(f"ALERT {e.layer} ({e.kind}) went non-finite at step {e.step} (micro-batch "
-                     f"{e.micro}): {e.nan} NaN, {e.posinf} +Inf, {e.neginf} -Inf")
+    if not pinned:
+        lines += alerts
     if view["events"]:
         lines.append(f"non-finite so far: {view['events']} events in {view['nonfinite_layers']} "
                      f"(layer, kind) pairs, the last at step {view['last_event']}")

@@ -14,6 +14,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from .errors import argument
 from .format import is_url
 
 __all__ = ["AUTO_CAP", "AUTO_SHARE", "Budget", "resolve"]
@@ -57,7 +58,8 @@ def resolve(max_bytes, location: str, stores_tensors: bool = True) -> Budget:
     else:
         limit = min(free // AUTO_SHARE, AUTO_CAP)
         why = f"a tenth of the {_gb(free)} free there, at most {_gb(AUTO_CAP)}"
-    text = (f"tensortape: full tensors up to {_gb(limit)} in {location} (max_bytes='auto': "
-            f"{why}); past it only statistics, histograms and the non-finite dump are stored"
+    text = (f"tensortape: full tensors up to {_gb(limit)} in {location} "
+            f"({argument('max_bytes', 'auto')}: {why}); past it only statistics, histograms "
+            f"and the non-finite dump are stored"
             if stores_tensors else "")
     return Budget(limit, text)

@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from .errors import argument
+
 __all__ = ["Held", "Holder", "claim_doc", "heartbeat_s", "new_claim", "parse_claim",
            "refusal", "stale_s", "this_node"]
 
@@ -141,7 +143,7 @@ def refusal(location: str, mode: str, holder: Holder) -> str:
     doing = {"w": "overwrite", "a": "append to"}.get(mode, "create over")
     lapse = "" if holder.readable and holder.node == this_node() else \
         f"; a claim lapses {stale_s():.0f} s after its owner's last heartbeat"
-    return (f"store {location!r} is being recorded by {holder.describe()}; mode={mode!r} will "
+    return (f"store {location!r} is being recorded by {holder.describe()}; {argument('mode', mode)} will "
             f"not {doing} a run that a live job records: wait for that job to end, or choose "
             f"another path{lapse}")
 

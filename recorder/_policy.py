@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ._config import RecorderConfig
 from ._worker import Notice
+from .errors import argument
 
 __all__ = ["Choice", "TensorPolicy"]
 
@@ -95,22 +96,23 @@ class TensorPolicy:
         per_100 = nbytes * 100 / every
         size = (f"tensortape: full tensors take {_size(nbytes)} a step here, "
                 f"{_size(per_100)} every 100 steps")
-        fewer = (f"record fewer with tensors_every= (now {cfg.tensors_every}), layers= or "
-                 f"max_samples=")
+        fewer = (f"record fewer with {argument('tensors_every')} (now {cfg.tensors_every}), "
+                 f"{argument('layers')} or {argument('max_samples')}")
         if self.limit is None:
             if per_100 <= GUARD_BYTES_PER_100:
                 return []
-            return [Notice("estimate", f"{size}; {fewer}, or cap them with max_bytes= "
-                                       f"(statistics are kept whatever you choose)")]
+            return [Notice("estimate", f"{size}; {fewer}, or cap them with "
+                                       f"{argument('max_bytes')} (statistics are kept whatever "
+                                       f"you choose)")]
         left = self.limit - self.used
         steps = int(max(left, 0) // nbytes) * every if nbytes else None
         if steps is None or steps >= SOON:
             return []
         return [Notice("estimate", (
-            f"{size}: max_bytes={self.limit} is reached in about {steps} "
+            f"{size}: {argument('max_bytes', self.limit)} is reached in about {steps} "
             f"step{'' if steps == 1 else 's'}, and then only "
             f"statistics, histograms and the non-finite dump are stored; {fewer}, or raise "
-            f"max_bytes= (None: no budget)"))]
+            f"{argument('max_bytes')} ({argument('max_bytes', None)}: no budget)"))]
 
     def _within_budget(self, out: Choice, step: int, rows: list) -> list:
         """The rows ``step`` persists, as far as the budget goes; the rest counted
@@ -126,7 +128,8 @@ class TensorPolicy:
             if not self.spent:
                 self.spent = True
                 out.notices.append(Notice("budget", (
-                    f"tensortape: max_bytes={self.limit} of full tensors reached at step {step}; "
+                    f"tensortape: {argument('max_bytes', self.limit)} of full tensors reached at "
+                    f"step {step}; "
                     f"from now on only statistics, histograms and the non-finite dump are "
                     f"stored (tensors not stored are counted in over_budget)")))
         if mine:

@@ -29,7 +29,8 @@ from . import format as fmt
 from ._holder import refusal
 from ._lock import live_holder
 from ._lockobject import drop_folder
-from .errors import ConfigError, StoreExistsError, StoreFormatError, StoreNotFoundError
+from .errors import (ConfigError, StoreExistsError, StoreFormatError, StoreNotFoundError,
+                     argument)
 
 if TYPE_CHECKING:
     from ._claim import Claim
@@ -148,8 +149,8 @@ def check_mode(location, mode: Mode, claim: Claim | None = None) -> Found:
     found = look(location)
     if found.what is Contents.OTHER:
         if mode == "a":
-            raise StoreFormatError(f"{location!r} {found.detail}; mode='a' appends only to a "
-                                   f"tensortape run: pass the path of a recorded run")
+            raise StoreFormatError(f"{location!r} {found.detail}; {argument('mode', 'a')} appends "
+                                   f"only to a tensortape run: pass the path of a recorded run")
         raise StoreExistsError(f"{location!r} {found.detail}; tensortape will not delete or "
                                f"overwrite what it did not write: choose a new path for the run "
                                f"(a missing or empty folder)")
@@ -159,10 +160,11 @@ def check_mode(location, mode: Mode, claim: Claim | None = None) -> Found:
             raise StoreExistsError(refusal(location, mode, holder))
     if mode == "w-" and found.what is Contents.RUN:
         raise StoreExistsError(f"store {location!r} already exists (a tensortape run); pass "
-                               f"mode='w' to overwrite it or mode='a' to append further steps")
+                               f"{argument('mode', 'w')} to overwrite it or "
+                               f"{argument('mode', 'a')} to append further steps")
     if mode == "a" and found.what is not Contents.RUN:
-        raise StoreNotFoundError(f"store {location!r} does not exist, so mode='a' cannot append "
-                                 f"to it; use mode='w-' to create it")
+        raise StoreNotFoundError(f"store {location!r} does not exist, so {argument('mode', 'a')} "
+                                 f"cannot append to it; use {argument('mode', 'w-')} to create it")
     return found
 
 
@@ -231,5 +233,5 @@ def open_root(location, mode: Mode, rank: int = 0, attributes: dict | None = Non
         if not isinstance(e, FileExistsError) and e.errno not in (
                 errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
             raise
-        raise StoreExistsError(f"store {location!r} changed while mode={mode!r} prepared it "
+        raise StoreExistsError(f"store {location!r} changed while {argument('mode', mode)} prepared it "
                                f"(another job writes there?): {e}") from e

@@ -1,7 +1,6 @@
 """The internals of ``tensortape record`` (``script.run_script``, which says what
 it does): the ``Tracker`` that finds the model and turns optimizer steps into
-recorder steps, the probe of the store before the script starts, and the
-CLI's wording of an error.
+recorder steps, and the probe of the store before the script starts.
 
 Training thread (the script's own).
 """
@@ -9,7 +8,6 @@ Training thread (the script's own).
 from __future__ import annotations
 
 import os
-import re
 import sys
 import uuid
 
@@ -21,7 +19,7 @@ from . import format as fmt
 from ._recorder import Recorder
 from .errors import ConfigError, RecorderError
 
-__all__ = ["Stop", "Tracker", "cli_words", "find_module", "probe"]
+__all__ = ["Stop", "Tracker", "find_module", "probe"]
 
 
 class Stop(BaseException):
@@ -84,7 +82,7 @@ class Tracker:
         except RecorderError as e:
             if not self.keep_going:
                 raise Stop(e) from None
-            print(f"tensortape: not recording: {cli_words(e)}", file=sys.stderr)  # trains on
+            print(f"tensortape: not recording: {e}", file=sys.stderr)  # trains on
             return
         module.register_forward_pre_hook(self._model_forward, prepend=True)
         self.scope = self.recorder.step(self.step)
@@ -128,11 +126,6 @@ class Tracker:
             h.remove()
         if self.recorder is not None:
             self.recorder.close("complete" if ok else "interrupted")
-
-
-def cli_words(error: BaseException) -> str:
-    """An error's message as the command line says it: ``--mode w``, not ``mode='w'``."""
-    return re.sub(r"\bmode=(['\"])(w-|w|a)\1", r"--mode \2", str(error))
 
 
 def probe(location) -> None:

@@ -4,7 +4,42 @@ Every class also subclasses the builtin a caller would naturally catch, so
 ``except ValueError`` or ``except FileExistsError`` keeps working.  tensortape's
 own warnings have one category, ``TensortapeWarning``, so they can be filtered
 apart from everyone else's.
+
+A message that names an argument names it as the user wrote it: ``argument("mode",
+"w")`` is ``mode='w'`` in Python and ``--mode w`` inside ``command_line()``, which
+the command line enters around the library calls its flags become.
 """
+
+import contextlib
+
+__all__ = ["RecorderError", "ConfigError", "LayerNotFoundError", "InspectionError",
+           "NonFiniteError", "StoreExistsError", "StoreNotFoundError", "StoreFormatError",
+           "TensortapeWarning", "argument", "command_line"]
+
+_SPELLING = {"flags": False}
+
+
+_NAME = object()
+
+
+def argument(name: str, value=_NAME) -> str:
+    """``name=value`` as the user writes it: ``mode='w'`` in Python, ``--mode w``
+    under the command line (``command_line()``); without a value, the name alone
+    (``max_bytes=``, ``--max-bytes``)."""
+    if _SPELLING["flags"]:
+        flag = f"--{name.replace('_', '-')}"
+        return flag if value is _NAME else f"{flag} {value}"
+    return f"{name}=" if value is _NAME else f"{name}={value!r}"
+
+
+@contextlib.contextmanager
+def command_line():
+    """Within the block, ``argument`` spells arguments as command-line flags."""
+    before, _SPELLING["flags"] = _SPELLING["flags"], True
+    try:
+        yield
+    finally:
+        _SPELLING["flags"] = before
 
 
 class RecorderError(Exception):

@@ -48,14 +48,84 @@ class TableRows:
 
 
 def write_run(location, attrs: dict, states: dict[int, fmt.RankState],
-              tables: Iterable[TableRows]) -> str:
-    """Write a run at ``location`` (which must not exist, as ``mode="w-"``): its
-    ``tables``, then each rank's committed ``states``, then the root's ``attrs``
-    (``tensortape_format`` set to the current one).  Returns the location."""
+              tables: Iterable[TableRows], mode: str = "w-", source=None) -> str:
+    """Write a run at ``location``: its ``tables``, then each rank's committed
+    ``states``, then the root's ``attrs`` (``tensortape_format`` set to the
+    current one).  Returns the location.
+
+    ``mode``: ``"w-"`` refuses an existing ``location``; ``"w"`` overwrites a
+    tensortape run there (never other files).  ``source``: the location read,
+    which is never the one written.  A copy that fails removes what it wrote:
+    the folder it created, or what it put in the one that was there."""
     from ._root import open_root
     from ._store import RunStore
     location = os.fspath(location)
-    root = open_root(location, "w-", attributes={})       # refuses before writing anything
+    _check_entry(location, mode, source)
+    existed = _exists(location)
+    root = open_root(location, mode, attributes={})       # refuses before writing anything
+    try:
+        return _write(root, location, attrs, states, tables, RunStore)
+    except BaseException:
+        _remove_written(location, existed)
+        raise
+
+
+def _check_entry(location: str, mode: str, source) -> None:
+    """Refuse, before anything is written, a mode other than "w-"/"w", the source
+    itself, and (under "w-") anything already at ``location``."""
+    from ._root import Contents, look
+    from .errors import ConfigError, StoreExistsError, argument
+    if mode not in ("w-", "w"):
+        raise ConfigError(f"{argument('mode', mode)} is not valid here; use 'w-' (a new "
+                          f"run) or 'w' (overwrite a tensortape run)")
+    if source is not None and _same(location, source):
+        raise ConfigError(f"{location!r} is the run being read; write the copy elsewhere")
+    if mode == "w-" and look(location).what not in (Contents.MISSING, Contents.EMPTY):
+        raise StoreExistsError(f"{location!r} already exists; pass {argument('mode', 'w')} to "
+                               f"overwrite a tensortape run there, or choose a new path")
+
+
+def _same(a: str, b) -> bool:
+    b = os.fspath(b)
+    if fmt.is_url(a) or fmt.is_url(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _exists(location: str) -> bool:
+    if fmt.is_url(location):
+        import fsspec
+        fs, root = fsspec.core.url_to_fs(location)
+        return fs.exists(root)
+    return os.path.lexists(location)
+
+
+def _remove_written(location: str, existed: bool) -> None:
+    """Remove what a failed copy wrote: the folder if it made it, else every entry
+    in it (the folder was empty, or held a run that ``mode="w"`` cleared)."""
+    import shutil
+    try:
+        if fmt.is_url(location):
+            import fsspec
+            fs, root = fsspec.core.url_to_fs(location)
+            for entry in fs.ls(root, detail=False):
+                fs.rm(entry, recursive=True)
+            if not existed and fs.exists(root):
+                fs.rm(root, recursive=True)
+        elif not existed:
+            shutil.rmtree(location, ignore_errors=True)
+        else:
+            for name in os.listdir(location):
+                p = os.path.join(location, name)
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    os.remove(p)
+    except OSError:                       # the error that stopped the copy is the one to see
+        pass
+
+
+def _write(root, location: str, attrs: dict, states, tables, RunStore) -> str:
     stores: dict[int, RunStore] = {}
 
     def store(rank: int) -> RunStore:

@@ -25,7 +25,7 @@ The script runs in this process (``runpy``), unchanged:
 - Before the script starts, the store is checked (its mode, and a probe write
   that leaves nothing behind); when it cannot record there, or later when a
   pattern matches nothing, it stops the script with one line
-  (``RecorderError``, worded in the CLI's flags), unless ``keep_going`` lets
+  (``RecorderError``; under ``errors.command_line()`` it names flags), unless ``keep_going`` lets
   the script train unrecorded after one warning line.
 """
 
@@ -36,7 +36,7 @@ import runpy
 import sys
 import traceback
 
-from ._script import Stop, Tracker, cli_words, find_module, probe
+from ._script import Stop, Tracker, find_module, probe
 from ._root import check_mode
 from .errors import ConfigError, RecorderError
 
@@ -67,9 +67,9 @@ def run_script(command: list[str], store, keep_going: bool = False, **recorder_k
         probe(store)
     except RecorderError as e:
         if not keep_going:
-            raise type(e)(f"{cli_words(e)}; the script was not started (pass --keep-going "
+            raise type(e)(f"{e}; the script was not started (pass --keep-going "
                           f"to let it train unrecorded)") from None
-        print(f"tensortape: not recording: {cli_words(e)}", file=sys.stderr)
+        print(f"tensortape: not recording: {e}", file=sys.stderr)
         recording = False
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     # sys.path[0] as python sets it: the current folder for -m, else the script's folder
@@ -103,6 +103,6 @@ def run_script(command: list[str], store, keep_going: bool = False, **recorder_k
         if tracker is not None:
             tracker.close(ok=status == 0 and stopped is None)
     if stopped is not None:
-        raise type(stopped)(f"{cli_words(stopped)}; the script was stopped (pass --keep-going "
+        raise type(stopped)(f"{stopped}; the script was stopped (pass --keep-going "
                             f"to let it train unrecorded)") from None
     return status
