@@ -20,6 +20,7 @@ import math
 import numpy as np
 
 from recorder import format as fmt
+from recorder.histogram import ZERO_BIN
 from recorder.errors import RecorderError
 
 from ._tables import as_slice
@@ -278,7 +279,7 @@ def histogram(run, layer: str, kind: str = "activations", step=None, rank=None) 
     h = run.histogram(layer, kind, step=int(step), rank=rank).compute()
     counts = np.asarray(h.values, np.int64)
     held = np.nonzero(counts > 0)[0]
-    a, b = (int(held[0]), int(held[-1]) + 1) if len(held) else (fmt.ZERO_BIN, fmt.ZERO_BIN)
+    a, b = (int(held[0]), int(held[-1]) + 1) if len(held) else (ZERO_BIN, ZERO_BIN)
     return {"layer": layer, "kind": kind, "step": int(step), "rank": rank,
             "absent": bool((counts < 0).all()), "first_bin": a, "bins": int(len(counts)),
             "bin_lo": numbers(h.bin_lo.values[a:b]), "bin_hi": numbers(h.bin_hi.values[a:b]),

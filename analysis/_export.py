@@ -25,6 +25,7 @@ import os
 import numpy as np
 
 from recorder import format as fmt
+from recorder import histogram
 
 from ._source import JSON_ATTR
 
@@ -125,7 +126,7 @@ def _describe(group, table, layers: list[str], h5py) -> None:
         group["step"].make_scale("step")
         _scale(group, "layer", np.array(layers, dtype=str), h5py, "layer (module name)")
         _scale(group, "stat", np.array(fmt.STATS, dtype=str), h5py, "statistic")
-        _scale(group, "bin", fmt.bin_centers(), h5py, "bin centre")
+        _scale(group, "bin", histogram.bin_centers(), h5py, "bin centre")
         group["stats"].attrs["coordinates"] = "step layer stat"
         for name, dims in (("stats", ("step", "layer", "stat")), ("hist", ("step", "layer", "bin")),
                            ("bin_lo", ("bin",)), ("bin_hi", ("bin",)),

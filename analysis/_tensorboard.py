@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from recorder import format as fmt
+from recorder.errors import ConfigError
 
 from ._scalars import logged
 
@@ -49,9 +50,14 @@ def existing_events(folder: str) -> list[str]:
 def to_tensorboard(run, folder, progress=None) -> str:
     """Write ``run``'s histograms, statistics and scalars as event files in
     ``folder`` (see the module); returns ``folder``."""
-    from tensorboard.compat.proto.event_pb2 import Event
-    from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    try:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    except ImportError:
+        raise ConfigError("the TensorBoard export writes with the tensorboard package, which is "
+                          "not installed: pip install tensorboard (or 'tensortape[tensorboard]')"
+                          ) from None
     folder = os.fspath(folder)
     protos = (Event, Summary, HistogramProto)
     work = [(r, kind, layer) for r in run.ranks for kind in run.kinds_of(r)

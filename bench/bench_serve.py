@@ -50,7 +50,7 @@ def names_of(layers: int) -> list[str]:
 
 def rows(step: int, layers: int, rng) -> tuple[dict, np.ndarray]:
     """One step's statistics and histogram rows."""
-    from recorder import format as fmt
+    from recorder import histogram
     base = 1.0 + 0.5 * np.sin(step / 5000 + np.arange(layers)) + 0.01 * rng.random(layers)
     st = {"count": np.full(layers, 4096.0), "mean": base * 0.01, "std": base,
           "min": -3 * base, "max": 3 * base, "abs_max": 3 * base, "norm": 64 * base,
@@ -61,8 +61,8 @@ def rows(step: int, layers: int, rng) -> tuple[dict, np.ndarray]:
             st[k][SPIKE_LAYER] *= 1e4
     if step == NAN_STEP:
         st["nan"][NAN_LAYER] = 7.0
-    hist = np.zeros((layers, fmt.NBINS), np.int64)
-    hist[:, fmt.ZERO_BIN + 60: fmt.ZERO_BIN + 70] = 400
+    hist = np.zeros((layers, histogram.NBINS), np.int64)
+    hist[:, histogram.ZERO_BIN + 60: histogram.ZERO_BIN + 70] = 400
     return st, hist
 
 
@@ -203,8 +203,8 @@ def bench_tensorboard(loc: str, tb_steps: int, layers: int) -> None:
     except ImportError as e:
         print(f"tensorboard: skipped ({e})")
         return
-    from recorder import format as fmt
-    _, hi = fmt.bin_edges()
+    from recorder import histogram
+    _, hi = histogram.bin_edges()
     names = names_of(layers)
     tmp = tempfile.mkdtemp(prefix="tt-tb-")
     rng = np.random.default_rng(0)

@@ -162,15 +162,17 @@ def test_histogram_is_drawn_over_values_with_a_zero_tick_and_nonfinite_bars(tmp_
         bad[0, 0], bad[1, 0] = float("nan"), float("inf")
         with rec.step(1):
             y1 = model(bad)
-    fig = open_run(store).plot_histogram("(root)", steps=1)
+    fig = open_run(store).plot_histogram("(root)", steps=1, scale="symlog", density=False)
     ax, side = fig.axes
     assert ax.get_xscale() == "symlog" and 0.0 in ax.get_xticks()
-    labels = [t.get_text() for t in ax.get_xticklabels()]
-    assert all(lab == "0" or lab.lstrip("-").startswith("1.0e") for lab in labels)   # decades
+    ticks = [t for t in ax.get_xticks() if t != 0 and ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(np.isclose(np.log10(abs(t)), round(np.log10(abs(t)))) for t in ticks)
     finite = y1.detach().numpy()[np.isfinite(y1.detach().numpy())]
     left = min(p.get_x() for p in ax.patches)
     right = max(p.get_x() + p.get_width() for p in ax.patches)
-    assert np.isclose(left, finite.min(), rtol=1e-6) and np.isclose(right, finite.max(), rtol=1e-6)
+    # the bars span the values, to within a stored bin (a quarter octave: 19%)
+    assert left <= finite.min() and right >= finite.max()
+    assert np.isclose(left, finite.min(), rtol=0.19) and np.isclose(right, finite.max(), rtol=0.19)
     assert sum(p.get_height() for p in ax.patches) == finite.size           # counts per bin
     v = y1.detach().numpy()
     heights = [p.get_height() for p in side.patches]

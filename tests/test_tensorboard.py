@@ -101,3 +101,13 @@ def test_an_existing_export_is_refused_without_force_and_torch_is_not_imported(s
     r = CliRunner().invoke(cli.cli, ["export", store, out, "--format", "tensorboard", "--force"])
     assert r.exit_code == 0
     assert len([f for f in os.listdir(out) if f.startswith("events.out.tfevents.")]) == 1
+
+
+def test_without_tensorboard_the_export_says_what_to_install(store, tmp_path):
+    code = ("import sys; sys.modules['tensorboard'] = None; import cli; "
+            f"cli.main(['export', {store!r}, {str(tmp_path / 'tb')!r}, '--format', 'tensorboard'])")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install tensorboard" in lines[0], p.stderr
