@@ -66,17 +66,6 @@ def _json(obj) -> None:
     _out(json.dumps(obj, indent=1, allow_nan=False, default=str))
 
 
-def _number(name: str, v):
-    """A statistic for JSON: counts as integers, NaN and Inf as the strings "nan", "inf"
-    and "-inf" (JSON has neither), floats at full precision."""
-    v = float(v)
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return int(v) if name in INTEGERS else v
-
-
 def _table(columns, rows) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -465,8 +454,10 @@ def stats(ctx, run, kind, pattern, step, steps, fmt, scalars):
         df[c] = df[c].astype("Int64")
     if fmt == "json":
         numbers = ds.data_vars if scalars else STATS
-        _json([{k: (_number(k, v) if k in numbers else (int(v) if k in ("step", "rank") else v))
-                for k, v in row.items()} for row in df.to_dict(orient="records")])
+        from analysis._numbers import statistics_row
+        _json([statistics_row({k: int(v) if k in ("step", "rank") else v for k, v in row.items()},
+                              numbers, () if scalars else INTEGERS)
+               for row in df.to_dict(orient="records")])
     elif fmt == "csv":
         _out(df.to_csv(index=False), nl=False)
     else:
@@ -637,6 +628,7 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
         by = "full tensors" if "rel_l2" in ds and not math.isnan(
             float(ds["rel_l2"].sel(step=first[0], layer=first[1]))) else "statistics"
     if fmt == "json":
+        from analysis._numbers import number as json_number
         _json({"first_divergence": None if first is None else {"step": first[0],
                                                                 "layer": first[1], "kind": kind,
                                                                 "by": by},
@@ -644,7 +636,7 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
                                            "layers": [str(x) for x in ds.layer.values]},
                             "full_tensors": {"steps": ds.attrs["tensor_steps"],
                                              "layers": ds.attrs["tensor_layers"]}},
-               "layers": {str(layer): {k: _number(k, table[k].sel(layer=layer))
+               "layers": {str(layer): {k: json_number(table[k].sel(layer=layer), k in INTEGERS)
                                        for k in table.data_vars}
                           for layer in table.layer.values}})
     else:

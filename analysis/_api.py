@@ -15,7 +15,6 @@ with the run's steps.
 from __future__ import annotations
 
 import fnmatch
-import math
 
 import numpy as np
 
@@ -23,6 +22,7 @@ from recorder import format as fmt
 from recorder.histogram import ZERO_BIN
 from recorder.errors import RecorderError
 
+from ._numbers import number
 from ._tables import as_slice
 
 __all__ = ["GRAIN", "Grains", "MAP_STATS", "NotFound", "compare_map", "histogram", "map_", "runs", "scalars",
@@ -42,16 +42,6 @@ class NotFound(RecorderError):
 
 
 # --- numbers ---------------------------------------------------------------------------
-def number(v):
-    """A float for JSON: itself (full precision), or "nan", "inf", "-inf"."""
-    v = float(v)
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return v
-
-
 def numbers(a) -> list:
     """A float array (any shape) as nested lists of ``number``s."""
     a = np.asarray(a, np.float64)

@@ -12,6 +12,7 @@ from recorder import format as fmt
 from recorder.errors import ConfigError, StoreFormatError
 from recorder.format import NonFiniteEvent
 
+from ._numbers import statistics_row
 from ._index import RunIndex
 
 __all__ = ["FirstNonFinite", "bundle", "events_of", "first_nonfinite"]
@@ -25,22 +26,15 @@ class FirstNonFinite(NonFiniteEvent):
 
     def to_json(self) -> dict:
         """The event, the other events of its step, and the statistics before it
-        (counts as integers, NaN and Inf as "nan", "inf", "-inf")."""
+        (``_numbers``: counts as integers, NaN and Inf as strings, absent as null)."""
         out = NonFiniteEvent(**{k: getattr(self, k) for k in NonFiniteEvent.__dataclass_fields__}).to_json()
         out["same_step"] = [e.to_json() for e in self.same_step]
         if self.history is not None:
             h = self.history
-            out["history"] = [{"step": int(s), **{k: _plain(k, h[k].sel(step=s).item())
-                                                  for k in fmt.STATS}} for s in h.step.values]
+            out["history"] = [statistics_row({"step": int(s), **{k: h[k].sel(step=s).item()
+                                                                 for k in fmt.STATS}}, fmt.STATS)
+                              for s in h.step.values]
         return out
-
-
-def _plain(name: str, v: float):
-    if np.isnan(v):
-        return "nan"
-    if np.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return int(v) if name in ("count", "nan", "posinf", "neginf") else float(v)
 
 
 def events_of(index: RunIndex, rank: int | None = None) -> list[NonFiniteEvent]:
