@@ -111,7 +111,7 @@ def test_compare_an_mlp_with_the_demo_transformer_compares_only_the_alike_head(t
     with pytest.warns(Warning) as w:
         ds = compare_runs(mlp, demo)
     text = " ".join(str(x.message) for x in w)
-    assert f"model classes differ ({type(model).__name__} and {Sorter.__name__})" in text
+    assert f"model classes differ ({type(model).__name__} vs {Sorter.__name__})" in text
     assert "fc1" in text and "only in" in text
     assert list(ds.layer.values) == ["head"]                     # fc1, (root), embed...: not
     a = open_run(mlp).tensor("head", step=0).values.astype(np.float64)
@@ -130,6 +130,19 @@ def test_compare_of_a_shared_name_of_another_shape_refuses(tmp_path, demo):
     assert r.exit_code == 2 and want in r.output and "rel_l2" not in r.output, r.output
     s = invoke("compare", mlp, demo, "--strict")
     assert s.exit_code == 2 and "refused (strict)" in s.output and want in s.output
+
+
+def test_compare_of_unrelated_models_says_so_in_one_short_line(tmp_path, demo):
+    mlp, model = _record_mlp(tmp_path / "mlp.zarr", out=3, batch=(4,))
+    r = invoke("compare", mlp, demo)
+    line = r.output.strip()
+    assert r.exit_code == 2 and len(line.splitlines()) == 1 and len(line) < 450, line
+    assert f"not comparable: model classes differ ({type(model).__name__} vs {Sorter.__name__})" \
+        in line and "share no recorded layer" in line
+    mine = {n for n, _ in model.named_modules() if n} | {"(root)"}
+    only = [n for n in open_run(demo).layers if n not in mine]     # the demo's own names
+    assert f"{len(only)} only in demo.zarr: {only[0]}, {only[1]} and {len(only) - 2} more" in line
+    assert all(line.count(n) <= 1 for n in only + ["fc1"])         # each name once at most
 
 
 # --- 5. migrate -----------------------------------------------------------------------
