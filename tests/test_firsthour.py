@@ -300,3 +300,33 @@ def test_the_hdf5_export_describes_itself(tmp_path):
     back = open_run(h5)
     assert back.stats().compute().equals(r.stats().compute())
     assert back.histogram("fc1").nan.dtype == np.int64
+
+
+# --- 3. small words: the flag named, the unit stated, the kind shown ------------------
+@pytest.mark.parametrize("span", ["5:2", "100:200"])
+def test_an_empty_step_range_names_the_steps_flag(tmp_path, span):
+    run, _ = _record_mlp(tmp_path / "run.zarr")
+    r = invoke("stats", run, "--steps", span)
+    line = r.output.strip().splitlines()[-1]           # the console script prints it alone
+    assert r.exit_code == 2 and "--steps" in line and span in line, r.output
+
+
+def test_budget_warnings_state_the_unit_and_spell_none_as_the_cli_does(tmp_path):
+    script = os.path.join(ROOT, "tests", "scripts", "plain_train.py")
+    store = str(tmp_path / "run.zarr")
+    row = 16 * 4                                   # one sample of Linear(8, 16)'s output
+    p = subprocess.run([sys.executable, "-m", "cli", "record", "-o", store, "--layers", "0",
+                        "--capture", "activations", "--max-bytes", f"{row * 4}B", "--", "python",
+                        script, "4"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 3, p.stderr
+    assert f"--max-bytes {row * 4} ({row * 4} bytes) of full tensors reached" in p.stderr, p.stderr
+    assert "--max-bytes none: no budget" in p.stderr and "None" not in p.stderr, p.stderr
+
+
+def test_the_stats_and_watch_tables_name_their_kind(tmp_path):
+    run, _ = _record_mlp(tmp_path / "run.zarr")
+    for kind in ("activations", "gradients"):
+        for cmd in (["stats", run, "--kind", kind], ["watch", run, "--kind", kind]):
+            r = invoke(*cmd)
+            header = next(x for x in r.output.splitlines() if "layer" in x.split()[:2])
+            assert r.exit_code == 0 and f"layer ({kind})" in header, r.output
