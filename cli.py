@@ -20,7 +20,7 @@ import sys
 
 import click
 
-from recorder.errors import RecorderError, command_line
+from recorder.errors import ConfigError, RecorderError, command_line
 from recorder.format import COUNT_STATS, KINDS, STATS
 
 INTEGERS = COUNT_STATS + ("delta_count", "delta_nan", "delta_posinf", "delta_neginf",
@@ -173,10 +173,14 @@ def _span(text):
     try:
         if not sep:
             raise ValueError
-        return slice(int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
+        span = slice(int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
     except ValueError:
         raise click.BadParameter(f"{text!r} is not a step range; write A:B (steps A to B-1), "
                                  f"A: or :B", param_hint="--steps") from None
+    if span.start is not None and span.stop is not None and span.start >= span.stop:
+        raise click.BadParameter(f"{text!r} holds no step: A:B is steps A to B-1, so A must be "
+                                 f"below B", param_hint="--steps")
+    return span
 
 
 def _check_step(step, have) -> None:
@@ -444,7 +448,10 @@ def stats(ctx, run, kind, pattern, step, steps, fmt, scalars):
                                          param_hint=flag)
     ds = _open(run).scalars() if scalars else _open(run).stats(kind, pattern)
     _check_step(step, ds.step.values)
-    ds = ds.sel(step=[step]) if step is not None else within(ds, _span(steps))
+    try:
+        ds = ds.sel(step=[step]) if step is not None else within(ds, _span(steps))
+    except ConfigError as e:                     # no step in the range: name the flag
+        raise click.BadParameter(str(e), param_hint="--steps") from None
     if scalars:
         ds = ds.transpose(*(d for d in ("rank", "step") if d in ds.dims))
         df = ds.to_dataframe().reset_index() if ds.data_vars else ds.step.to_dataframe()
@@ -460,7 +467,8 @@ def stats(ctx, run, kind, pattern, step, steps, fmt, scalars):
                for row in df.to_dict(orient="records")])
     elif fmt == "csv":
         _out(df.to_csv(index=False), nl=False)
-    else:
+    else:                                        # the header names the kind shown
+        df = df if scalars else df.rename(columns={"layer": f"layer ({kind})"})
         _out(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
 
 

@@ -69,25 +69,31 @@ def _shape(r: Run, kind: str, layer: str) -> tuple[int, ...] | None:
     return tuple(int(x) for x in r.tensor(layer, kind).shape[1:])
 
 
+def _some(names, most: int = 2) -> str:
+    """A few example names and how many more: ``a, b and 5 more``."""
+    names = list(names)
+    head = ", ".join(names[:most])
+    return head + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def _alike(a: Run, b: Run, kind: str, layers, names: list[str], steps,
-           strict: bool) -> tuple[list[str], str | None]:
+           strict: bool) -> tuple[list[str], list[str]]:
     """Whether the runs are alike enough to compare: the model classes, the
     recorded layer sets of ``kind`` (those ``layers`` matches) and each shared
     layer's shape (its element count at the common steps where both ran, and its
     full tensors' shape where both hold them).  The shared layers whose shapes
-    agree, and what differs in words (None when alike; under ``strict``, a
-    ``ConfigError`` instead)."""
+    agree, and what differs in short clauses (empty when alike; under ``strict``,
+    a ``ConfigError`` instead)."""
     notes = []
     ca, cb = a.attrs.get("model_class"), b.attrs.get("model_class")
     if ca != cb:
-        notes.append(f"the model classes differ ({ca} and {cb})")
+        notes.append(f"model classes differ ({ca} vs {cb})")
     held = [[n for n in r.stats(kind).layer.values.tolist() if _matches(n, layers)]
             if kind in r.kinds else [] for r in (a, b)]
     only = [[n for n in held[i] if n not in set(held[1 - i])] for i in (0, 1)]
     if only[0] or only[1]:
-        notes.append("the recorded layers differ (" + "; ".join(
-            f"{len(o)} only in {r.name}: {', '.join(o[:4])}{', ...' if len(o) > 4 else ''}"
-            for r, o in zip((a, b), only) if o) + ")")
+        notes.append("recorded layers differ (" + "; ".join(
+            f"{len(o)} only in {r.name}: {_some(o)}" for r, o in zip((a, b), only) if o) + ")")
     bad, gone = [], set()
     if names and len(steps):
         ca_, cb_ = (r.stats(kind, names)["count"].sel(step=steps).values for r in (a, b))
@@ -105,12 +111,15 @@ def _alike(a: Run, b: Run, kind: str, layers, names: list[str], steps,
                 continue
             gone.add(n)
     if bad:
-        notes.append(f"{len(bad)} shared layer{'s differ' if len(bad) > 1 else ' differs'} in shape, not "
-                     f"compared ({'; '.join(bad[:4])}{'; ...' if len(bad) > 4 else ''})")
-    text = f"{a.name} and {b.name} are not alike: {'; '.join(notes)}" if notes else None
-    if text and strict:
-        raise ConfigError(f"{text}; refused (strict)")
-    return [n for n in names if n not in gone], text
+        notes.append(f"{len(bad)} shared layer{'s differ' if len(bad) > 1 else ' differs'} in "
+                     f"shape ({_some(bad).replace(', ', '; ')})")
+    if notes and strict:
+        raise ConfigError(f"{_unlike(a, b, notes)}; refused (strict)")
+    return [n for n in names if n not in gone], notes
+
+
+def _unlike(a: Run, b: Run, notes: list[str]) -> str | None:
+    return f"{a.name} and {b.name} are not alike: {'; '.join(notes)}" if notes else None
 
 
 def _say(text: str | None) -> None:
@@ -122,15 +131,19 @@ def _say(text: str | None) -> None:
                       f"agree", TensortapeWarning, stacklevel=3)
 
 
-def _no_common(a: Run, b: Run, kinds, layers, unlike: str | None = None) -> ConfigError:
-    """Why two runs cannot be compared, in one line (``unlike``: what differs)."""
+def _no_common(a: Run, b: Run, kinds, layers, notes=()) -> ConfigError:
+    """Why two runs cannot be compared, in one short line: what differs (``notes``,
+    from ``_alike``), else a few of the layers each run holds."""
     where = f" matching {layers!r}" if layers else ""
-    held = "; ".join(f"{r.path} has {', '.join(f'{k}: {len(r.stats(k).layer)} layers' for k in r.kinds) or 'nothing'}"
-                     f" (e.g. {', '.join(r.layers[:3]) or 'none'})" for r in (a, b))
-    return ConfigError(f"the runs share no recorded (layer, kind) of {', '.join(kinds)}{where} with "
-                       f"common steps, so they cannot be compared ({held}); compare runs of the same "
-                       f"model, or pick --kind/--layer that both hold"
-                       + (f"; {unlike}" if unlike else ""))
+    if notes:
+        why = "; ".join(notes)
+    else:
+        why = "; ".join(f"{r.name} has {len(r.layers)} layers ({_some(r.layers) or 'none'})"
+                        for r in (a, b))
+    shape = " of the same shape" if any("in shape" in n for n in notes) else ""
+    return ConfigError(f"{a.name} and {b.name} are not comparable: {why}; they share no recorded "
+                       f"layer of {', '.join(kinds)}{where}{shape} with common steps (pick "
+                       f"--kind/--layer that both hold)")
 
 
 def _absent(st: xr.Dataset) -> xr.DataArray:
@@ -194,10 +207,10 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     """
     a, b = _runs(a, b, rank)
     names, steps = _common(a, b, kind, layers)
-    names, unlike = _alike(a, b, kind, layers, names, steps, strict)
+    names, notes = _alike(a, b, kind, layers, names, steps, strict)
     if not names or not len(steps):
-        raise _no_common(a, b, [kind], layers, unlike)
-    _say(unlike)
+        raise _no_common(a, b, [kind], layers, notes)
+    _say(_unlike(a, b, notes))
     sa = a.stats(kind, names).sel(step=steps).compute()
     sb = b.stats(kind, names).sel(step=steps).compute()
     gone = _absent(sa) | _absent(sb)         # not a difference of the statistics there
@@ -258,8 +271,8 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
     per_kind, unlikes = {}, []
     for kind in kinds:
         names, steps = _common(a, b, kind, layers)
-        names, unlike = _alike(a, b, kind, layers, names, steps, strict)
-        unlikes.append(unlike)
+        names, notes = _alike(a, b, kind, layers, names, steps, strict)
+        unlikes.append(notes)
         if names and len(steps):
             sa = a.stats(kind, names).sel(step=steps).compute()
             sb = b.stats(kind, names).sel(step=steps).compute()
@@ -267,8 +280,8 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
                               _relative(sa, sb), set(a.tensor_layers(kind)),
                               set(b.tensor_layers(kind)))
     if not per_kind:
-        raise _no_common(a, b, kinds or asked, layers, next((u for u in unlikes if u), None))
-    for text in dict.fromkeys(u for u in unlikes if u):
+        raise _no_common(a, b, kinds or asked, layers, next((u for u in unlikes if u), ()))
+    for text in dict.fromkeys(_unlike(a, b, u) for u in unlikes if u):
         _say(text)
     all_steps = sorted({int(s) for v in per_kind.values() for s in v[1]})
     tensor_steps: dict = {}

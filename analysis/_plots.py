@@ -333,29 +333,36 @@ def distribution(h, ax=None):
     return fig
 
 
+DIFF_FLOOR = 1e-7          # the comparison map's lowest coloured difference (about float32's eps)
+
+
 def comparison(diff, line_a, line_b, labels=("run A", "run B"), first=None, nonfinite=None):
     """Where two runs differ: a layer x step heat map of ``diff`` (named after its
-    metric) on a sequential scale where darker means more different (white:
-    identical), cells where either run held NaN/Inf (``nonfinite``, layer x
+    metric) on a fixed log scale where darker means more different (white: 0,
+    identical; 1 and above dark; grey: not compared), cells where either run held NaN/Inf (``nonfinite``, layer x
     step) marked with a cyan x and infinite differences drawn black, the
     first divergence circled; beside it the two runs' lines of one statistic of
-    one layer, their NaN/Inf steps marked."""
-    from matplotlib.colors import LogNorm
+    one layer, their NaN/Inf steps marked (a log axis where they span decades)."""
+    from matplotlib.colors import ListedColormap, LogNorm
     from matplotlib.figure import Figure
     fig = Figure(figsize=(12, 4.8), layout="constrained")
     heat, lines = fig.subplots(1, 2, width_ratios=(3, 2))
     vals = diff.transpose("layer", "step").values.astype(float)
-    pos = vals[np.isfinite(vals) & (vals > 0)]
-    top = pos.max() if pos.size else 1.0
-    norm = LogNorm(vmin=max(pos.min(), top * 1e-6) if pos.size else 1e-6, vmax=top)
-    cmap = __import__("matplotlib").colormaps["Reds"].with_extremes(under="white", over="black",
-                                                                   bad="white")
-    shown = np.where(np.isinf(vals), top * 10, np.where(vals > 0, vals, norm.vmin / 2))
+    finite = vals[np.isfinite(vals)]
+    # a fixed scale, not the data's range: only 0 is white, 1 (as different as can be
+    # for rel_l2) is dark whatever else is drawn, differences below the floor the palest
+    top = max(1.0, finite.max() if finite.size else 1.0)
+    norm = LogNorm(vmin=DIFF_FLOOR, vmax=top)
+    reds = __import__("matplotlib").colormaps["Reds"]
+    cmap = ListedColormap(reds(np.linspace(0.12, 1, 256))).with_extremes(
+        under="white", over="black", bad="0.85")
+    shown = np.where(np.isinf(vals), top * 10, np.where(
+        vals > 0, np.maximum(vals, DIFF_FLOOR), np.where(vals == 0, DIFF_FLOOR / 10, np.nan)))
     layers = [str(x) for x in diff.layer.values]
     steps = diff.step.values
     mesh = heat.pcolormesh(steps, np.arange(len(layers)), shown, shading="nearest", cmap=cmap,
                            norm=norm)
-    fig.colorbar(mesh, ax=heat, label=f"{diff.name} (white: identical, black: infinite)",
+    fig.colorbar(mesh, ax=heat, label=f"{diff.name} (white: 0, identical; black: infinite; grey: not compared)",
                  pad=0.01, extend="both")
     if nonfinite is not None:
         nf = nonfinite.transpose("layer", "step").values.astype(bool)
@@ -389,6 +396,10 @@ def comparison(diff, line_a, line_b, labels=("run A", "run B"), first=None, nonf
         lines.axvline(first[0], color="tab:blue", lw=1, ls=":")
     lines.set_xlabel("step")
     lines.set_ylabel(stat)
+    drawn = np.concatenate([da.values.astype(float).ravel() for da in (line_a, line_b)])
+    drawn = drawn[np.isfinite(drawn)]
+    if drawn.size and (drawn > 0).all() and drawn.max() / drawn.min() > 1e3:
+        lines.set_yscale("log")                  # over decades a linear axis is flat at 0
     lines.set_title(f"{_short(layer, 40)} · {kind} · {stat}", fontsize="small")
     lines.legend(fontsize="x-small")
     lines.grid(alpha=0.3)

@@ -101,7 +101,7 @@ def snapshots(path, interval: float = 2.0, layers=None, kind: str = "activations
             continue
         opened = True
         # every rank's events, counted past those kept (fmt.MAX_EVENTS a rank)
-        view = {"status": run.status, "step": None, "rate": None, "rows": [], "alerts": [],
+        view = {"status": run.status, "kind": kind, "step": None, "rate": None, "rows": [], "alerts": [],
                 "events": sum(run.state(r).events_total for r in run.ranks),
                 "nonfinite_layers": 0, "last_event": None}
         for e in run.events:
@@ -151,8 +151,9 @@ def render(view: dict, width: int = 100, pinned: bool = False) -> list[str]:
     if pinned:
         lines += alerts
     if view["rows"]:
-        name_w = min(max(len(n) for n, _ in view["rows"]), width - 70)
-        lines.append("layer".ljust(name_w) + "".join(f"{c:>10}" for c in COLUMNS))
+        head = f"layer ({view['kind']})" if view.get("kind") else "layer"   # the kind shown
+        name_w = min(max(len(head), *(len(n) for n, _ in view["rows"])), width - 70)
+        lines.append(head[:name_w].ljust(name_w) + "".join(f"{c:>10}" for c in COLUMNS))
         for name, vals in view["rows"]:
             cells = "".join(f"{int(vals[c]):>10d}" if c in fmt.COUNT_STATS
                             else f"{vals[c]:>10.3g}" for c in COLUMNS)

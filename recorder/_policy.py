@@ -109,7 +109,8 @@ class TensorPolicy:
         if steps is None or steps >= SOON:
             return []
         return [Notice("estimate", (
-            f"{size}: {argument('max_bytes', self.limit)} is reached in about {steps} "
+            f"{size}: {argument('max_bytes', self.limit)} ({_size(self.limit)}) is reached in "
+            f"about {steps} "
             f"step{'' if steps == 1 else 's'}, and then only "
             f"statistics, histograms and the non-finite dump are stored; {fewer}, or raise "
             f"{argument('max_bytes')} ({argument('max_bytes', None)}: no budget)"))]
@@ -128,7 +129,8 @@ class TensorPolicy:
             if not self.spent:
                 self.spent = True
                 out.notices.append(Notice("budget", (
-                    f"tensortape: {argument('max_bytes', self.limit)} of full tensors reached at "
+                    f"tensortape: {argument('max_bytes', self.limit)} ({_size(self.limit)}) of full "
+                    f"tensors reached at "
                     f"step {step}; "
                     f"from now on only statistics, histograms and the non-finite dump are "
                     f"stored (tensors not stored are counted in over_budget)")))
@@ -138,4 +140,6 @@ class TensorPolicy:
 
 
 def _size(n: float) -> str:
+    if n < 1e5:
+        return f"{int(n)} byte{'' if n == 1 else 's'}"
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"

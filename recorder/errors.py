@@ -25,10 +25,10 @@ _NAME = object()
 def argument(name: str, value=_NAME) -> str:
     """``name=value`` as the user writes it: ``mode='w'`` in Python, ``--mode w``
     under the command line (``command_line()``); without a value, the name alone
-    (``max_bytes=``, ``--max-bytes``)."""
+    (``max_bytes=``, ``--max-bytes``); None is ``none`` on the command line."""
     if _SPELLING["flags"]:
         flag = f"--{name.replace('_', '-')}"
-        return flag if value is _NAME else f"{flag} {value}"
+        return flag if value is _NAME else f"{flag} {'none' if value is None else value}"
     return f"{name}=" if value is _NAME else f"{name}={value!r}"
 
 

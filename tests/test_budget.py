@@ -134,7 +134,7 @@ def test_the_cli_takes_a_budget_and_a_sample_cap(tmp_path):
     assert run.tensor("0", step=1).shape[-2:] == (2, 16)             # of the batch's 4
     assert run.attrs["over_budget"] == 2
     # the warnings name the flags the user typed, not Python's arguments
-    assert "--max-bytes 256 of full tensors reached at step 2" in p.stderr, p.stderr
+    assert "--max-bytes 256 (256 bytes) of full tensors reached at step 2" in p.stderr, p.stderr
     assert "max_bytes=" not in p.stderr and "tensors_every=" not in p.stderr
 
 

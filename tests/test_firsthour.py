@@ -111,7 +111,7 @@ def test_compare_an_mlp_with_the_demo_transformer_compares_only_the_alike_head(t
     with pytest.warns(Warning) as w:
         ds = compare_runs(mlp, demo)
     text = " ".join(str(x.message) for x in w)
-    assert f"model classes differ ({type(model).__name__} and {Sorter.__name__})" in text
+    assert f"model classes differ ({type(model).__name__} vs {Sorter.__name__})" in text
     assert "fc1" in text and "only in" in text
     assert list(ds.layer.values) == ["head"]                     # fc1, (root), embed...: not
     a = open_run(mlp).tensor("head", step=0).values.astype(np.float64)
@@ -130,6 +130,19 @@ def test_compare_of_a_shared_name_of_another_shape_refuses(tmp_path, demo):
     assert r.exit_code == 2 and want in r.output and "rel_l2" not in r.output, r.output
     s = invoke("compare", mlp, demo, "--strict")
     assert s.exit_code == 2 and "refused (strict)" in s.output and want in s.output
+
+
+def test_compare_of_unrelated_models_says_so_in_one_short_line(tmp_path, demo):
+    mlp, model = _record_mlp(tmp_path / "mlp.zarr", out=3, batch=(4,))
+    r = invoke("compare", mlp, demo)
+    line = r.output.strip()
+    assert r.exit_code == 2 and len(line.splitlines()) == 1 and len(line) < 450, line
+    assert f"not comparable: model classes differ ({type(model).__name__} vs {Sorter.__name__})" \
+        in line and "share no recorded layer" in line
+    mine = {n for n, _ in model.named_modules() if n} | {"(root)"}
+    only = [n for n in open_run(demo).layers if n not in mine]     # the demo's own names
+    assert f"{len(only)} only in demo.zarr: {only[0]}, {only[1]} and {len(only) - 2} more" in line
+    assert all(line.count(n) <= 1 for n in only + ["fc1"])         # each name once at most
 
 
 # --- 5. migrate -----------------------------------------------------------------------
@@ -287,3 +300,33 @@ def test_the_hdf5_export_describes_itself(tmp_path):
     back = open_run(h5)
     assert back.stats().compute().equals(r.stats().compute())
     assert back.histogram("fc1").nan.dtype == np.int64
+
+
+# --- 3. small words: the flag named, the unit stated, the kind shown ------------------
+@pytest.mark.parametrize("span", ["5:2", "100:200"])
+def test_an_empty_step_range_names_the_steps_flag(tmp_path, span):
+    run, _ = _record_mlp(tmp_path / "run.zarr")
+    r = invoke("stats", run, "--steps", span)
+    line = r.output.strip().splitlines()[-1]           # the console script prints it alone
+    assert r.exit_code == 2 and "--steps" in line and span in line, r.output
+
+
+def test_budget_warnings_state_the_unit_and_spell_none_as_the_cli_does(tmp_path):
+    script = os.path.join(ROOT, "tests", "scripts", "plain_train.py")
+    store = str(tmp_path / "run.zarr")
+    row = 16 * 4                                   # one sample of Linear(8, 16)'s output
+    p = subprocess.run([sys.executable, "-m", "cli", "record", "-o", store, "--layers", "0",
+                        "--capture", "activations", "--max-bytes", f"{row * 4}B", "--", "python",
+                        script, "4"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 3, p.stderr
+    assert f"--max-bytes {row * 4} ({row * 4} bytes) of full tensors reached" in p.stderr, p.stderr
+    assert "--max-bytes none: no budget" in p.stderr and "None" not in p.stderr, p.stderr
+
+
+def test_the_stats_and_watch_tables_name_their_kind(tmp_path):
+    run, _ = _record_mlp(tmp_path / "run.zarr")
+    for kind in ("activations", "gradients"):
+        for cmd in (["stats", run, "--kind", kind], ["watch", run, "--kind", kind]):
+            r = invoke(*cmd)
+            header = next(x for x in r.output.splitlines() if "layer" in x.split()[:2])
+            assert r.exit_code == 0 and f"layer ({kind})" in header, r.output
