@@ -1,0 +1,217 @@
+"""The CPU statistics engine on numba: one read of each tensor (the family ``"numba"``).
+
+``NumbaEngine`` gives the summary vectors of ``_summary``'s layout from the
+kernels of ``_nbkernels``: the sums, minimum, maximum and histogram slot
+counts of a tensor come from one read of its bits (bfloat16, float16 and the
+8-bit floats too: no widened copy).  Counts, minimum, maximum and histograms
+equal the torch engines' exactly; the float64 sums equal them but for the
+order of additions (as the compiled and eager torch kernels differ).
+
+- A tensor of ``PARALLEL_MIN`` elements or more is split across
+  ``torch.get_num_threads()`` threads (the calling one and a pool's), each
+  counting into a private histogram; the histograms and sums are merged at
+  the end, in chunk order.  The kernels hold no GIL.
+- A step's tiny tensors go through one kernel call (``reduce_many``).
+
+**Compiled once per machine, never on the training thread.**  numba caches the
+kernels on disk (``cache=True``).  ``warm`` (at ``Recorder.attach``, for the
+model's dtypes) and the first tensor of any other dtype start that dtype's
+compile (or its load from the cache) on a background thread; until it is
+ready, that dtype's tensors take the eager torch kernels (the same numbers),
+so no step waits for a compiler.  A compile that fails makes ``reduce`` raise:
+the fault path demotes that dtype to the next engine of ``_engines.ORDER``.
+
+Training thread (and autograd's threads); the compile on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+
+import numpy as np
+import torch
+
+from . import _nbkernels as K
+from ._engine import Engine
+from ._summary import NARROW, VECTOR
+
+__all__ = ["NumbaEngine"]
+
+PARALLEL_MIN = 1 << 18          # elements from which a tensor is split across threads
+_CHUNK_MAX = 1 << 30            # elements per chunk at most (a lane's int64 counts stay exact)
+
+_pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A pool of threads kept for the process: ``compile`` (one thread) or
+    ``stats`` (the chunks of large tensors)."""
+    pool = _pools.get(name)
+    if pool is None:
+        with _pools_lock:
+            pool = _pools.get(name)
+            if pool is None:
+                pool = _pools[name] = concurrent.futures.ThreadPoolExecutor(
+                    workers, thread_name_prefix=f"tensortape-{name}")
+    return pool
+
+
+_TABLES = {8: K.slot_table(8), 11: K.slot_table(11)}
+_NO_TABLE = np.zeros(1, np.uint32)
+_BITS = {torch.float64: (torch.float64, np.uint64, 11), torch.float32: (torch.float32, np.uint32, 8),
+         torch.bfloat16: (torch.int16, np.uint16, 8), torch.float16: (torch.int16, np.int16, 8)}
+_BITS.update({d: (torch.uint8, np.uint8, 8) for d in NARROW})
+_decoders: dict[torch.dtype, np.ndarray] = {}
+
+
+def _decoder(dtype: torch.dtype) -> np.ndarray:
+    """An 8-bit float's 256 values as float32 bits (as torch widens them)."""
+    table = _decoders.get(dtype)
+    if table is None:
+        table = torch.arange(256, dtype=torch.uint8).view(dtype).float().view(torch.int32)
+        table = _decoders[dtype] = table.numpy().view(np.uint32).copy()
+    return table
+
+
+def bits(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A contiguous float tensor's elements as flat bits (a view, never a copy),
+    its decoder table and its slot table."""
+    as_torch, as_numpy, exp_bits = _BITS[x.dtype]
+    flat = x.reshape(-1)
+    a = (flat if as_torch == x.dtype else flat.view(as_torch)).numpy()
+    if a.dtype != as_numpy:
+        a = a.view(as_numpy)
+    return a, (_decoder(x.dtype) if as_torch == torch.uint8 else _NO_TABLE), _TABLES[exp_bits]
+
+
+def _splits(n: int, threads: int) -> list[int]:
+    """Chunk boundaries of ``n`` elements: one per thread from ``PARALLEL_MIN``,
+    at most ``_CHUNK_MAX`` each, multiples of the lanes' block."""
+    parts = max(min(threads, n // (PARALLEL_MIN // 2)), -(-n // _CHUNK_MAX), 1)
+    step = -(-n // parts // K.BLOCK) * K.BLOCK
+    return [min(n, i * step) for i in range(parts)] + [n]
+
+
+def _compile(dtype: torch.dtype) -> None:
+    """Compile (or load from numba's cache) every kernel a tensor of ``dtype``
+    takes, by running each on a small tensor of it."""
+    x = torch.zeros(K.LANES + 1, dtype=dtype)
+    a, dec, table = bits(x)
+    hist = np.zeros((1, K.LANES, K.SLOTS), np.int64)
+    parts = np.zeros((1, 4))
+    out = np.zeros(VECTOR)
+    parts[0] = K.chunk(a, 0, a.size, dec, table, K.shift_of(a, 0, dec), hist[0])
+    K.finish(a.size, 0.0, parts, hist, out)
+    K.one(a, dec, table, out)
+    K.nonfinite(a, 0, a.size, dec, np.zeros(3, np.int64))
+    if dtype in (torch.float32, torch.float64):            # reduce_many's widths
+        K.many(a, np.array([0, a.size], np.int64), 0, 1, dec, table, out.reshape(1, -1))
+
+
+class NumbaEngine(Engine):
+    """CPU statistics in one read per tensor (see the module); until a dtype's
+    kernels are compiled, the eager torch kernels."""
+
+    family = "numba"
+
+    @classmethod
+    def serves(cls, device_type: str) -> bool:
+        return device_type == "cpu"
+
+    def __init__(self, device_type: str, compile: bool):
+        super().__init__(device_type, False)       # the fallback meanwhile: the eager kernels
+        self._ready: dict[torch.dtype, concurrent.futures.Future] = {}
+
+    def __repr__(self) -> str:
+        return f"NumbaEngine({self.device_type})"
+
+    # --- compiling, off the training thread ----------------------------------------------
+    def warm(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Start compiling (or loading) ``dtype``'s kernels in the background."""
+        if device.type == "cpu" and dtype in _BITS:
+            self._future(dtype)
+
+    def _future(self, dtype: torch.dtype) -> concurrent.futures.Future:
+        future = self._ready.get(dtype)
+        if future is None:
+            with self._lock:
+                future = self._ready.get(dtype)
+                if future is None:
+                    future = self._ready[dtype] = _pool("compile", 1).submit(_compile, dtype)
+        return future
+
+    def ready(self, dtype: torch.dtype, wait: bool = False) -> bool:
+        """Whether ``dtype``'s kernels are compiled (starting their compile if not;
+        ``wait``: until they are).  Raises what the compile raised."""
+        future = self._future(dtype)
+        if wait:
+            future.result()
+        if not future.done():
+            return False
+        future.result()                             # a failed compile raises: demoted
+        return True
+
+    # --- the engine ---------------------------------------------------------------------
+    @torch.compiler.disable
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.ready(x.dtype):
+            return super().reduce(x)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        a, dec, table = bits(x)
+        out = torch.empty(VECTOR, dtype=torch.float64)
+        threads = torch.get_num_threads()
+        if threads < 2 or a.size < PARALLEL_MIN:
+            K.one(a, dec, table, out.numpy())
+            return out
+        shift = K.shift_of(a, 0, dec)
+        cuts = _splits(a.size, threads)
+        parts = np.empty((len(cuts) - 1, 4))
+        hists = np.zeros((len(cuts) - 1, K.LANES, K.SLOTS), np.int64)
+        self._split(lambda p: K.chunk(a, cuts[p], cuts[p + 1], dec, table, shift, hists[p]),
+                    parts, len(cuts) - 1)
+        K.finish(a.size, shift, parts, hists, out.numpy())
+        return out
+
+    @staticmethod
+    def _split(work, rows: np.ndarray, n: int) -> None:
+        """``rows[p] = work(p)`` for each chunk ``p``: the first on this thread, the
+        others on the pool's (the kernels release the GIL)."""
+        pool = _pool("stats", max(1, (os.cpu_count() or 2) - 1))
+        futures = [pool.submit(work, p) for p in range(1, n)]
+        rows[0] = work(0)
+        for p, f in enumerate(futures, 1):
+            rows[p] = f.result()
+
+    @torch.compiler.disable
+    def count_nonfinite(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.ready(x.dtype):
+            return super().count_nonfinite(x)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        a, dec, _ = bits(x)
+        cuts = _splits(a.size, torch.get_num_threads())
+        counts = np.zeros((len(cuts) - 1, 3), np.int64)
+
+        def work(p):
+            K.nonfinite(a, cuts[p], cuts[p + 1], dec, counts[p])
+            return counts[p]
+        self._split(work, counts, len(cuts) - 1)
+        return torch.from_numpy(counts.sum(0).astype(np.float64))
+
+    @torch.compiler.disable
+    def reduce_many(self, xs: list[torch.Tensor], exp_bits: int) -> torch.Tensor:
+        dtype = torch.float64 if exp_bits == 11 else torch.float32
+        if xs[0].device.type != "cpu" or not self.ready(dtype):
+            return super().reduce_many(xs, exp_bits)
+        flat = torch.cat([x.reshape(-1) for x in xs]).to(dtype)   # 16-bit floats: float32
+        sizes = np.fromiter((x.numel() for x in xs), np.int64, len(xs))
+        offsets = np.zeros(len(xs) + 1, np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        a, dec, table = bits(flat)
+        table_out = torch.empty((len(xs), VECTOR), dtype=torch.float64)
+        K.many(a, offsets, 0, len(xs), dec, table, table_out.numpy())
+        return table_out
