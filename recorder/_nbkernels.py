@@ -23,26 +23,34 @@ counting into its own histogram, and merges them at the end.  They use no
 numba threading layer (a ``parallel=True`` region from two Python threads at
 once terminates the process under numba's default ``workqueue`` layer).
 
-Pure functions: any thread.
+Pure functions: any thread.  This module imports neither torch nor the rest of
+the recorder but ``format``, so a child process can compile the kernels into
+numba's cache quickly (``compile_for``).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from . import format as fmt
-from ._summary import FIELDS
+from recorder import format as fmt
 
-__all__ = ["BLOCK", "LANES", "chunk", "finish", "many", "nonfinite", "one", "shift_of",
-           "slot_table"]
+__all__ = ["BLOCK", "HEAD", "LANES", "NO_TABLE", "READS", "cached_mark", "chunk", "compile_for",
+           "finish", "many", "nonfinite", "one", "shift_of", "slot_table"]
 
 LANES = 4
 BLOCK = 4096            # elements summed in lanes before they join the running sums
-HEAD = len(FIELDS)
+HEAD = 6                # the head of a summary vector (``_summary.FIELDS``)
 SLOTS = fmt.SLOTS
+NO_TABLE = np.zeros(1, np.uint32)       # the decoder table of a dtype that needs none
+# how each float dtype is read: its bits' numpy type and code width (8-bit floats through
+# a table of their float32 bits)
+READS = {"float64": (np.uint64, 11), "float32": (np.uint32, 8), "bfloat16": (np.uint16, 8),
+         "float16": (np.int16, 8), "float8": (np.uint8, 8)}
 _EXP64 = np.uint64(0x7FF0000000000000)                   # float64's exponent bits
 _SHIFT64 = np.uint64(fmt.code_shift(11))
 _LOW64 = np.uint64((1 << fmt.code_shift(11)) - 1)
@@ -268,3 +276,36 @@ def nonfinite(a, start, stop, dec, out):
     out[0] += nan
     out[1] += pos
     out[2] += neg
+
+
+def cached_mark(dtype: str) -> str:
+    """The file that says ``compile_for(dtype)`` has filled numba's cache for this
+    source, numba and machine (numba itself checks each entry when it loads)."""
+    import numba
+    import platform
+    stat = os.stat(__file__)
+    tag = f"{dtype}-{numba.__version__}-{platform.machine()}-{stat.st_mtime_ns}-{stat.st_size}"
+    return os.path.join(one._cache.cache_path, f"tensortape-{tag}.ok")
+
+
+def compile_for(dtype: str, mark: bool = False) -> None:
+    """Compile (or load from numba's cache) every kernel a tensor of ``dtype`` (a
+    ``READS`` key) takes, by running each on a few elements of its bits; ``mark``:
+    then write its ``cached_mark``."""
+    bits_type, exp_bits = READS[dtype]
+    a = np.zeros(LANES + 1, bits_type)
+    dec, table = np.zeros(256, np.uint32), slot_table(exp_bits)
+    dec = dec if bits_type == np.uint8 else NO_TABLE
+    hist = np.zeros((1, LANES, SLOTS), np.int64)
+    parts = np.zeros((1, 4))
+    out = np.zeros(HEAD + SLOTS)
+    parts[0] = chunk(a, 0, a.size, dec, table, shift_of(a, 0, dec), hist[0])
+    finish(a.size, 0.0, parts, hist, out)
+    one(a, dec, table, out)
+    nonfinite(a, 0, a.size, dec, np.zeros(3, np.int64))
+    if dtype in ("float32", "float64"):                 # reduce_many's widths
+        many(a, np.array([0, a.size], np.int64), 0, 1, dec, table, out.reshape(1, -1))
+    if mark:
+        with open(cached_mark(dtype), "w"):
+            pass
+

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -35,7 +37,7 @@ import torch
 
 from . import _nbkernels as K
 from ._engine import Engine
-from ._summary import NARROW, VECTOR
+from ._summary import FIELDS, NARROW, VECTOR
 
 __all__ = ["NumbaEngine"]
 
@@ -60,10 +62,11 @@ def _pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
 
 
 _TABLES = {8: K.slot_table(8), 11: K.slot_table(11)}
-_NO_TABLE = np.zeros(1, np.uint32)
-_BITS = {torch.float64: (torch.float64, np.uint64, 11), torch.float32: (torch.float32, np.uint32, 8),
-         torch.bfloat16: (torch.int16, np.uint16, 8), torch.float16: (torch.int16, np.int16, 8)}
-_BITS.update({d: (torch.uint8, np.uint8, 8) for d in NARROW})
+# per float dtype: the torch dtype its bits are viewed as, and its ``K.READS`` key
+_BITS = {torch.float64: (torch.float64, "float64"), torch.float32: (torch.float32, "float32"),
+         torch.bfloat16: (torch.int16, "bfloat16"), torch.float16: (torch.int16, "float16")}
+_BITS.update({d: (torch.uint8, "float8") for d in NARROW})
+assert K.HEAD == len(FIELDS)
 _decoders: dict[torch.dtype, np.ndarray] = {}
 
 
@@ -79,12 +82,13 @@ def _decoder(dtype: torch.dtype) -> np.ndarray:
 def bits(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A contiguous float tensor's elements as flat bits (a view, never a copy),
     its decoder table and its slot table."""
-    as_torch, as_numpy, exp_bits = _BITS[x.dtype]
+    as_torch, reads = _BITS[x.dtype]
+    as_numpy, exp_bits = K.READS[reads]
     flat = x.reshape(-1)
     a = (flat if as_torch == x.dtype else flat.view(as_torch)).numpy()
     if a.dtype != as_numpy:
         a = a.view(as_numpy)
-    return a, (_decoder(x.dtype) if as_torch == torch.uint8 else _NO_TABLE), _TABLES[exp_bits]
+    return a, (_decoder(x.dtype) if as_torch == torch.uint8 else K.NO_TABLE), _TABLES[exp_bits]
 
 
 def _splits(n: int, threads: int) -> list[int]:
@@ -96,19 +100,22 @@ def _splits(n: int, threads: int) -> list[int]:
 
 
 def _compile(dtype: torch.dtype) -> None:
-    """Compile (or load from numba's cache) every kernel a tensor of ``dtype``
-    takes, by running each on a small tensor of it."""
-    x = torch.zeros(K.LANES + 1, dtype=dtype)
-    a, dec, table = bits(x)
-    hist = np.zeros((1, K.LANES, K.SLOTS), np.int64)
-    parts = np.zeros((1, 4))
-    out = np.zeros(VECTOR)
-    parts[0] = K.chunk(a, 0, a.size, dec, table, K.shift_of(a, 0, dec), hist[0])
-    K.finish(a.size, 0.0, parts, hist, out)
-    K.one(a, dec, table, out)
-    K.nonfinite(a, 0, a.size, dec, np.zeros(3, np.int64))
-    if dtype in (torch.float32, torch.float64):            # reduce_many's widths
-        K.many(a, np.array([0, a.size], np.int64), 0, 1, dec, table, out.reshape(1, -1))
+    """Compile ``dtype``'s kernels in a child process, into numba's disk cache (the
+    compiler holds the GIL for seconds: in this process it would stall every
+    thread that wants it, the training thread first), then load them here.
+    Without a child (or a cache), they compile here, on this thread."""
+    reads = _BITS[dtype][1]
+    try:
+        if not os.path.exists(K.cached_mark(reads)):
+            root = os.path.dirname(os.path.dirname(os.path.abspath(K.__file__)))
+            path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+            code = f"from {K.__name__} import compile_for; compile_for({reads!r}, mark=True)"
+            subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=path),
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=600, check=False)
+    except Exception:               # no child here: the compile below does it all
+        pass
+    K.compile_for(reads)
 
 
 class NumbaEngine(Engine):
