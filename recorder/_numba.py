@@ -162,13 +162,18 @@ class NumbaEngine(Engine):
         return True
 
     # --- the engine ---------------------------------------------------------------------
+    def _read(self, x: torch.Tensor):
+        """``bits`` of ``x`` (contiguous first) once its dtype's kernels are ready;
+        None before (the eager kernels take it)."""
+        if not self.ready(x.dtype):
+            return None
+        return bits(x if x.is_contiguous() else x.contiguous())
+
     @torch.compiler.disable
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.ready(x.dtype):
+        if (read := self._read(x)) is None:
             return super().reduce(x)
-        if not x.is_contiguous():
-            x = x.contiguous()
-        a, dec, table = bits(x)
+        a, dec, table = read
         out = torch.empty(VECTOR, dtype=torch.float64)
         threads = torch.get_num_threads()
         if threads < 2 or a.size < PARALLEL_MIN:
@@ -195,11 +200,9 @@ class NumbaEngine(Engine):
 
     @torch.compiler.disable
     def count_nonfinite(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.ready(x.dtype):
+        if (read := self._read(x)) is None:
             return super().count_nonfinite(x)
-        if not x.is_contiguous():
-            x = x.contiguous()
-        a, dec, _ = bits(x)
+        a, dec, _ = read
         cuts = _splits(a.size, torch.get_num_threads())
         counts = np.zeros((len(cuts) - 1, 3), np.int64)
 
