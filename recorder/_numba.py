@@ -13,15 +13,19 @@ order of additions (as the compiled and eager torch kernels differ).
   the end, in chunk order.  The kernels hold no GIL.
 - A step's tiny tensors go through one kernel call (``reduce_many``).
 
-**Compiled once per machine, never on the training thread.**  numba caches the
-kernels on disk (``cache=True``).  ``warm`` (at ``Recorder.attach``, for the
-model's dtypes) and the first tensor of any other dtype start that dtype's
-compile (or its load from the cache) on a background thread; until it is
-ready, that dtype's tensors take the eager torch kernels (the same numbers),
-so no step waits for a compiler.  A compile that fails makes ``reduce`` raise:
-the fault path demotes that dtype to the next engine of ``_engines.ORDER``.
+**Compiled once per machine, never in this process.**  numba caches the kernels
+on disk (``cache=True``).  A dtype's kernels are compiled by a child process
+(``_compile_apart``, waited for by a background thread), then loaded from the
+cache on the thread that asks (``ready``): at ``Recorder.attach`` for the
+model's dtypes when the cache holds them (``warm``), else at the first capture
+after the child has ended.  Until then that dtype's tensors take the eager
+torch kernels (the same numbers), so no step waits for a compiler.  A load
+that fails makes ``reduce`` raise: the fault path demotes that dtype to the
+next engine of ``_engines.ORDER``.  Where no child can run or no cache can be
+written, the load compiles in this process (seconds, once).
 
-Training thread (and autograd's threads); the compile on a thread of its own.
+Training thread (and autograd's threads); the child waited for on a thread of
+its own.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ __all__ = ["NumbaEngine"]
 
 PARALLEL_MIN = 1 << 18          # elements from which a tensor is split across threads
 _CHUNK_MAX = 1 << 30            # elements per chunk at most (a lane's int64 counts stay exact)
+_NICE = 10                      # the compile apart's niceness (added to this process's)
 
 _pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
@@ -99,23 +104,26 @@ def _splits(n: int, threads: int) -> list[int]:
     return [min(n, i * step) for i in range(parts)] + [n]
 
 
-def _compile(dtype: torch.dtype) -> None:
-    """Compile ``dtype``'s kernels in a child process, into numba's disk cache (the
-    compiler holds the GIL for seconds: in this process it would stall every
-    thread that wants it, the training thread first), then load them here.
-    Without a child (or a cache), they compile here, on this thread."""
-    reads = _BITS[dtype][1]
+def _compile_apart(reads: str) -> None:
+    """Compile the kernels of ``reads`` (a ``K.READS`` key) in a child process, into
+    numba's disk cache, unless its mark says they are there.  The compiler holds
+    the GIL for seconds: in this process it would stall every thread that wants
+    it, the training thread first.  A failure is left to the load (``_load``),
+    which then compiles here."""
+    if os.path.exists(K.cached_mark(reads)):
+        return
     try:
-        if not os.path.exists(K.cached_mark(reads)):
-            root = os.path.dirname(os.path.dirname(os.path.abspath(K.__file__)))
-            path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-            code = f"from {K.__name__} import compile_for; compile_for({reads!r}, mark=True)"
-            subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=path),
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=600, check=False)
-    except Exception:               # no child here: the compile below does it all
+        root = os.path.dirname(os.path.dirname(os.path.abspath(K.__file__)))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        # at a low priority: on a machine that training keeps busy, the first steps
+        # keep their cores (the compile takes longer, the eager kernels meanwhile)
+        code = (f"import os\nif hasattr(os, 'nice'): os.nice({_NICE})\n"
+                f"from {K.__name__} import compile_for; compile_for({reads!r}, mark=True)")
+        subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=path),
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=600, check=False)
+    except Exception:
         pass
-    K.compile_for(reads)
 
 
 class NumbaEngine(Engine):
@@ -130,35 +138,42 @@ class NumbaEngine(Engine):
 
     def __init__(self, device_type: str, compile: bool):
         super().__init__(device_type, False)       # the fallback meanwhile: the eager kernels
-        self._ready: dict[torch.dtype, concurrent.futures.Future] = {}
+        self._ready: dict[torch.dtype, concurrent.futures.Future | bool] = {}
 
     def __repr__(self) -> str:
         return f"NumbaEngine({self.device_type})"
 
-    # --- compiling, off the training thread ----------------------------------------------
+    # --- compiling: apart, then loaded here ----------------------------------------------
     def warm(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Start compiling (or loading) ``dtype``'s kernels in the background."""
+        """Load ``dtype``'s kernels now when numba's cache holds them (about half a
+        second, once: at ``Recorder.attach``), else start their compile apart."""
         if device.type == "cpu" and dtype in _BITS:
-            self._future(dtype)
-
-    def _future(self, dtype: torch.dtype) -> concurrent.futures.Future:
-        future = self._ready.get(dtype)
-        if future is None:
-            with self._lock:
-                future = self._ready.get(dtype)
-                if future is None:
-                    future = self._ready[dtype] = _pool("compile", 1).submit(_compile, dtype)
-        return future
+            self.ready(dtype)
 
     def ready(self, dtype: torch.dtype, wait: bool = False) -> bool:
-        """Whether ``dtype``'s kernels are compiled (starting their compile if not;
-        ``wait``: until they are).  Raises what the compile raised."""
-        future = self._future(dtype)
-        if wait:
-            future.result()
-        if not future.done():
+        """Whether ``dtype``'s kernels are loaded.  If not: their compile apart is
+        started (``_compile_apart``), and once it has ended (``wait``: until it
+        has) they are loaded on this thread, a Python-heavy half second that a
+        background thread would stretch into seconds of the training thread's
+        waits for the GIL.  Raises what the load raised (the fault path demotes)."""
+        state = self._ready.get(dtype)
+        if state is True:
+            return True
+        if state is None:
+            with self._lock:
+                if dtype not in self._ready:
+                    self._ready[dtype] = _pool("compile", 1).submit(_compile_apart,
+                                                                    _BITS[dtype][1])
+            state = self._ready[dtype]
+        if state is True:
+            return True
+        if not (wait or state.done()):
             return False
-        future.result()                             # a failed compile raises: demoted
+        state.result()
+        with self._lock:
+            if self._ready[dtype] is not True:
+                K.compile_for(_BITS[dtype][1])       # a load from the cache (else a compile)
+                self._ready[dtype] = True
         return True
 
     # --- the engine ---------------------------------------------------------------------

@@ -192,3 +192,17 @@ def test_without_numba_the_torch_engine_takes_the_cpu():
     p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT),
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0 and p.stdout.strip() == "CpuEngine", p.stderr[-2000:]
+
+
+def test_an_empty_cache_is_filled_by_a_child_process(tmp_path):
+    code = ("import os, torch\nfrom recorder._numba import NumbaEngine\n"
+            "from recorder._nbkernels import cached_mark\nfrom recorder._engine import Engine\n"
+            "e = NumbaEngine('cpu', True)\nx = torch.randn(30000)\n"
+            "assert not os.path.exists(cached_mark('float32'))\n"
+            "e.ready(torch.float32, wait=True)\nassert os.path.exists(cached_mark('float32'))\n"
+            "a, b = e.reduce(x), Engine('cpu', False).reduce(x)\n"
+            "assert torch.equal(a[6:], b[6:]) and torch.equal(a[4:6], b[4:6])\nprint('ok')")
+    env = dict(os.environ, PYTHONPATH=ROOT, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=ROOT, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
