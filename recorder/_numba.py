@@ -41,6 +41,7 @@ import torch
 
 from . import _nbkernels as K
 from ._engine import Engine
+from ._quiet import quiet
 from ._summary import FIELDS, NARROW, VECTOR
 
 __all__ = ["NumbaEngine"]
@@ -172,7 +173,8 @@ class NumbaEngine(Engine):
         state.result()
         with self._lock:
             if self._ready[dtype] is not True:
-                K.compile_for(_BITS[dtype][1])       # a load from the cache (else a compile)
+                with quiet():       # numba's warnings are not the user's news (``_quiet``)
+                    K.compile_for(_BITS[dtype][1])   # a load from the cache (else a compile)
                 self._ready[dtype] = True
         return True
 
