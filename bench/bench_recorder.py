@@ -32,9 +32,10 @@ steps: what a long run pays).
           added time per captured tensor
   kernel  the statistics engine per tensor    vs one read of it (x.sum()): MB/s and
           the ratio to that floor
-  first   the first steps of a fresh process (the kernels compile at their first
-          use), recorded                      vs bare, each in its own process: steps
-          0, 1 and the median of steps 2-5
+  first   the first steps of a fresh process (the kernels compile or load at their
+          first use), recorded                vs bare, each in its own process: the
+          attach, steps 0, 1 and the median of steps 2-5, wall and CPU seconds (a
+          compile in a child process included once it has ended)
 """
 
 from __future__ import annotations
