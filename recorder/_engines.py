@@ -5,10 +5,13 @@
   ``"torch"``.
 - ``TritonEngine`` (``_triton``): CUDA, when Triton is there (it ships with
   CUDA builds of torch): one fused pass per tensor; the family ``"triton"``.
+- ``NumbaEngine`` (``_numba``): the CPU, when numba is installed: one read per
+  tensor, split across threads, compiled once per machine off the training
+  thread; the family ``"numba"``.
 
 Each engine registers itself in its family (``_engine.registered``); this
-module declares, once, the order in which they are tried (``ORDER``: Triton,
-the compiled torch kernels, the eager ones), and imports a family's module
+module declares, once, the order in which they are tried (``ORDER``: Triton
+on CUDA, numba on the CPU, the compiled torch kernels, the eager ones), and imports a family's module
 only when a chain reaches it.
 
 ``Engines`` holds a recording's choice: for each (device type, dtype) a chain
@@ -16,10 +19,11 @@ of engines, best first, as ``ORDER`` says.  When one fails, the capture is
 dropped (counted) and that (device type, dtype) is demoted to the next engine
 in its chain (``demote``).
 
-``TENSORTAPE_COMPILE=0`` leaves the compiled kernels out of every chain.
-``TENSORTAPE_ENGINE`` picks where the chain begins: ``auto`` (the default, as
-above), ``torch`` (never Triton) or ``triton`` (Triton for every device: on
-CPU tensors it needs ``TRITON_INTERPRET=1``, which is how the tests check it
+``TENSORTAPE_COMPILE=0`` leaves the compiled kernels (numba's too) out of
+every chain.  ``TENSORTAPE_ENGINE`` picks where the chain begins: ``auto`` (the
+default, as above), ``numba`` (numba, then the torch kernels), ``torch``
+(neither Triton nor numba) or ``triton`` (Triton for every device: on CPU
+tensors it needs ``TRITON_INTERPRET=1``, which is how the tests check it
 against the CPU engine).
 
 Training thread (and autograd's threads, for gradients); ``summarize`` runs
@@ -107,6 +111,7 @@ class Place:
 # place down; a place whose family is not usable here is left out
 ORDER = (
     Place("triton", "._triton", frozenset({"cuda"}), None),
+    Place("numba", "._numba", frozenset({"cpu"}), True),
     Place("torch", __name__, None, True),
     Place("torch", __name__, None, False),
 )

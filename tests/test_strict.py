@@ -186,6 +186,7 @@ def test_a_tensortape_warning_made_an_error_never_loses_the_step(tmp_path, monke
     def broken(self, xs, exp_bits):
         raise RuntimeError("injected failure")
     monkeypatch.setattr(_engines.CpuEngine, "reduce_many", broken)
+    monkeypatch.setenv("TENSORTAPE_ENGINE", "torch")      # the torch kernels, not numba's
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     store, raised = str(tmp_path / "r.zarr"), []
     with warnings.catch_warnings():

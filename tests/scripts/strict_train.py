@@ -171,6 +171,9 @@ def compiled_kept() -> bool | None:
     engines = sys.modules.get("recorder._engines")
     if engines is None:
         return None
+    numba = [e for e in engines._instances.values() if type(e).__name__ == "NumbaEngine"]
+    if numba:          # the numba engine: its kernels load under -W error (waited for here)
+        return all(e.ready(d, wait=True) for e in numba for d in list(e._ready))
     compiled = [e for e in engines._instances.values() if e.compile]
     if not compiled or not any(e._compiled for e in compiled):
         return None
