@@ -242,7 +242,7 @@ class _Rows:
         (``events_total`` with them)."""
         st = self.state
         spans = [(first, min(last, self.upto), stride) for _, first, last, stride in runs
-                 if 0 <= first <= self.upto]
+                 if first <= self.upto]
         if not spans:
             return
         for first, last, stride in spans:
