@@ -108,7 +108,7 @@ class StepBuffer:
                             "training steps in `with rec.step():`; pass outside_step='ignore' to "
                             "silence this")
 
-    def add(self, kind: str, name: str, tensor: torch.Tensor, token: object, micro: int) -> None:
+    def add(self, kind: fmt.Kind, name: str, tensor: torch.Tensor, token: object, micro: int) -> None:
         """One captured tensor of the step whose token is ``token`` (its forward
         call's micro-batch ``micro``)."""
         if token is None:                   # its forward was not recorded: neither is it
@@ -132,7 +132,7 @@ class StepBuffer:
                 self._known[name] = None
                 self._new.append(name)
 
-    def fault(self, error: BaseException, kind: str, name: str, n: int = 1) -> None:
+    def fault(self, error: BaseException, kind: fmt.Kind | str, name: str, n: int = 1) -> None:
         """Anything raised while capturing ``name``: that capture (or ``n`` of them) is
         dropped (counted with its reason), a failing statistics engine is demoted
         (``EngineFailed`` carries its tensor), and it warns once per cause.

@@ -48,7 +48,7 @@ from ._ops import What
 from ._recompute import Recomputation, reentrant_forward
 from ._selection import module_table, unwrap
 from .errors import InspectionError, NonFiniteError, TensortapeWarning
-from .format import join, label
+from .format import Kind, join, label
 
 __all__ = ["HookSet"]
 
@@ -60,6 +60,7 @@ _graph_task = torch._C._current_graph_task_id      # -1 unless the autograd engi
 # an enum's member read from its class costs 50 ns: the hot path reads these
 _PRE, _POST = Phase.PRE, Phase.POST
 _INPUTS, _WEIGHTS, _ACTIVATIONS = What.INPUTS, What.WEIGHTS, What.ACTIVATIONS
+_K_GRADIENTS, _K_WEIGHTS = Kind.GRADIENTS, Kind.WEIGHTS
 
 
 class Sink(Protocol):
@@ -67,14 +68,14 @@ class Sink(Protocol):
     ``keeper``, ``on_end`` (a list of callbacks at a step's end) and ``eval_pass``."""
 
     micro: int
-    def add(self, kind: str, name: str, tensor: torch.Tensor, token: object, micro: int) -> None: ...
+    def add(self, kind: Kind, name: str, tensor: torch.Tensor, token: object, micro: int) -> None: ...
     def current_token(self) -> object: ...
     def begin_pass(self) -> None: ...
-    def fault(self, error: BaseException, kind: str, name: str) -> None: ...
+    def fault(self, error: BaseException, kind: Kind | str, name: str) -> None: ...
 
 
 class HookSet:
-    def __init__(self, model: nn.Module, names: list[str], kinds: tuple[str, ...], sink: Sink):
+    def __init__(self, model: nn.Module, names: list[str], kinds: tuple[Kind | str, ...], sink: Sink):
         table = module_table(model)
         self._model = model                                   # as given: maybe compiled
         self._root = unwrap(model)
@@ -105,17 +106,17 @@ class HookSet:
 
     def attach(self) -> None:
         k = self._kinds
-        pre = "inputs" in k or "weights" in k
-        post = "activations" in k or "gradients" in k
+        pre = Kind.INPUTS in k or Kind.WEIGHTS in k
+        post = Kind.ACTIVATIONS in k or Kind.GRADIENTS in k
         self._handles.append(self._root.register_forward_pre_hook(
             _PassHook(self.id, True, self.eval_id), with_kwargs=True))
         for name, module in self._modules:
             if pre:
                 self._handles.append(module.register_forward_pre_hook(
-                    _PreHook(self.id, name, "inputs" in k, "weights" in k), with_kwargs=True))
+                    _PreHook(self.id, name, Kind.INPUTS in k, Kind.WEIGHTS in k), with_kwargs=True))
             if post:
                 self._handles.append(module.register_forward_hook(
-                    _PostHook(self.id, name, "activations" in k, "gradients" in k)))
+                    _PostHook(self.id, name, Kind.ACTIVATIONS in k, Kind.GRADIENTS in k)))
         if self._keeper is not None:
             for name, module in self._modules:
                 self._handles.append(module.register_forward_pre_hook(
@@ -239,11 +240,11 @@ class HookSet:
         try:
             if self._keeper is not None and token is self._sink.current_token():
                 self._keeper.grad(serial, g)
-            self._sink.add("gradients", name, g, token, micro)
+            self._sink.add(_K_GRADIENTS, name, g, token, micro)
         except _POLICY:
             raise
         except Exception as e:
-            self._sink.fault(e, "gradients", name)
+            self._sink.fault(e, _K_GRADIENTS, name)
 
     def leaf_hook(self, t: torch.Tensor, serial) -> None:
         """The gradient hook of a leaf output whose capture had ``serial``: only for a
@@ -266,7 +267,7 @@ class HookSet:
             name = f"{self._names.label(module)}:{path}"
             if token is not None and name not in self._weighed:    # recorded, not paused
                 self._weighed.add(name)
-                self._sink.add("weights", name, x, token, micro)
+                self._sink.add(_K_WEIGHTS, name, x, token, micro)
             return None
         if what.kind is not None:
             self._sink.add(what.kind, name, x, token, micro)

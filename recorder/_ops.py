@@ -39,6 +39,7 @@ import weakref
 import torch
 
 from ._callnames import Phase
+from .format import Kind
 
 __all__ = ["What", "capture", "capture_grad", "fault", "forward_pass", "hookset", "register",
            "unregister"]
@@ -56,14 +57,15 @@ class What(enum.Enum):
     ACTIVATIONS_GRADIENTS = 5       # an output recorded now, and its gradient later
 
     def __init__(self, code: int):
-        self.kind = (None, "inputs", "weights", "activations", None, "activations")[code]
+        self.kind = (None, Kind.INPUTS, Kind.WEIGHTS, Kind.ACTIVATIONS, None,
+                     Kind.ACTIVATIONS)[code]
         self.grad = code >= 4
         self.phase = Phase.PRE if code <= 2 else Phase.POST
 
     @property
-    def label(self) -> str:
+    def label(self) -> Kind:
         """The kind that a fault of this capture is counted under."""
-        return self.kind or "gradients"
+        return self.kind or Kind.GRADIENTS
 
 
 _hooksets: dict[int, weakref.ref] = {}

@@ -319,12 +319,12 @@ class Recorder:
         if step is None:
             return
         try:
-            if "weight_grads" in cfg.capture:
+            if fmt.Kind.WEIGHT_GRADS in cfg.capture:
                 try:
                     for name, g in self._hooks.weight_grads():
-                        buffer.add("weight_grads", name, g, buffer.state.token, 0)
+                        buffer.add(fmt.Kind.WEIGHT_GRADS, name, g, buffer.state.token, 0)
                 except Exception as e:          # the guard, as in the hooks
-                    buffer.fault(e, "weight_grads", "(parameters)")
+                    buffer.fault(e, fmt.Kind.WEIGHT_GRADS, "(parameters)")
         finally:
             self._last_step = step
             record = buffer.end()

@@ -49,6 +49,7 @@ bits) and ``patterns`` (which layer names a glob pattern selects).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +62,23 @@ from .errors import StoreFormatError
 FORMAT_VERSION = 3          # 3: packed statistics, sharded histograms (2: an array per
 READS_VERSIONS = (1, 2, 3)  # statistic; 1: no ``micro`` column)
 
-KINDS = ("activations", "gradients", "inputs", "weights", "weight_grads")
+
+class Kind(str, enum.Enum):
+    """What a capture is of; each member is its on-disk string (a ``str``: it
+    compares, hashes, formats, prints and serialises as that string, so stored
+    names and readers are unchanged).  Hot paths use the members as constants."""
+    ACTIVATIONS = "activations"
+    GRADIENTS = "gradients"
+    INPUTS = "inputs"
+    WEIGHTS = "weights"
+    WEIGHT_GRADS = "weight_grads"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __repr__ = str.__repr__
+
+
+KINDS = tuple(k.value for k in Kind)
 FORWARD_KINDS = ("inputs", "activations", "weights")
 BACKWARD_KINDS = ("gradients", "weight_grads")
 
