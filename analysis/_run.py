@@ -77,6 +77,13 @@ class Run:
         view._attach(self._index.only(rank))
         return view
 
+    @property
+    def index(self) -> RunIndex:
+        """The run's index (attributes, ranks, committed rows and their checks):
+        public for tensortape's own readers (pictures, migrate, TensorBoard, the
+        server), which read through it what ``Run``'s methods do not return."""
+        return self._index
+
     def _rank(self, rank: int | None) -> int:
         return self._index.rank(rank)
 

@@ -195,14 +195,14 @@ class StepBuffer:
             self._warn_once(cause, f"tensortape: the statistics of step {step} failed ({cause}); "
                             f"they are dropped and counted; training goes on")
         rec.tensors = [TensorRow(c.kind, c.name, c.micro, c.snap) for c in caps if c.snap is not None]
-        rec.scalars = self.scalars.pack(step, self.summarizer._to_host)
+        rec.scalars = self.scalars.pack(step, self.summarizer.to_host)
         rec.drops = self.drops.take()
         rec.outside = self.state.take_outside()
         return rec
 
     def close_record(self) -> CloseRecord | None:
         """What was counted since the last record, outside any step (at close)."""
-        scalars = self.scalars.pack(None, self.summarizer._to_host)
+        scalars = self.scalars.pack(None, self.summarizer.to_host)
         drops, outside = self.drops.take(), self.state.take_outside()
         if not (drops or outside or scalars):
             return None

@@ -295,11 +295,16 @@ class Recorder:
         finally:
             self._buffer.state.paused -= 1
 
-    def _micro_batch(self, enter: bool) -> None:
-        """A training framework's batch begins or ends (``integrations``): the
-        model's calls inside it are one micro-batch, whatever module is called."""
+    def micro_batch(self, enter: bool) -> None:
+        """A training framework's batch begins or ends (what ``integrations`` call):
+        the model's calls inside it are one micro-batch, whatever module is called."""
         if self._hooks is not None:
             self._hooks.on_pass(enter)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran (nothing more is recorded)."""
+        return self._closed
 
     @property
     def outside_steps(self) -> int:

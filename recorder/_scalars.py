@@ -11,7 +11,7 @@
   next step ends, or at close.
 
 ``pack`` (at a step's end) starts the tensors' copies to the host, one stacked
-vector per device, as the summaries' are (``Summarizer._to_host``); the writer
+vector per device, as the summaries' are (``Summarizer.to_host``); the writer
 thread reads them (``Logged.values``).  Nothing here waits for a device.
 
 The store side: ``columns`` makes the rank's scalars table (``format.SCALAR_COLUMNS``),
