@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -50,6 +50,9 @@ from ._selection import module_table, unwrap
 from .errors import InspectionError, NonFiniteError, TensortapeWarning
 from .format import Kind, join, label
 
+if TYPE_CHECKING:
+    from ._keeper import Keeper
+
 __all__ = ["HookSet"]
 
 
@@ -64,25 +67,29 @@ _K_GRADIENTS, _K_WEIGHTS = Kind.GRADIENTS, Kind.WEIGHTS
 
 
 class Sink(Protocol):
-    """Where captures go (``_buffer.StepBuffer``, the Inspector's); optional:
-    ``keeper``, ``on_end`` (a list of callbacks at a step's end) and ``eval_pass``."""
+    """Where captures go (``_buffer.StepBuffer``, the Inspector's).  ``on_end``: the
+    callbacks it calls when a step ends; ``eval_pass()``: a forward pass without
+    grad inside a step began (True: an evaluation pass, not recorded)."""
 
     micro: int
+    on_end: list
     def add(self, kind: Kind, name: str, tensor: torch.Tensor, token: object, micro: int) -> None: ...
     def current_token(self) -> object: ...
     def begin_pass(self) -> None: ...
     def fault(self, error: BaseException, kind: Kind | str, name: str) -> None: ...
+    def eval_pass(self) -> bool: ...
 
 
 class HookSet:
-    def __init__(self, model: nn.Module, names: list[str], kinds: tuple[Kind | str, ...], sink: Sink):
+    def __init__(self, model: nn.Module, names: list[str], kinds: tuple[Kind | str, ...], sink: Sink,
+                 *, keeper: Keeper | None):
         table = module_table(model)
         self._model = model                                   # as given: maybe compiled
         self._root = unwrap(model)
         self._modules = [(n, table[n]) for n in names]
         self._kinds = frozenset(kinds)
         self._sink = sink
-        self._keeper = getattr(sink, "keeper", None)          # on_nonfinite="replay"
+        self._keeper = keeper                                 # on_nonfinite="replay"
         self._handles: list = []
         self._names = CallNamer(label("", table))
         self._weighed: set[str] = set()                       # weights captured this step
@@ -96,9 +103,7 @@ class HookSet:
         self.id = _ops.register(self)
         self._evaluating_as = _NoGrad(self)        # the root's calls without grad go here
         self.eval_id = _ops.register(self._evaluating_as)
-        ends = getattr(sink, "on_end", None)       # the sink says when a step ends
-        if ends is not None:
-            ends.append(self.end_step)
+        sink.on_end.append(self.end_step)          # the sink says when a step ends
 
     @property
     def attached(self) -> bool:
@@ -177,10 +182,8 @@ class HookSet:
                     ctx = None if grad else reentrant_forward()
                     if ctx is not None and any(ctx.needs_input_grad):
                         grad = True                 # a reentrant checkpoint's forward trains
-                    evaluate = getattr(self._sink, "eval_pass", None)
-                    if not grad and evaluate is not None \
-                            and self._sink.current_token() is not None:
-                        self._evaluating = evaluate()      # False: a micro-batch after all
+                    if not grad and self._sink.current_token() is not None:
+                        self._evaluating = self._sink.eval_pass()   # False: a micro-batch
                         if not self._evaluating:
                             self._names.new_pass()
                     else:

@@ -196,7 +196,8 @@ class Recorder:
         if self._buffer.keeper is not None:
             self._replayer = Replayer(self._buffer.keeper, self.rank, self.pause,
                                       self._buffer.fault)
-        self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
+        self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer,
+                              keeper=self._buffer.keeper)
         self._model = None
         self._hooks.attach()
         _exit.opened(self)
