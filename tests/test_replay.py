@@ -346,6 +346,34 @@ def test_the_bundle_replays_offline_in_a_model_the_user_builds(tmp_path):
     assert f"made by aten::div.Tensor in 1 (LayerNorm), at {live['source']}" in out.output
 
 
+class RootNamedRoot(nn.Module):
+    """A submodule literally named "(root)": the root's label becomes "(root)'"; the
+    root divides by a zero variance when that submodule's output is constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_module("(root)", nn.Linear(6, 6))
+
+    def forward(self, x):
+        return LayerNorm()(getattr(self, "(root)")(x))
+
+
+def test_a_bundle_of_the_root_replays_whatever_the_root_is_labelled(tmp_path):
+    def fault(model, i):
+        if i == 1:
+            with torch.no_grad():
+                getattr(model, "(root)").weight.zero_()
+                getattr(model, "(root)").bias.fill_(0.5)
+    torch.manual_seed(0)
+    run = replayed(tmp_path, RootNamedRoot(), 2, batch6, fault)
+    live = run.first_nonfinite().replay
+    assert live["module"] == "(root)'" and live["bundle"] == "rank0/replay/step1"
+    torch.manual_seed(1)
+    again = run.replay(RootNamedRoot())       # the bundle names the root by its path, ""
+    for k in ("op", "module", "module_class"):
+        assert again[k] == live[k], k
+
+
 def test_a_backward_bundle_replays_offline(tmp_path):
     run = record_sqrt(tmp_path)
     live = run.first_nonfinite().replay
