@@ -23,14 +23,6 @@ LOG_STATS = ("std", "abs_max", "norm", "count")                  # positive: log
 SYMLOG_STATS = ("mean", "min", "max")
 
 
-def _figure(figsize=(7, 4), ax=None):
-    if ax is not None:
-        return ax.figure, ax
-    from matplotlib.figure import Figure      # no pyplot: headless, no global state
-    fig = Figure(figsize=figsize, layout="constrained")
-    return fig, fig.add_subplot()
-
-
 def _short(name: str, width: int = 28) -> str:
     name = str(name)
     return name if len(name) <= width else "…" + name[-(width - 1):]

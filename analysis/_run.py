@@ -24,7 +24,6 @@ from ._accessor import RunPlotAccessor, UncachedAccessor
 from ._display import as_html, as_text, summary
 from ._events import FirstNonFinite
 from ._index import RunIndex
-from ._select import steps_text, within  # noqa: F401 (read from here by cli.py and _compare)
 from ._stats import Statistics
 from ._tensors import Tensors
 

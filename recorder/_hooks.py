@@ -132,11 +132,12 @@ class HookSet:
             _PassHook(self.id, False, self.eval_id), always_call=True))
         self._guards.see_hooks(self._model)
 
-    def detach(self) -> None:
+    def detach(self, wait: bool = True) -> None:
+        """Remove the hooks; ``wait=False`` (a finaliser): wait for no lock."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._guards.release()
+        self._guards.release(wait)
         self.end_step()
         _ops.unregister(self.id)
         _ops.unregister(self.eval_id)

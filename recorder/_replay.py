@@ -59,7 +59,7 @@ from ._naming import leaves
 from ._quiet import quiet
 from ._sources import kind as _kind_of, line as _line
 
-__all__ = ["Keeper", "Replayer", "collectives", "investigate", "replay"]
+__all__ = ["Replayer", "investigate", "replay"]
 
 
 class Replayer:
@@ -267,8 +267,6 @@ class _Check(TorchDispatchMode):
                             _line(library)
                     raise _Found
         return out
-
-
 
 
 def replay(call: Call, paused, backward: bool = False) -> dict:
