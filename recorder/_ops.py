@@ -27,6 +27,9 @@ gradient is expected, and -1 on the wire.
 
 The custom ops are used only while compiling: in eager mode a hook calls the
 Python body directly (an op's dispatch costs about ten times its body).
+
+Runs on the training thread (the forward hooks, the ops) and on autograd's
+threads (``capture_grad``); the table of hook sets is guarded by ``_lock``.
 """
 
 from __future__ import annotations

@@ -44,6 +44,9 @@ and their parsing, the columns of each table, and the rank state and the
 events to and from JSON.  Beside it, public too: ``histogram`` (the histogram
 codes and bins, both ways), ``dtypes`` (bfloat16 and float8 from their stored
 bits) and ``patterns`` (which layer names a glob pattern selects).
+
+Any thread, no state: the training thread (names), the writer thread (rows and
+state) and the reader's threads.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ The hooks are the recorder's own ``HookSet`` and the statistics its own
 engine (eager kernels: compiling them for one batch would cost seconds), so
 an inspection's numbers are the numbers a store would hold.  Nothing is
 written anywhere; the hooks live only inside ``inspect_batch``.
+
+Runs on the caller's thread (``Inspector``), and on autograd's threads for the
+gradient hooks of the backward pass it runs; it starts none.
 """
 
 from __future__ import annotations
