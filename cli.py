@@ -185,7 +185,7 @@ def _span(text):
 
 def _check_step(step, have) -> None:
     """``--step N`` must be one of ``have``; else one line naming the run's steps."""
-    from analysis._run import steps_text
+    from analysis._select import steps_text
     if step is not None and step not in have:
         raise click.BadParameter(f"step {step} has no statistics; the run has "
                                  f"{steps_text(have)}", param_hint="--step")
@@ -438,7 +438,7 @@ def _status_words(s: dict) -> str:
 @click.pass_context
 def stats(ctx, run, kind, pattern, step, steps, fmt, scalars):
     """Per-step statistics of RUN: a row per (step, layer); counts are integers."""
-    from analysis._run import within
+    from analysis._select import within
     _refuse(ctx, conflicts=[("step", "steps")])
     if scalars:
         default = click.core.ParameterSource.DEFAULT

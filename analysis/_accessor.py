@@ -58,7 +58,7 @@ class RunPlotAccessor:
         if scale not in SCALES:
             raise ConfigError(f"scale {scale!r}: use one of {', '.join(SCALES)}")
         run = self._run
-        rank = run._rank(rank)                   # one rank's picture (default: the first)
+        rank = run.index.rank(rank)                   # one rank's picture (default: the first)
         from . import _plots
         h = run.histogram(layer, kind, rank=rank).compute()
         st = run.stats(kind, [layer], rank=rank).isel(layer=0).compute()
@@ -71,7 +71,7 @@ class RunPlotAccessor:
         each titled with the layer's full name), each layer's NaN/Inf steps marked on a
         strip below or shaded, never drawn as values, with their counts -> Figure."""
         run = self._run
-        rank = run._rank(rank)
+        rank = run.index.rank(rank)
         from . import _plots
         ds = within(run.stats(kind, layers, rank=rank), steps)
         if stat not in ds:
@@ -84,7 +84,7 @@ class RunPlotAccessor:
         step numbers; default all): bands from the true min and max and the
         percentiles, the median, NaN/Inf counts below -> Figure."""
         run = self._run
-        rank = run._rank(rank)
+        rank = run.index.rank(rank)
         from . import _plots
         h = within(run.histogram(layer, kind, rank=rank), steps).compute()
         st = within(run.stats(kind, [layer], rank=rank), steps).isel(layer=0)

@@ -23,6 +23,7 @@ from recorder.histogram import ZERO_BIN
 from recorder.errors import RecorderError
 
 from ._numbers import number
+from ._stats import Statistics
 from ._tables import as_slice
 
 __all__ = ["GRAIN", "Grains", "MAP_STATS", "NotFound", "compare_map", "histogram", "map_", "runs", "scalars",
@@ -72,7 +73,7 @@ def _kind(run, kind: str, rank: int) -> None:
 
 
 def _layer(run, layer: str, kind: str, rank: int) -> int:
-    names = run._index.stats_layers(kind, rank)
+    names = run.index.stats_layers(kind, rank)
     if layer not in names:
         raise NotFound(f"no layer {layer!r} with {kind} statistics")
     return names.index(layer)
@@ -137,9 +138,9 @@ def _read(run, kind: str, rank: int, names: tuple, rows, cols) -> dict:
     columns ``cols``; only the chunks they touch are read.  A format-3 table read at
     a slice of rows is sliced directly (no task graph); anything else through dask."""
     path = fmt.stats_group(rank, kind)
-    tables = run._index.tables
+    tables = run.index.tables
     if isinstance(rows, slice) and tables.version == 3:
-        run._index.checked_rows(path, rank)
+        run.index.checked_rows(path, rank)
         arr = tables.source.array(f"{path}/stats")
         return {s: np.asarray(arr[rows, cols, fmt.STATS.index(s)], np.float64) for s in names}
     import dask
@@ -169,8 +170,8 @@ def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start
     _stat(stat, MAP_STATS)
     rank = _rank(run, rank)
     _kind(run, kind, rank)
-    _, rows, steps = run._statistics.rows(kind, rank)
-    names = run._index.stats_layers(kind, rank)
+    _, rows, steps = Statistics(run.index).rows(kind, rank)
+    names = run.index.stats_layers(kind, rank)
     order = {n: i for i, n in enumerate(run.layers_of(rank))}
     cols = sorted(range(len(names)), key=lambda i: order.get(names[i], len(order) + i))
     i0, i1 = _window(steps, start, stop)
@@ -234,8 +235,8 @@ class Grains:
         key = (run.path, kind, rank)
         have = self.tables.get(key)
         if have is None or not np.array_equal(have[2], rows[:len(have[2])]):
-            have = ({s: np.zeros((0, len(run._index.stats_layers(kind, rank)))) for s in MAP_STATS},
-                    np.zeros((0, len(run._index.stats_layers(kind, rank))), bool), rows[:0].copy())
+            have = ({s: np.zeros((0, len(run.index.stats_layers(kind, rank)))) for s in MAP_STATS},
+                    np.zeros((0, len(run.index.stats_layers(kind, rank))), bool), rows[:0].copy())
         values, bad, done = have
         g = len(done) // GRAIN
         if g < upto:
@@ -285,7 +286,7 @@ def stats(run, layer: str, kind: str = "activations", rank=None, start=None, sto
     rank = _rank(run, rank)
     _kind(run, kind, rank)
     col = _layer(run, layer, kind, rank)
-    _, rows, steps = run._statistics.rows(kind, rank)
+    _, rows, steps = Statistics(run.index).rows(kind, rank)
     i0, i1 = _window(steps, start, stop)
     n = i1 - i0
     edges = _columns(n, int(width) if width else max(n, 1))

@@ -10,7 +10,8 @@ import xarray as xr
 from recorder import format as fmt
 from recorder.errors import ConfigError
 
-from ._run import Run, open_run, steps_text
+from ._run import Run, open_run
+from ._select import steps_text
 
 __all__ = ["compare_runs", "first_divergence", "plot_comparison", "tensor_metrics"]
 

@@ -51,7 +51,7 @@ def _is_hdf5(run) -> bool:
 
 def _table(run, path: str, n: int, TableRows):
     """The table at ``path`` (``n`` committed rows) as the writer takes it."""
-    source, tables = run.source, run._index.tables
+    source, tables = run.source, run.index.tables
     recorded = source.has(f"{path}/{fmt.RECORDING}")      # a resumed recording's
     table = fmt.parse_path(path)
     if table.section == "stats":

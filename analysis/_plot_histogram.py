@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from ._plots import NONFINITE, _decade_ticks, _value, last_finite_step, wrap
+from ._axes import NONFINITE, decade_ticks, last_finite_step, value_text, wrap
 
 __all__ = ["SCALES", "histogram"]
 
@@ -200,8 +200,8 @@ def _draw(ax, occupied, lo_e, hi_e, density, scale):
     lo_v, hi_v = min(ends), max(ends)
     if scale == "symlog":
         ax.set_xscale("symlog", linthresh=lt, linscale=LINSCALE)
-        ticks = _decade_ticks(lt, lo_v, hi_v)
-        ax.set_xticks(ticks, [_value(t) for t in ticks])
+        ticks = decade_ticks(lt, lo_v, hi_v)
+        ax.set_xticks(ticks, [value_text(t) for t in ticks])
         lo_v, hi_v = min(lo_v, 0.0), max(hi_v, 0.0)
     if hi_v == lo_v:                                       # one value: a window around it
         pad = abs(lo_v) * 0.5 or 1.0
@@ -212,7 +212,7 @@ def _draw(ax, occupied, lo_e, hi_e, density, scale):
         ax.set_ylim(0, 1)
         ax.set_yticks([])
     what = ("value (linear axis)" if scale == "linear" else
-            f"value (symmetric-log axis: linear within ±{_value(lt)}, log beyond)")
+            f"value (symmetric-log axis: linear within ±{value_text(lt)}, log beyond)")
     ax.set_xlabel(what + ("\nmost values are in three bars: scale='symlog' (--scale symlog) "
                           "shows the bulk"
                           if bulk else ""))

@@ -12,62 +12,20 @@ does, over the occupied range.
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
+
+from ._axes import NONFINITE, decade_ticks, last_finite_step, value_text, wrap
 
 __all__ = ["comparison", "distribution", "evolution", "histogram", "last_finite_step", "wrap"]
 
-NONFINITE = ("nan", "posinf", "neginf")
 PERCENTILES = (0.0, 0.0668, 0.3085, 0.5, 0.6915, 0.9332, 1.0)   # TensorBoard's bands
 LOG_STATS = ("std", "abs_max", "norm", "count")                  # positive: log scale
 SYMLOG_STATS = ("mean", "min", "max")
 
 
-def _figure(figsize=(7, 4), ax=None):
-    if ax is not None:
-        return ax.figure, ax
-    from matplotlib.figure import Figure      # no pyplot: headless, no global state
-    fig = Figure(figsize=figsize, layout="constrained")
-    return fig, fig.add_subplot()
-
-
 def _short(name: str, width: int = 28) -> str:
     name = str(name)
     return name if len(name) <= width else "…" + name[-(width - 1):]
-
-
-def wrap(text: str, width: int) -> str:
-    """``text`` on lines of at most ``width`` characters, broken after a ``.``, ``:``,
-    ``_``, ``/``, ``-`` or space where it can be, mid-word where it must; every
-    character kept (joining the lines gives ``text`` back)."""
-    lines, line = [], ""
-    for piece in re.split(r"(?<=[.:_/ -])", str(text)):
-        if line and len(line) + len(piece) > width:
-            lines.append(line)
-            line = ""
-        line += piece
-        while len(line) > width:
-            lines.append(line[:width])
-            line = line[width:]
-    return "\n".join(lines + [line] if line or not lines else lines)
-
-
-def _value(v: float) -> str:
-    """A tick's value, short: 0, 0.01, 1, 100, 1e-5, 1e6."""
-    return "0" if v == 0 else f"{v:g}".replace("e-0", "e-").replace("e+0", "e").replace("e+", "e")
-
-
-def _decade_ticks(linthresh: float, lo: float, hi: float, most: int = 9) -> list[float]:
-    """0 and clean powers of ten on each occupied side of a symmetric-log axis,
-    thinned to at most ``most`` ticks, none inside the linear region nor at its
-    edge (whose label would run into 0's)."""
-    top = np.log10(max(abs(lo), abs(hi), linthresh))
-    decades = np.arange(np.ceil(np.log10(linthresh)) + 1, np.floor(top) + 1)  # none at ±linthresh
-    sides = [s for s, ok in ((1, hi > 0), (-1, lo < 0)) if ok]
-    step = max(1, int(np.ceil(len(decades) * len(sides) / max(most - 1, 1))))
-    decades = decades[::-1][::step][::-1]                       # keep the largest decade
-    return sorted({0.0} | {s * 10.0 ** d for d in decades for s in sides})
 
 
 def _linthresh(values: np.ndarray) -> float:
@@ -77,14 +35,6 @@ def _linthresh(values: np.ndarray) -> float:
     if not mags.size:
         return 1.0
     return float(10.0 ** np.floor(np.log10(np.quantile(mags, 0.05))))
-
-
-def last_finite_step(h) -> int | None:
-    """The last step of a histogram (``Run.histogram``) that holds finite values (a
-    step where the layer did not run holds -1 in every bin)."""
-    finite = h.clip(min=0).sum("bin").values > 0
-    steps = h.step.values[finite]
-    return int(steps[-1]) if len(steps) else None
 
 
 def histogram(h, steps=None, ax=None, density: bool = True, scale: str = "linear"):
@@ -297,8 +247,8 @@ def distribution(h, ax=None):
         if max(abs(lo), abs(hi)) / bulk > 1e3:
             lt = float(10.0 ** np.floor(np.log10(bulk)))
             ax.set_yscale("symlog", linthresh=lt, linscale=0.5)
-            ticks = _decade_ticks(lt, lo, hi)
-            ax.set_yticks(ticks, [_value(t) for t in ticks])
+            ticks = decade_ticks(lt, lo, hi)
+            ax.set_yticks(ticks, [value_text(t) for t in ticks])
         pad = 0.02 * (hi - lo) if hi > lo else max(abs(hi), 1e-30)
         ax.set_ylim(lo - (pad if ax.get_yscale() == "linear" else 0),
                     hi + (pad if ax.get_yscale() == "linear" else 0))

@@ -24,7 +24,6 @@ from ._accessor import RunPlotAccessor, UncachedAccessor
 from ._display import as_html, as_text, summary
 from ._events import FirstNonFinite
 from ._index import RunIndex
-from ._select import steps_text, within  # noqa: F401 (read from here by cli.py and _compare)
 from ._stats import Statistics
 from ._tensors import Tensors
 
@@ -76,6 +75,13 @@ class Run:
         view = Run.__new__(Run)
         view._attach(self._index.only(rank))
         return view
+
+    @property
+    def index(self) -> RunIndex:
+        """The run's index (attributes, ranks, committed rows and their checks):
+        public for tensortape's own readers (pictures, migrate, TensorBoard, the
+        server), which read through it what ``Run``'s methods do not return."""
+        return self._index
 
     def _rank(self, rank: int | None) -> int:
         return self._index.rank(rank)

@@ -28,6 +28,7 @@ from recorder.errors import RecorderError
 
 from . import _api
 from ._run import open_run
+from ._stats import Statistics
 
 __all__ = ["Served", "make_server"]
 
@@ -72,7 +73,7 @@ class Served:
                     while True:
                         with self.lock:
                             run = self.run(i)
-                            _, rows, _ = run._statistics.rows(kind, rank)
+                            _, rows, _ = Statistics(run.index).rows(kind, rank)
                             done = self.grains.filled(run, kind, rank, rows)
                             want = len(rows) // _api.GRAIN
                             if done >= want:

@@ -67,7 +67,7 @@ def to_tensorboard(run, folder, progress=None) -> str:
                for r in run.ranks}
     try:
         for r, w in writers.items():
-            _scalars(w, logged(run._index, r), protos)
+            _scalars(w, logged(run.index, r), protos)
         for r, kind, layer in (progress(work) if progress else work):
             _layer(writers[r], run.only(r), kind, layer, protos)
     finally:

@@ -33,7 +33,7 @@ import torch
 
 from . import format as fmt
 from ._config import RecorderConfig
-from ._drops import DropLedger
+from ._drops import DropLedger, cause
 from ._quiet import holding, warn
 from ._record import CloseRecord, StepRecord, TensorRow
 from ._keeper import Keeper
@@ -45,10 +45,6 @@ from .errors import InspectionError
 __all__ = ["StepBuffer"]
 
 LATE_GRADIENT = "gradient arrived after its step"
-
-
-def _cause(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 class StepBuffer:
@@ -108,7 +104,7 @@ class StepBuffer:
                             "training steps in `with rec.step():`; pass outside_step='ignore' to "
                             "silence this")
 
-    def add(self, kind: str, name: str, tensor: torch.Tensor, token: object, micro: int) -> None:
+    def add(self, kind: fmt.Kind, name: str, tensor: torch.Tensor, token: object, micro: int) -> None:
         """One captured tensor of the step whose token is ``token`` (its forward
         call's micro-batch ``micro``)."""
         if token is None:                   # its forward was not recorded: neither is it
@@ -132,7 +128,7 @@ class StepBuffer:
                 self._known[name] = None
                 self._new.append(name)
 
-    def fault(self, error: BaseException, kind: str, name: str, n: int = 1) -> None:
+    def fault(self, error: BaseException, kind: fmt.Kind | str, name: str, n: int = 1) -> None:
         """Anything raised while capturing ``name``: that capture (or ``n`` of them) is
         dropped (counted with its reason), a failing statistics engine is demoted
         (``EngineFailed`` carries its tensor), and it warns once per cause.
@@ -140,10 +136,10 @@ class StepBuffer:
         tensor = None
         if isinstance(error, EngineFailed):
             error, tensor = error.error, error.tensor
-        cause = _cause(error)
-        self.drops.drop(f"capture failed ({cause})", n)
+        why = cause(error)
+        self.drops.drop(f"capture failed ({why})", n)
         note = "" if tensor is None else "; " + self.summarizer.demote(tensor)
-        self._warn_once(cause, f"tensortape: capturing {kind} of {name!r} failed ({cause}); the "
+        self._warn_once(why, f"tensortape: capturing {kind} of {name!r} failed ({why}); the "
                         f"capture is dropped and counted in the run's 'dropped'{note}; training "
                         f"goes on")
 
@@ -190,19 +186,19 @@ class StepBuffer:
         try:
             rec.metas, rec.blocks, rec.packed = self.summarizer.pack(caps)
         except Exception as e:           # never into training: the step's statistics are dropped
-            cause = _cause(e)
-            self.drops.drop(f"statistics failed ({cause})", len(caps))
-            self._warn_once(cause, f"tensortape: the statistics of step {step} failed ({cause}); "
+            why = cause(e)
+            self.drops.drop(f"statistics failed ({why})", len(caps))
+            self._warn_once(why, f"tensortape: the statistics of step {step} failed ({why}); "
                             f"they are dropped and counted; training goes on")
         rec.tensors = [TensorRow(c.kind, c.name, c.micro, c.snap) for c in caps if c.snap is not None]
-        rec.scalars = self.scalars.pack(step, self.summarizer._to_host)
+        rec.scalars = self.scalars.pack(step, self.summarizer.to_host)
         rec.drops = self.drops.take()
         rec.outside = self.state.take_outside()
         return rec
 
     def close_record(self) -> CloseRecord | None:
         """What was counted since the last record, outside any step (at close)."""
-        scalars = self.scalars.pack(None, self.summarizer._to_host)
+        scalars = self.scalars.pack(None, self.summarizer.to_host)
         drops, outside = self.drops.take(), self.state.take_outside()
         if not (drops or outside or scalars):
             return None

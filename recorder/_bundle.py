@@ -45,7 +45,7 @@ def bundle(call: Call) -> tuple[dict, dict[str, torch.Tensor]]:
     arrays["rng_cpu"] = call.rng.clone()
     for d, state in call.cuda_rng.items():
         arrays[f"rng_cuda{torch.device(d).index or 0}"] = state.clone()
-    attrs = {"module": call.name, "module_class": type(call.module).__qualname__,
+    attrs = {"module": call.name, "module_path": call.path, "module_class": type(call.module).__qualname__,
              "micro": call.micro, "grad": call.grad, "structure": structure,
              "autocast": {d: [bool(on), str(dt).removeprefix("torch.")]
                           for d, (on, dt) in call.autocast.items()},
@@ -58,7 +58,10 @@ def from_bundle(attrs: dict, arrays, model: torch.nn.Module) -> Call:
     """The call of a bundle, in ``model``: its submodule at the bundle's path gets
     the recorded parameters and buffers; the inputs come on that module's device.
     ``arrays(name)`` gives a stored tensor (on the CPU)."""
-    module = model.get_submodule(split_call(attrs["module"])[0])
+    path = attrs.get("module_path")             # None: a bundle written before it was stored
+    if path is None:
+        path = split_call(attrs["module"])[0]
+    module = model.get_submodule(path)
     device = next(iter(module.parameters()), torch.zeros(0)).device
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -83,4 +86,4 @@ def from_bundle(attrs: dict, arrays, model: torch.nn.Module) -> Call:
                 [t._version for t in tensors((args, kwargs))], None, arrays("rng_cpu"), {},
                 {d: (on, getattr(torch, dt)) for d, (on, dt) in attrs["autocast"].items()},
                 attrs.get("grad", True), grads=grads or None,
-                caller=tuple(attrs["caller"]) if attrs.get("caller") else None)
+                caller=tuple(attrs["caller"]) if attrs.get("caller") else None, path=path)

@@ -26,6 +26,13 @@ __all__ = ["HookGuards"]
 _lock = threading.RLock()    # a finaliser may detach while this thread attaches
 _holders = 0                 # HookGuards held in this process
 _saved: object = None        # the setting before the first of them
+_deferred: list = []         # released by a finaliser while another thread held _lock
+
+
+def _settle() -> None:
+    """Under ``_lock``: the releases a finaliser deferred, done now."""
+    while _deferred:
+        _deferred.pop()._release()
 
 
 def _compiled_frames(model: nn.Module) -> set:
@@ -67,6 +74,7 @@ class HookGuards:
                 from torch._C._dynamo.eval_frame import reset_code
             config = torch._dynamo.config
             with _lock:
+                _settle()
                 if not self._held:
                     if _holders == 0:
                         _saved = config.skip_nnmodule_hook_guards
@@ -79,14 +87,25 @@ class HookGuards:
         for code in _compiled_frames(model):
             reset_code(code)
 
-    def release(self) -> None:
-        """The hooks are gone: the last holder in the process puts the setting back."""
+    def release(self, wait: bool = True) -> None:
+        """The hooks are gone: the last holder in the process puts the setting back.
+        ``wait=False`` (a finaliser, which must never wait for a lock): when another
+        thread holds the lock, the release is deferred to its next holder."""
+        if not _lock.acquire(blocking=wait):
+            _deferred.append(self)              # list.append: atomic, takes no lock
+            return
+        try:
+            self._release()
+            _settle()
+        finally:
+            _lock.release()
+
+    def _release(self) -> None:
         global _holders
-        with _lock:
-            if not self._held:
-                return
-            self._held = False
-            _holders -= 1
-            if _holders == 0:
-                import torch._dynamo
-                torch._dynamo.config.skip_nnmodule_hook_guards = _saved
+        if not self._held:
+            return
+        self._held = False
+        _holders -= 1
+        if _holders == 0:
+            import torch._dynamo
+            torch._dynamo.config.skip_nnmodule_hook_guards = _saved

@@ -1,4 +1,7 @@
-"""The recorder's settings, validated once into a frozen value."""
+"""The recorder's settings, validated once into a frozen value.
+
+Any thread: built and checked once on the thread that constructs the Recorder,
+then only read (frozen), by the training thread, the step buffer and the writer."""
 
 from __future__ import annotations
 

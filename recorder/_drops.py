@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["DropLedger"]
+__all__ = ["DropLedger", "cause"]
+
+
+def cause(e: BaseException) -> str:
+    """A drop's reason for an exception: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 class DropLedger:

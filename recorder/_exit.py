@@ -68,7 +68,7 @@ def forgotten(writer, hooks, buffer, location: str) -> None:
     run ``interrupted``.  A finaliser may run in the middle of any code, even code
     holding one of tensortape's locks, so this takes no lock it could wait for and
     waits for nothing."""
-    hooks.detach()
+    hooks.detach(wait=False)
     if buffer.state.step is not None and buffer.idle():
         writer.post_nowait(buffer.end())
     writer.close_nowait()

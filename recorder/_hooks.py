@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -48,7 +48,10 @@ from ._ops import What
 from ._recompute import Recomputation, reentrant_forward
 from ._selection import module_table, unwrap
 from .errors import InspectionError, NonFiniteError, TensortapeWarning
-from .format import join, label
+from .format import Kind, join, label
+
+if TYPE_CHECKING:
+    from ._keeper import Keeper
 
 __all__ = ["HookSet"]
 
@@ -60,28 +63,33 @@ _graph_task = torch._C._current_graph_task_id      # -1 unless the autograd engi
 # an enum's member read from its class costs 50 ns: the hot path reads these
 _PRE, _POST = Phase.PRE, Phase.POST
 _INPUTS, _WEIGHTS, _ACTIVATIONS = What.INPUTS, What.WEIGHTS, What.ACTIVATIONS
+_K_GRADIENTS, _K_WEIGHTS = Kind.GRADIENTS, Kind.WEIGHTS
 
 
 class Sink(Protocol):
-    """Where captures go (``_buffer.StepBuffer``, the Inspector's); optional:
-    ``keeper``, ``on_end`` (a list of callbacks at a step's end) and ``eval_pass``."""
+    """Where captures go (``_buffer.StepBuffer``, the Inspector's).  ``on_end``: the
+    callbacks it calls when a step ends; ``eval_pass()``: a forward pass without
+    grad inside a step began (True: an evaluation pass, not recorded)."""
 
     micro: int
-    def add(self, kind: str, name: str, tensor: torch.Tensor, token: object, micro: int) -> None: ...
+    on_end: list
+    def add(self, kind: Kind, name: str, tensor: torch.Tensor, token: object, micro: int) -> None: ...
     def current_token(self) -> object: ...
     def begin_pass(self) -> None: ...
-    def fault(self, error: BaseException, kind: str, name: str) -> None: ...
+    def fault(self, error: BaseException, kind: Kind | str, name: str) -> None: ...
+    def eval_pass(self) -> bool: ...
 
 
 class HookSet:
-    def __init__(self, model: nn.Module, names: list[str], kinds: tuple[str, ...], sink: Sink):
+    def __init__(self, model: nn.Module, names: list[str], kinds: tuple[Kind | str, ...], sink: Sink,
+                 *, keeper: Keeper | None):
         table = module_table(model)
         self._model = model                                   # as given: maybe compiled
         self._root = unwrap(model)
         self._modules = [(n, table[n]) for n in names]
         self._kinds = frozenset(kinds)
         self._sink = sink
-        self._keeper = getattr(sink, "keeper", None)          # on_nonfinite="replay"
+        self._keeper = keeper                                 # on_nonfinite="replay"
         self._handles: list = []
         self._names = CallNamer(label("", table))
         self._weighed: set[str] = set()                       # weights captured this step
@@ -95,9 +103,7 @@ class HookSet:
         self.id = _ops.register(self)
         self._evaluating_as = _NoGrad(self)        # the root's calls without grad go here
         self.eval_id = _ops.register(self._evaluating_as)
-        ends = getattr(sink, "on_end", None)       # the sink says when a step ends
-        if ends is not None:
-            ends.append(self.end_step)
+        sink.on_end.append(self.end_step)          # the sink says when a step ends
 
     @property
     def attached(self) -> bool:
@@ -105,17 +111,17 @@ class HookSet:
 
     def attach(self) -> None:
         k = self._kinds
-        pre = "inputs" in k or "weights" in k
-        post = "activations" in k or "gradients" in k
+        pre = Kind.INPUTS in k or Kind.WEIGHTS in k
+        post = Kind.ACTIVATIONS in k or Kind.GRADIENTS in k
         self._handles.append(self._root.register_forward_pre_hook(
             _PassHook(self.id, True, self.eval_id), with_kwargs=True))
         for name, module in self._modules:
             if pre:
                 self._handles.append(module.register_forward_pre_hook(
-                    _PreHook(self.id, name, "inputs" in k, "weights" in k), with_kwargs=True))
+                    _PreHook(self.id, name, Kind.INPUTS in k, Kind.WEIGHTS in k), with_kwargs=True))
             if post:
                 self._handles.append(module.register_forward_hook(
-                    _PostHook(self.id, name, "activations" in k, "gradients" in k)))
+                    _PostHook(self.id, name, Kind.ACTIVATIONS in k, Kind.GRADIENTS in k)))
         if self._keeper is not None:
             for name, module in self._modules:
                 self._handles.append(module.register_forward_pre_hook(
@@ -126,11 +132,12 @@ class HookSet:
             _PassHook(self.id, False, self.eval_id), always_call=True))
         self._guards.see_hooks(self._model)
 
-    def detach(self) -> None:
+    def detach(self, wait: bool = True) -> None:
+        """Remove the hooks; ``wait=False`` (a finaliser): wait for no lock."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._guards.release()
+        self._guards.release(wait)
         self.end_step()
         _ops.unregister(self.id)
         _ops.unregister(self.eval_id)
@@ -176,10 +183,8 @@ class HookSet:
                     ctx = None if grad else reentrant_forward()
                     if ctx is not None and any(ctx.needs_input_grad):
                         grad = True                 # a reentrant checkpoint's forward trains
-                    evaluate = getattr(self._sink, "eval_pass", None)
-                    if not grad and evaluate is not None \
-                            and self._sink.current_token() is not None:
-                        self._evaluating = evaluate()      # False: a micro-batch after all
+                    if not grad and self._sink.current_token() is not None:
+                        self._evaluating = self._sink.eval_pass()   # False: a micro-batch
                         if not self._evaluating:
                             self._names.new_pass()
                     else:
@@ -239,11 +244,11 @@ class HookSet:
         try:
             if self._keeper is not None and token is self._sink.current_token():
                 self._keeper.grad(serial, g)
-            self._sink.add("gradients", name, g, token, micro)
+            self._sink.add(_K_GRADIENTS, name, g, token, micro)
         except _POLICY:
             raise
         except Exception as e:
-            self._sink.fault(e, "gradients", name)
+            self._sink.fault(e, _K_GRADIENTS, name)
 
     def leaf_hook(self, t: torch.Tensor, serial) -> None:
         """The gradient hook of a leaf output whose capture had ``serial``: only for a
@@ -266,7 +271,7 @@ class HookSet:
             name = f"{self._names.label(module)}:{path}"
             if token is not None and name not in self._weighed:    # recorded, not paused
                 self._weighed.add(name)
-                self._sink.add("weights", name, x, token, micro)
+                self._sink.add(_K_WEIGHTS, name, x, token, micro)
             return None
         if what.kind is not None:
             self._sink.add(what.kind, name, x, token, micro)

@@ -63,6 +63,7 @@ class Call:
     end: int = 0
     grads: dict | None = None           # output path -> its gradient, as backward gave it
     caller: tuple | None = None         # the user's line that called the module: (file, line)
+    path: str | None = None             # the module's path in the model ("": the root)
 
 
 class Keeper:
@@ -110,7 +111,8 @@ class Keeper:
                     {d: torch.cuda.get_rng_state(d) for d in devices},
                     {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                      for d in ("cpu", "cuda")},
-                    torch.is_grad_enabled(), order=self._tick(), caller=_sources.caller())
+                    torch.is_grad_enabled(), order=self._tick(), caller=_sources.caller(),
+                    path=module_name)
         stack.append(call)
 
     def _tick(self) -> int:

@@ -1,5 +1,8 @@
 """Which tensors a module's output or inputs hold, and their paths (see
-``format.label`` and ``format.join`` for the recorded names)."""
+``format.label`` and ``format.join`` for the recorded names).
+
+Runs on the thread that calls it, with no state of its own: the training thread
+(the hooks, the keeper) and the thread that replays a call."""
 
 from __future__ import annotations
 

@@ -27,6 +27,9 @@ gradient is expected, and -1 on the wire.
 
 The custom ops are used only while compiling: in eager mode a hook calls the
 Python body directly (an op's dispatch costs about ten times its body).
+
+Runs on the training thread (the forward hooks, the ops) and on autograd's
+threads (``capture_grad``); the table of hook sets is guarded by ``_lock``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import weakref
 import torch
 
 from ._callnames import Phase
+from .format import Kind
 
 __all__ = ["What", "capture", "capture_grad", "fault", "forward_pass", "hookset", "register",
            "unregister"]
@@ -56,14 +60,15 @@ class What(enum.Enum):
     ACTIVATIONS_GRADIENTS = 5       # an output recorded now, and its gradient later
 
     def __init__(self, code: int):
-        self.kind = (None, "inputs", "weights", "activations", None, "activations")[code]
+        self.kind = (None, Kind.INPUTS, Kind.WEIGHTS, Kind.ACTIVATIONS, None,
+                     Kind.ACTIVATIONS)[code]
         self.grad = code >= 4
         self.phase = Phase.PRE if code <= 2 else Phase.POST
 
     @property
-    def label(self) -> str:
+    def label(self) -> Kind:
         """The kind that a fault of this capture is counted under."""
-        return self.kind or "gradients"
+        return self.kind or Kind.GRADIENTS
 
 
 _hooksets: dict[int, weakref.ref] = {}

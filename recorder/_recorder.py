@@ -196,7 +196,8 @@ class Recorder:
         if self._buffer.keeper is not None:
             self._replayer = Replayer(self._buffer.keeper, self.rank, self.pause,
                                       self._buffer.fault)
-        self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer)
+        self._hooks = HookSet(self._model, self.layers, cfg.capture, self._buffer,
+                              keeper=self._buffer.keeper)
         self._model = None
         self._hooks.attach()
         _exit.opened(self)
@@ -295,11 +296,16 @@ class Recorder:
         finally:
             self._buffer.state.paused -= 1
 
-    def _micro_batch(self, enter: bool) -> None:
-        """A training framework's batch begins or ends (``integrations``): the
-        model's calls inside it are one micro-batch, whatever module is called."""
+    def micro_batch(self, enter: bool) -> None:
+        """A training framework's batch begins or ends (what ``integrations`` call):
+        the model's calls inside it are one micro-batch, whatever module is called."""
         if self._hooks is not None:
             self._hooks.on_pass(enter)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran (nothing more is recorded)."""
+        return self._closed
 
     @property
     def outside_steps(self) -> int:
@@ -319,12 +325,12 @@ class Recorder:
         if step is None:
             return
         try:
-            if "weight_grads" in cfg.capture:
+            if fmt.Kind.WEIGHT_GRADS in cfg.capture:
                 try:
                     for name, g in self._hooks.weight_grads():
-                        buffer.add("weight_grads", name, g, buffer.state.token, 0)
+                        buffer.add(fmt.Kind.WEIGHT_GRADS, name, g, buffer.state.token, 0)
                 except Exception as e:          # the guard, as in the hooks
-                    buffer.fault(e, "weight_grads", "(parameters)")
+                    buffer.fault(e, fmt.Kind.WEIGHT_GRADS, "(parameters)")
         finally:
             self._last_step = step
             record = buffer.end()

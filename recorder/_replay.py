@@ -59,7 +59,7 @@ from ._naming import leaves
 from ._quiet import quiet
 from ._sources import kind as _kind_of, line as _line
 
-__all__ = ["Keeper", "Replayer", "collectives", "investigate", "replay"]
+__all__ = ["Replayer", "investigate", "replay"]
 
 
 class Replayer:
@@ -102,7 +102,7 @@ def _made(events) -> set | None:
     """The forward captures that held NaN/Inf, as the capture counted them
     ((micro, layer) pairs), or None where the step's outputs were not captured
     (no activations counted: the live outputs are judged instead)."""
-    acts = [e for e in events if e.kind == "activations" and e.phase == "forward"]
+    acts = [e for e in events if e.kind == fmt.Kind.ACTIVATIONS and e.phase == "forward"]
     return {(e.micro, e.layer) for e in acts} if acts else None
 
 
@@ -267,8 +267,6 @@ class _Check(TorchDispatchMode):
                             _line(library)
                     raise _Found
         return out
-
-
 
 
 def replay(call: Call, paused, backward: bool = False) -> dict:

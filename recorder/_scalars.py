@@ -11,7 +11,7 @@
   next step ends, or at close.
 
 ``pack`` (at a step's end) starts the tensors' copies to the host, one stacked
-vector per device, as the summaries' are (``Summarizer._to_host``); the writer
+vector per device, as the summaries' are (``Summarizer.to_host``); the writer
 thread reads them (``Logged.values``).  Nothing here waits for a device.
 
 The store side: ``columns`` makes the rank's scalars table (``format.SCALAR_COLUMNS``),
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from . import format as fmt
+from ._drops import cause
 from ._layout import SMALL_CHUNK_ROWS, new_array, step_column
 from ._record import Packed
 from .errors import ConfigError
@@ -116,10 +117,10 @@ class ScalarLog:
             try:
                 out.append(_pack(s, values, to_host))
             except Exception as e:                # never into training: counted
-                cause = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                self.drops.drop(f"scalars failed ({cause})", len(values))
-                self._warn_once(cause, f"tensortape: the scalars of step {s} could not be read "
-                                f"({cause}); they are dropped and counted; training goes on")
+                why = cause(e)
+                self.drops.drop(f"scalars failed ({why})", len(values))
+                self._warn_once(why, f"tensortape: the scalars of step {s} could not be read "
+                                f"({why}); they are dropped and counted; training goes on")
         return out
 
 

@@ -1,4 +1,7 @@
-"""Which modules a pattern selects, and how wrapped models are unwrapped."""
+"""Which modules a pattern selects, and how wrapped models are unwrapped.
+
+Runs on the thread that attaches a Recorder or an Inspector, once, before any
+hook is registered."""
 
 from __future__ import annotations
 

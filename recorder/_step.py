@@ -28,12 +28,15 @@ from typing import Protocol
 
 from ._config import RecorderConfig
 from ._record import Plan
+from .format import Kind
 
 __all__ = ["StepState"]
 
+_WEIGHTS = Kind.WEIGHTS
+
 
 class _Micro(Protocol):
-    kind: str
+    kind: Kind
     micro: int
 
 
@@ -105,7 +108,7 @@ class StepState:
         self._count_outside(n)
         kept = []
         for c in caps:
-            if c.kind == "weights":
+            if c.kind == _WEIGHTS:
                 c.micro = max(c.micro - n, 0)
             elif c.micro < n:
                 continue

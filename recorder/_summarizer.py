@@ -168,12 +168,12 @@ class Summarizer:
                 blocks.append(Block(holds, mat.shape[0], mat.shape[1], start))
                 start += mat.numel()
             mats = [mat.reshape(-1) for _, mat, *_ in mine]
-            parts.append(self._to_host(mats[0] if len(mats) == 1 else torch.cat(mats)))
+            parts.append(self.to_host(mats[0] if len(mats) == 1 else torch.cat(mats)))
         for c in caps:
             c.vec = None
         return metas, blocks, Packed(parts) if parts else None
 
-    def _to_host(self, flat: torch.Tensor) -> Snapshot:
+    def to_host(self, flat: torch.Tensor) -> Snapshot:
         """A float64 vector's host copy, started now: on CUDA into a pinned slot on
         the current stream, with an event that the writer waits for (the vector's
         memory is reused only after the copy, on the same stream); elsewhere, a copy

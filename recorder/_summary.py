@@ -1,4 +1,5 @@
-"""Pure tensor -> summary functions: no I/O, no caches, no device policy.
+"""Pure tensor -> summary functions: no I/O, no device policy, no cache but a
+per-dtype table of exponent widths (``_EXP_BITS``).
 
 A float tensor's *summary vector* is one float64 vector on the tensor's own
 device: the NaN-safe reductions (``FIELDS``), then ``histogram.SLOTS`` counts: one

@@ -38,7 +38,7 @@ from . import format as fmt
 from ._config import RecorderConfig
 from ._journal import Journal, Unsaved
 from ._policy import TensorPolicy
-from ._drops import DropLedger
+from ._drops import DropLedger, cause
 from ._record import CloseRecord, Resolved, StepRecord, TensorRow
 from ._store import RunStore
 from ._worker import Barrier, Notice, Worker
@@ -50,10 +50,6 @@ __all__ = ["Writer"]
 DTYPE_OR_RANK = "full tensor changed dtype or rank"
 UNWRITABLE = "store could not be written"
 BACKLOG = "statistics past the backlog kept while the store could not be written"
-
-
-def _cause(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 class _Rows:
@@ -141,7 +137,7 @@ class _Rows:
         self._retry_at = time.monotonic() + self.config.flush_interval
         if first:
             self._tell("unwritable", (
-                f"tensortape: the store cannot be written ({_cause(e)}); training goes on, "
+                f"tensortape: the store cannot be written ({cause(e)}); training goes on, "
                 f"statistics are kept in memory and written when it can be written again, and "
                 f"full tensors meanwhile are dropped and counted in the run's 'dropped'"),
                 e if self.config.on_error == "raise" else None)
@@ -151,7 +147,7 @@ class _Rows:
             steps, rows = self.journal.pending_rows()
             self._tell("last words", (
                 f"tensortape: the store could not be written when the run was closed "
-                f"({_cause(self._fault)}); the statistics of {steps} steps ({rows} rows) "
+                f"({cause(self._fault)}); the statistics of {steps} steps ({rows} rows) "
                 f"since the last commit are lost"))
         self.store.close(wait=not self.abandoned)
         if self.claim is not None and not self.abandoned:   # after the last commit
@@ -164,10 +160,10 @@ class _Rows:
         try:
             return record.resolve()
         except Exception as e:
-            reason = f"statistics failed ({_cause(e)})"
+            reason = f"statistics failed ({cause(e)})"
             record.drops[reason] = record.drops.get(reason, 0) + len(record.metas)
             self._tell(reason, f"tensortape: the statistics of step {record.step} could not "
-                               f"be computed ({_cause(e)}); they are dropped and counted")
+                               f"be computed ({cause(e)}); they are dropped and counted")
             return Resolved()
 
     def _commit(self, status: str | None) -> None:
@@ -242,7 +238,7 @@ class _Rows:
         (``events_total`` with them)."""
         st = self.state
         spans = [(first, min(last, self.upto), stride) for _, first, last, stride in runs
-                 if 0 <= first <= self.upto]
+                 if first <= self.upto]
         if not spans:
             return
         for first, last, stride in spans:
@@ -386,7 +382,7 @@ class Writer:
             self._notice(out.popleft())
         if self._error is not None:
             err, self._error = self._error, None
-            raise RecorderError(f"writing the store failed: {_cause(err)}; the steps committed "
+            raise RecorderError(f"writing the store failed: {cause(err)}; the steps committed "
                                 f"before this are intact (on_error='warn' trains on through such "
                                 f"faults and writes again when it can)") from err
 

@@ -44,11 +44,15 @@ and their parsing, the columns of each table, and the rank state and the
 events to and from JSON.  Beside it, public too: ``histogram`` (the histogram
 codes and bins, both ways), ``dtypes`` (bfloat16 and float8 from their stored
 bits) and ``patterns`` (which layer names a glob pattern selects).
+
+Any thread, no state: the training thread (names), the writer thread (rows and
+state) and the reader's threads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +65,23 @@ from .errors import StoreFormatError
 FORMAT_VERSION = 3          # 3: packed statistics, sharded histograms (2: an array per
 READS_VERSIONS = (1, 2, 3)  # statistic; 1: no ``micro`` column)
 
-KINDS = ("activations", "gradients", "inputs", "weights", "weight_grads")
+
+class Kind(str, enum.Enum):
+    """What a capture is of; each member is its on-disk string (a ``str``: it
+    compares, hashes, formats, prints and serialises as that string, so stored
+    names and readers are unchanged).  Hot paths use the members as constants."""
+    ACTIVATIONS = "activations"
+    GRADIENTS = "gradients"
+    INPUTS = "inputs"
+    WEIGHTS = "weights"
+    WEIGHT_GRADS = "weight_grads"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __repr__ = str.__repr__
+
+
+KINDS = tuple(k.value for k in Kind)
 FORWARD_KINDS = ("inputs", "activations", "weights")
 BACKWARD_KINDS = ("gradients", "weight_grads")
 

@@ -5,6 +5,9 @@ The hooks are the recorder's own ``HookSet`` and the statistics its own
 engine (eager kernels: compiling them for one batch would cost seconds), so
 an inspection's numbers are the numbers a store would hold.  Nothing is
 written anywhere; the hooks live only inside ``inspect_batch``.
+
+Runs on the caller's thread (``Inspector``), and on autograd's threads for the
+gradient hooks of the backward pass it runs; it starts none.
 """
 
 from __future__ import annotations
@@ -47,12 +50,17 @@ class _Sink:
     def __init__(self):
         self.token: object | None = None
         self.captures: dict[tuple[str, str], Capture] = {}
+        self.on_end: list = []                  # no step ends: the hooks' cleanup is never due
 
     def current_token(self) -> object:
         return self.token
 
     def begin_pass(self) -> None:
         return None
+
+    def eval_pass(self) -> bool:
+        """A pass without grad is the one inspected: never an evaluation pass."""
+        return False
 
     def fault(self, error, kind, name) -> None:
         raise error
@@ -83,7 +91,7 @@ def inspect_batch(model: nn.Module, watched, data, target=None, loss_fn=None, in
     sink.token = token = object()
     backward = any(k in fmt.BACKWARD_KINDS for _, kinds in watched for k in kinds)
     saved = {p: p.grad for p in model.parameters()} if backward else {}
-    hooksets = [HookSet(model, names, kinds, sink) for names, kinds in watched]
+    hooksets = [HookSet(model, names, kinds, sink, keeper=None) for names, kinds in watched]
     try:
         for h in hooksets:
             h.attach()

@@ -62,14 +62,14 @@ class _Session:
         """A training batch begins or ends: one micro-batch, however the module
         that the framework calls is nested in the recorded one."""
         if self.recorder is not None:
-            self.recorder._micro_batch(enter)
+            self.recorder.micro_batch(enter)
 
     def log(self, values) -> None:
         """The trainer's logged scalars (numbers and 0-dim tensors; anything else is
         skipped) into the open step, or the last one (``Recorder.log``)."""
         import numbers
         rec = self.recorder
-        if rec is None or rec._closed or not values:
+        if rec is None or rec.closed or not values:
             return
         kept = {str(k): v for k, v in dict(values).items()
                 if (isinstance(v, numbers.Real) and not isinstance(v, bool))

@@ -12,6 +12,8 @@ run (its root has no ``tensortape_format``).
 
 No torch: rows are numpy arrays, as the store holds them (bfloat16 and float8
 as their bits, with ``logical``).
+
+Runs on the caller's thread (``tensortape migrate``, ``migrate``).
 """
 
 from __future__ import annotations

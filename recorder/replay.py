@@ -12,6 +12,8 @@ recording gave.
 The reader hands the bundle over as plain JSON and numpy (``read``), so the
 torch-free reader (``analysis``) never imports the recorder's private modules,
 and this module never reads a store.
+
+Runs on the caller's thread (``Run.replay``, ``tensortape replay``); it starts none.
 """
 
 from __future__ import annotations

@@ -86,3 +86,80 @@ def test_the_recorder_never_imports_the_reader(relpath):
     bad = [(line, n) for line, n in imports(relpath)
            if n.split(".")[0] in ("analysis", "xarray", "matplotlib")]
     assert not bad, _where(relpath, bad)
+
+
+# --- privates stay in their module ---------------------------------------------------
+# The private names of torch, zarr and the standard library that tensortape must use
+# (no public spelling exists); each says why.
+FOREIGN_PRIVATES = {
+    "_C",                   # torch._C: the autograd engine's graph-task id, dispatch keys
+    "_dynamo",              # torch._dynamo: telling Dynamo which code to recompile
+    "_getframe",            # sys._getframe: the caller's frame (user code for replay)
+    "_register_atexit",     # threading._register_atexit: before the interpreter joins threads
+    "_replace", "_fields", "_asdict", "_make",     # namedtuple's public API
+    "_current_graph_task_id", "_current_autograd_node",   # torch._C: the engine's state
+    "_version",             # a tensor's version counter: in-place writes after a capture
+    "_call_impl",           # nn.Module._call_impl: compiled code's guard on the hooks
+    "_forward_hooks", "_forward_pre_hooks",                 # a module's hook dicts and
+    "_global_forward_hooks", "_global_forward_pre_hooks",   # torch's global ones: who
+    #                         registered a torch.distributed hook (_collectives)
+    "_schema",              # an OpOverload's schema: the op's name (replay's dispatch mode)
+    "_call_s3",             # s3fs: reading the lock object with the call the store makes
+}
+
+
+def _own_privates(tree) -> set[str]:
+    """The private names a module defines: functions, classes, module-level names,
+    and attributes it assigns (``self._x = ...``, ``obj._x = ...``)."""
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.arg):
+            own.add(node.arg)
+    return {n for n in own if n.startswith("_")}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def foreign_privates(relpath: str) -> list[tuple[int, str]]:
+    """(line, text) of each private name this module reads of another module or of an
+    object another module defines: ``x._name`` (``x`` not ``self``/``cls``) where
+    ``_name`` is not defined here, and ``from .m import _name`` of a name (not a
+    private module).  Dunders and ``FOREIGN_PRIVATES`` are allowed."""
+    with open(os.path.join(ROOT, relpath)) as f:
+        tree = ast.parse(f.read(), relpath)
+    own = _own_privates(tree)
+    package = os.path.dirname(os.path.join(ROOT, relpath))
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue
+            if node.attr in own or node.attr in FOREIGN_PRIVATES:
+                continue
+            hits.append((node.lineno, f"{ast.unparse(base)}.{node.attr}"))
+        elif isinstance(node, ast.ImportFrom):
+            folder = package if node.level == 1 else ROOT
+            sub = (node.module or "").replace(".", os.sep)
+            for a in node.names:
+                if not _private(a.name) or a.name in FOREIGN_PRIVATES:
+                    continue
+                if os.path.exists(os.path.join(folder, sub, a.name + ".py")):
+                    continue                        # a private module of the package
+                hits.append((node.lineno, f"from {'.' * node.level}{node.module or ''} "
+                                          f"import {a.name}"))
+    return hits
+
+
+@pytest.mark.parametrize("relpath", ANALYSIS + RECORDER + ["cli.py"])
+def test_no_module_reads_another_module_s_private_names(relpath):
+    hits = foreign_privates(relpath)
+    assert not hits, _where(relpath, hits)

@@ -346,6 +346,34 @@ def test_the_bundle_replays_offline_in_a_model_the_user_builds(tmp_path):
     assert f"made by aten::div.Tensor in 1 (LayerNorm), at {live['source']}" in out.output
 
 
+class RootNamedRoot(nn.Module):
+    """A submodule literally named "(root)": the root's label becomes "(root)'"; the
+    root divides by a zero variance when that submodule's output is constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_module("(root)", nn.Linear(6, 6))
+
+    def forward(self, x):
+        return LayerNorm()(getattr(self, "(root)")(x))
+
+
+def test_a_bundle_of_the_root_replays_whatever_the_root_is_labelled(tmp_path):
+    def fault(model, i):
+        if i == 1:
+            with torch.no_grad():
+                getattr(model, "(root)").weight.zero_()
+                getattr(model, "(root)").bias.fill_(0.5)
+    torch.manual_seed(0)
+    run = replayed(tmp_path, RootNamedRoot(), 2, batch6, fault)
+    live = run.first_nonfinite().replay
+    assert live["module"] == "(root)'" and live["bundle"] == "rank0/replay/step1"
+    torch.manual_seed(1)
+    again = run.replay(RootNamedRoot())       # the bundle names the root by its path, ""
+    for k in ("op", "module", "module_class"):
+        assert again[k] == live[k], k
+
+
 def test_a_backward_bundle_replays_offline(tmp_path):
     run = record_sqrt(tmp_path)
     live = run.first_nonfinite().replay
@@ -466,7 +494,7 @@ def test_an_output_cleaned_in_place_after_the_call_is_judged_by_its_capture(tmp_
 
 
 def test_the_cap_counts_outputs_and_output_gradients(tmp_path):
-    from recorder._replay import Keeper
+    from recorder._keeper import Keeper
     k = Keeper(1 << 20)
     x, y, g = torch.zeros(10), torch.zeros(20), torch.zeros(30)
     k.enter("m", "m", 0, nn.Identity(), (x,), {})
@@ -681,7 +709,7 @@ def test_ddp_a_producer_with_a_collective_in_its_forward_is_stopped_before_it(tm
 
 
 def test_a_forward_hook_of_torch_distributed_on_a_descendant_rules_out_a_replay():
-    from recorder._replay import collectives
+    from recorder._collectives import collectives
 
     def gather(module, args):                   # stands for FSDP's or TP's pre-forward hook
         return None

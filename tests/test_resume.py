@@ -205,6 +205,22 @@ def test_a_step_recorded_again_with_fewer_micro_batches_has_none_of_the_old(tmp_
                                   oracle.latest[2][("activations", "a", 2)])
 
 
+def test_a_negative_step_recorded_again_has_none_of_the_old(tmp_store):
+    """``rec.step`` accepts negative steps (a warm-up numbered before 0): one of them
+    recorded again with mode="a" reads as its latest recording only."""
+    model = Net()
+    oracle = Oracle(model)
+    record(tmp_store, model, oracle, 0, [(-3, CLEAN * 2), (-2, CLEAN * 2)])
+    record(tmp_store, model, oracle, 1, [(-2, CLEAN)])
+    run = check(tmp_store, oracle)
+    np.testing.assert_array_equal(run.tensor("a", step=-2, micro=0).values,
+                                  oracle.latest[-2][("activations", "a", 0)])
+    with pytest.raises(ConfigError, match="micro-batch 1"):
+        run.tensor("a", step=-2, micro=1)
+    np.testing.assert_array_equal(run.tensor("a", step=-3, micro=1).values,
+                                  oracle.latest[-3][("activations", "a", 1)])
+
+
 def test_a_step_recorded_again_with_more_micro_batches(tmp_store):
     model = Net()
     oracle = Oracle(model)
