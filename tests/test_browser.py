@@ -231,24 +231,10 @@ BLOWUP, BAD = 40, 17                  # a 40-step run; at step 17 values near 4e
 
 
 def record_blowup(path: str) -> str:
-    """Spiky's layers; at step BAD the input is ~4e37 (past 1.8e19: the histograms' open-ended
-    tail bins) with one NaN; the loss logged is finite, then inf, then NaN."""
-    import torch
-    from recorder import Recorder
-    from test_serve import Spiky
-    model = Spiky()
-    data = torch.Generator().manual_seed(1)
-    with Recorder(model, path, tensors_every=None, capture=("activations",)) as rec:
-        for step in range(BLOWUP):
-            x = torch.randn(3, 4, generator=data)
-            if step == BAD:
-                x = x * 4e37
-                x[0, 0] = float("nan")
-            with rec.step(step), torch.no_grad():
-                model(x)
-                rec.log({"loss": 1.0 / (1 + step) if step < BAD else float("inf") if step == BAD
-                         else float("nan")})
-    return path
+    """Spiky's layers; at step BAD the input is ~4e37 (past 1.8e19: the histograms'
+    open-ended tail bins) with one NaN; the loss logged is finite, then inf, then NaN."""
+    return record_spiky(path, steps=BLOWUP, spike=BAD, nan_step=BAD, scale=4e37, scalars=lambda step, out: {
+        "loss": 1.0 / (1 + step) if step < BAD else float("inf") if step == BAD else float("nan")})
 
 
 @pytest.fixture(scope="module")

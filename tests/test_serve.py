@@ -41,23 +41,28 @@ class Spiky(nn.Module):
         return self.last(torch.relu(getattr(self, XSS)(self.first(x))))
 
 
+def _every_7th(step, out):
+    return {"loss": out.square().mean(), "lr": 0.1 / (1 + step)} if step % 7 == 0 else None
+
+
 def record_spiky(path: str, steps: int = STEPS, spike: int | None = SPIKE,
-                 nan_step: int | None = NAN_STEP) -> str:
-    """Statistics only; at ``spike`` the input is 1e6 times larger, at ``nan_step``
-    one input element is NaN (each for that one step)."""
+                 nan_step: int | None = NAN_STEP, scale: float = 1e6, scalars=_every_7th) -> str:
+    """Statistics only; at ``spike`` the input is ``scale`` times larger, at ``nan_step``
+    one input element is NaN (each for that one step); ``scalars(step, out)``: what
+    to log at a step (None: nothing)."""
     model = Spiky()
     data = torch.Generator().manual_seed(1)
     with Recorder(model, path, tensors_every=None, capture=("activations",)) as rec:
         for step in range(steps):
             x = torch.randn(3, 4, generator=data)
             if step == spike:
-                x = x * 1e6
+                x = x * scale
             if step == nan_step:
                 x[0, 0] = float("nan")
             with rec.step(step), torch.no_grad():
                 out = model(x)
-                if step % 7 == 0:
-                    rec.log({"loss": out.square().mean(), "lr": 0.1 / (1 + step)})
+                if (logged := scalars(step, out)) is not None:
+                    rec.log(logged)
     return path
 
 
