@@ -317,10 +317,30 @@ def scalars(run, rank=None) -> dict:
     out = {"step": ints(ds["step"].values) if "step" in ds.coords else []}
     for name in ds.data_vars:
         out[str(name)] = numbers(ds[name].values)
+    if out["step"]:
+        out["nonfinite"] = _scalars_nonfinite(run, _rank(run, rank))
     return out
 
 
+def _scalars_nonfinite(run, rank: int) -> dict:
+    """{name: the steps where the value logged is NaN or +-Inf}: a NaN logged, not a
+    step where the name has no value (``scalars`` shows both as NaN)."""
+    from ._scalars import logged
+    return {name: ints(steps[~np.isfinite(values)])
+            for name, (steps, values) in logged(run._index, rank).items()}
+
+
 # --- two runs ----------------------------------------------------------------------------------
+def _compare_nonfinite(ds, names: list, metric: str, i0: int, i1: int) -> np.ndarray:
+    """(step, layer) where the difference is not a finite number: infinite, NaN
+    where the layer ran in either run, or either run holding a NaN or an Inf (NaN
+    against NaN is no difference to ``stat_rel`` (0), yet it is no agreement)."""
+    sel = lambda v: ds[v].sel(layer=names).values[i0:i1]
+    raw = sel(metric).astype(np.float64)
+    ran = ~(sel("absent_a") & sel("absent_b"))
+    return np.isinf(raw) | (ran & (np.isnan(raw) | sel("nonfinite")))
+
+
 COMPARE_METRICS = ("stat_rel", "rel_l2", "max_abs", *(f"delta_{s}" for s in fmt.STATS))
 
 
@@ -359,7 +379,7 @@ def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=
     bad = np.zeros(values.shape, bool)
     if n:
         _reduce(np.where(np.isinf(raw), np.nan, raw), 0, edges, values, np.fmax)
-        _reduce(np.isinf(raw), 0, edges, bad, np.logical_or)
+        _reduce(_compare_nonfinite(ds, names, metric, i0, i1), 0, edges, bad, np.logical_or)
         values = np.where(bad, np.inf, values)
     return {"kind": kind, "metric": metric, "layers": names, "rtol": rtol,
             "step_lo": ints(steps[i0 + edges[:-1]]) if n else [],

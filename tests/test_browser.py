@@ -78,13 +78,13 @@ def centre(box):
     return box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
 
 
-def pixel(pg, x, y):
+def pixel(pg, x, y, canvas="map"):
     """The map canvas's colour at page point (x, y)."""
-    return pg.evaluate("""([x, y]) => {
-        const c = document.getElementById('map'), r = c.getBoundingClientRect();
+    return pg.evaluate("""([x, y, id]) => {
+        const c = document.getElementById(id), r = c.getBoundingClientRect();
         const k = c.width / r.width;
         return Array.from(c.getContext('2d').getImageData((x - r.left) * k, (y - r.top) * k, 1, 1).data).slice(0, 3);
-    }""", [x, y])
+    }""", [x, y, canvas])
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +225,70 @@ def test_layers_filter_by_glob_sort_by_peak_and_a_hover_shows_the_stored_value(p
     lines = text.splitlines()
     assert lines[0] == top and lines[1] == f"step {m['step_lo'][-1]}"
     assert float(lines[2].split(" = ")[1]) == m["values"][m["layers"].index(top)][-1]
+
+
+BLOWUP, BAD = 40, 17                  # a 40-step run; at step 17 values near 4e37 and a NaN
+
+
+def record_blowup(path: str) -> str:
+    """Spiky's layers; at step BAD the input is ~4e37 (past 1.8e19: the histograms'
+    open-ended tail bins) with one NaN; the loss logged is finite, then inf, then NaN."""
+    return record_spiky(path, steps=BLOWUP, spike=BAD, nan_step=BAD, scale=4e37, scalars=lambda step, out: {
+        "loss": 1.0 / (1 + step) if step < BAD else float("inf") if step == BAD else float("nan")})
+
+
+@pytest.fixture(scope="module")
+def blowup(tmp_path_factory):
+    return record_blowup(str(tmp_path_factory.mktemp("browser") / "blowup.zarr"))
+
+
+def test_jump_shows_every_step_and_no_infinite_or_stray_tick(page, blowup):
+    import json
+    first = open_run(blowup).first_nonfinite()
+    assert first.step == BAD
+    pg = page.open(blowup)
+    pg.click("#jump")
+    pg.wait_for_selector(f"[data-testid=histogram][data-step='{BAD}']")
+    title = pg.inner_text("#map-title")
+    assert f"steps 0–{BLOWUP - 1} ({BLOWUP} steps" in title, title
+    shown = [pg.input_value(f"#{i}") or pg.get_attribute(f"#{i}", "placeholder") for i in ("start", "stop")]
+    assert shown == ["0", str(BLOWUP - 1)]                # the fields say what the title says
+    ticks = json.loads(pg.get_attribute("[data-testid=histogram] canvas", "data-ticks"))
+    assert ticks and not any("Infinity" in t or "NaN" in t for t in ticks), ticks
+    ys = json.loads(pg.get_attribute("[data-testid=evolution] canvas[data-stat=min]", "data-yticks"))
+    v = [float(t) for t in ys]
+    gap = v[1] - v[0]                                     # evenly spaced, 0 where 0 is meant
+    assert all(abs((b - a) - gap) <= 1e-6 * abs(gap) for a, b in zip(v, v[1:])), ys
+    assert all(t == "0" for t, x in zip(ys, v) if abs(x) < gap / 2), ys
+    # the user's axis: a min of -3.4e38 over data near 0 (a running sum of ticks gave -3.8e22)
+    got = pg.evaluate("() => Chart.ticks(-3.4e38, -0.5, 4).map(Chart.short)")
+    assert got == ["-3.0e+38", "-2.0e+38", "-1.0e+38", "0"], got
+
+
+def test_scalars_mark_their_non_finite_steps(page, blowup):
+    pg = page.open(blowup)
+    c = pg.locator("[data-testid=scalars] canvas").first            # loss, the one scalar
+    pink = c.evaluate("""c => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 0; i < d.length; i += 4) if (d[i] > 240 && d[i + 1] < 80 && d[i + 2] > 90 && d[i + 2] < 150) n++;
+        return n; }""")
+    assert pink > 50                                      # a pink dotted line at each of steps 17-39
+    assert "non-finite values logged" in pg.inner_text("[data-testid=scalars] .caption")
+
+
+def test_two_runs_nan_against_nan_is_drawn_non_finite_and_each_runs_first_named(page, runs):
+    first = open_run(runs["nan"]).first_nonfinite()
+    pg = page.open(runs["nan"], runs["nan"])
+    text = pg.inner_text("[data-testid=first-nonfinite]")
+    assert f"A: {runs['nan']}" in text and f"B: {runs['nan']}" in text
+    assert text.count(f"step {first.step}, layer {first.layer}") == 2
+    legend = pg.inner_text("#compare-legend")
+    assert "small difference" in legend and "large difference" in legend and "zero" not in legend
+    pg.select_option("#kind", first.kind)
+    pg.wait_for_function("k => document.getElementById('first-divergence').textContent.includes(k)", arg=first.kind)
+    label = pg.locator("#compare-labels div", has_text=first.layer).first.bounding_box()
+    box = pg.locator("#compare-map").bounding_box()
+    # the column of first.step: the map's columns are its steps, one a column (16 steps)
+    steps = open_run(runs["nan"]).steps(first.kind)
+    col = list(steps).index(first.step)
+    x = box["x"] + (col + 0.5) * box["width"] / len(steps)
+    assert pixel(pg, x, label["y"] + label["height"] / 2, "compare-map") == NONFINITE_RGB

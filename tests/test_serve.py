@@ -41,23 +41,28 @@ class Spiky(nn.Module):
         return self.last(torch.relu(getattr(self, XSS)(self.first(x))))
 
 
+def _every_7th(step, out):
+    return {"loss": out.square().mean(), "lr": 0.1 / (1 + step)} if step % 7 == 0 else None
+
+
 def record_spiky(path: str, steps: int = STEPS, spike: int | None = SPIKE,
-                 nan_step: int | None = NAN_STEP) -> str:
-    """Statistics only; at ``spike`` the input is 1e6 times larger, at ``nan_step``
-    one input element is NaN (each for that one step)."""
+                 nan_step: int | None = NAN_STEP, scale: float = 1e6, scalars=_every_7th) -> str:
+    """Statistics only; at ``spike`` the input is ``scale`` times larger, at ``nan_step``
+    one input element is NaN (each for that one step); ``scalars(step, out)``: what
+    to log at a step (None: nothing)."""
     model = Spiky()
     data = torch.Generator().manual_seed(1)
     with Recorder(model, path, tensors_every=None, capture=("activations",)) as rec:
         for step in range(steps):
             x = torch.randn(3, 4, generator=data)
             if step == spike:
-                x = x * 1e6
+                x = x * scale
             if step == nan_step:
                 x[0, 0] = float("nan")
             with rec.step(step), torch.no_grad():
                 out = model(x)
-                if step % 7 == 0:
-                    rec.log({"loss": out.square().mean(), "lr": 0.1 / (1 + step)})
+                if (logged := scalars(step, out)) is not None:
+                    rec.log(logged)
     return path
 
 
@@ -270,6 +275,41 @@ def test_compare_map_marks_the_first_divergence(diverged, stable, serve):
         want = np.abs(ds["stat_rel"].sel(layer=name).values)
         assert [as_float(v) for v in c["values"][i]] == pytest.approx(want.tolist(), nan_ok=True, rel=0)
         assert c["nonfinite"][i] == np.isinf(want).tolist()
+
+
+def test_compare_map_marks_nan_against_nan_non_finite_not_identical(diverged, serve):
+    """A run against itself: where it holds a NaN or an Inf, the difference is no
+    number (stat_rel calls NaN against NaN 0): non-finite, infinitely different."""
+    s = serve(diverged, diverged)
+    st = open_run(diverged).stats("activations").compute()
+    held = (st["nan"].clip(min=0) + st["posinf"].clip(min=0) + st["neginf"].clip(min=0)) > 0
+    assert held.any()
+    for metric in ("stat_rel", "delta_mean"):
+        _, c = s.get("compare-map", kind="activations", metric=metric, width=1000)
+        assert c["step_lo"] == st.step.values.tolist()
+        for i, name in enumerate(c["layers"]):
+            bad = held.sel(layer=name).values
+            assert c["nonfinite"][i] == bad.tolist()
+            assert [v == "inf" for v in c["values"][i]] == bad.tolist()
+            if metric == "stat_rel":
+                assert [as_float(v) for v in c["values"][i]] == [math.inf if b else 0.0 for b in bad]
+
+
+def test_scalars_say_which_logged_values_are_non_finite(tmp_path, serve):
+    """loss goes inf then NaN; lr is logged every other step only (its missing steps
+    are NaN in the table, yet nothing non-finite was logged)."""
+    model = nn.Linear(2, 2)
+    path = str(tmp_path / "loss.zarr")
+    losses = [1.0, 0.5, math.inf, math.nan, math.nan, 0.25]
+    with Recorder(model, path, tensors_every=None, capture=("activations",)) as rec:
+        for step, loss in enumerate(losses):
+            with rec.step(step), torch.no_grad():
+                model(torch.ones(1, 2))
+                rec.log({"loss": loss, **({"lr": 0.1} if step % 2 == 0 else {})})
+    _, sc = serve(path).get("scalars")
+    assert sc["nonfinite"] == {"loss": [i for i, v in enumerate(losses) if not math.isfinite(v)],
+                               "lr": []}
+    assert [as_float(v) for v in sc["lr"]][1] != [as_float(v) for v in sc["lr"]][1]   # missing: NaN
 
 
 # --- refusals ---------------------------------------------------------------------------------

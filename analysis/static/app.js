@@ -74,8 +74,9 @@ async function loadRuns() {
   if (S.rank === null) S.rank = run.ranks[0];
   $("status").textContent = statusText();
   const ev = run.first_nonfinite;
-  $("first-nonfinite").textContent = eventText(ev, run);
-  $("first-nonfinite").classList.toggle("found", !!ev);
+  $("first-nonfinite").textContent = S.runs.length < 2 ? eventText(ev, run) :   // whose event: A's, B's
+    S.runs.map((r, i) => `${i ? "B" : "A"}: ${r.path}\n${eventText(r.first_nonfinite, r)}`).join("\n");
+  $("first-nonfinite").classList.toggle("found", S.runs.some(r => r.first_nonfinite));
   $("jump").hidden = !ev;
   fillSelect($("run"), S.runs.map((r, i) => i), S.run);
   Array.from($("run").options).forEach((o, i) => { o.textContent = `${i ? "B" : "A"}: ${S.runs[i].name}`; });
@@ -155,17 +156,20 @@ function drawHeat(m, ids, marks) {
     d.setAttribute("data-testid", c.mk.testid);
     wrap.appendChild(d);
   }
-  legend($(ids.legend), scale, m.stat || m.metric);
+  legend($(ids.legend), scale, m.stat || `|${m.metric}|`, !!m.metric);
   return { rows, rowH, cellW, cols, m };
 }
 
-function legend(box, scale, what) {
+function legend(box, scale, what, compare) {
   const c = el("canvas");
   const ctx = Chart.fit(c, 120, 10);
   for (let x = 0; x < 120; x++) { ctx.fillStyle = Chart.viridis(x / 119); ctx.fillRect(x, 0, 1, 10); }
   const sw = (color, text) => { const s = el("span"); const k = el("span", "", "swatch"); k.style.background = color; s.append(k, text); return s; };
-  box.replaceChildren(el("span", `${what} (log): ${Chart.short(scale.lo)}`), c, el("span", Chart.short(scale.hi)),
-    sw(Chart.COLORS.nonfinite, "non-finite"), sw(Chart.COLORS.zero, "zero"), sw(Chart.COLORS.absent, "not recorded"));
+  const [dark, bright] = compare ? [" (small difference)", " (large difference)"] : ["", ""];
+  box.replaceChildren(el("span", `${what} (log): ${Chart.short(scale.lo)}${dark}`), c, el("span", Chart.short(scale.hi) + bright),
+    sw(Chart.COLORS.nonfinite, compare ? "non-finite (NaN or Inf in either run): different" : "non-finite"),
+    sw(Chart.COLORS.zero, compare ? "no difference (0)" : "zero"),
+    sw(Chart.COLORS.absent, compare ? "not compared" : "not recorded"));
 }
 
 function colOf(m, step) {
@@ -234,6 +238,9 @@ async function loadMap() {
   const span = m.step_lo.length ? `steps ${m.step_lo[0]}–${m.step_hi[m.step_hi.length - 1]}` : "no steps";
   $("map-title").textContent = `${m.stat} of ${m.kind}, rank ${m.rank}, ${span} ` +
     `(${m.steps_in_window} steps in ${m.step_lo.length} columns${agg ? ", each the largest of its steps" : ""}) — ${run.name}`;
+  for (const [id, v] of [["start", S.start], ["stop", S.stop]]) {     // empty: the whole run, as the title says
+    $(id).placeholder = v === null && m.steps ? String(id === "start" ? m.steps[0] : m.steps[1]) : "";
+  }
   $("map").dataset.first = m.step_lo.length ? m.step_lo[0] : "";
   $("map").dataset.last = m.step_hi.length ? m.step_hi[m.step_hi.length - 1] : "";
 }
@@ -276,7 +283,8 @@ async function showHistogram(layer, step) {
     box.dataset.step = step;
     box.dataset.layer = layer;
     box.dataset.nan = h.nan;
-    Chart.bars(box.querySelector("canvas"), h, { width: 560, height: 220 });
+    const cv = box.querySelector("canvas");
+    cv.dataset.ticks = JSON.stringify(Chart.bars(cv, h, { width: 560, height: 220 }));
   } catch (e) { fail("histogram", e); }
 }
 
@@ -295,8 +303,9 @@ async function showEvolution(layer, step) {
     const grid = box.querySelector(".grid");
     grid.replaceChildren(...EVOLUTION.map(k => {
       const c = el("canvas");
-      Chart.lines(c, [{ x: st.step, y: series(st, k), color: Chart.COLORS.lines[0] }],
-                  { title: k, marker: step, bad, width: 280, height: 130, log: LOG.has(k) });
+      c.dataset.stat = k;
+      c.dataset.yticks = JSON.stringify(Chart.lines(c, [{ x: st.step, y: series(st, k), color: Chart.COLORS.lines[0] }],
+                  { title: k, marker: step, bad, width: 280, height: 130, log: LOG.has(k) }));
       return c;
     }));
   } catch (e) { fail("evolution", e); }
@@ -306,11 +315,16 @@ async function loadScalars() {
   const box = $("scalars");
   try {
     const sc = await api("scalars", { run: S.run });
-    const names = Object.keys(sc).filter(k => k !== "step");
-    box.querySelector(".caption").textContent = sc.step.length ? `${names.length} scalars over ${sc.step.length} steps` : "no scalars recorded";
+    const names = Object.keys(sc).filter(k => k !== "step" && k !== "nonfinite");
+    const bad = Object.values(sc.nonfinite || {}).reduce((a, b) => a + b.length, 0);
+    box.querySelector(".caption").textContent = sc.step.length ? `${names.length} scalars over ${sc.step.length} steps` +
+      (bad ? `; ${bad} non-finite values logged (pink dotted lines)` : "") : "no scalars recorded";
     box.querySelector(".grid").replaceChildren(...(sc.step.length ? names : []).map(k => {
       const c = el("canvas");
-      Chart.lines(c, [{ x: sc.step, y: sc[k], color: Chart.COLORS.lines[1] }], { title: k, width: 380, height: 150, marker: S.sel && S.sel.step });
+      const bad = (sc.nonfinite || {})[k] || [];          // logged NaN/Inf: pink dotted lines
+      c.dataset.name = k;
+      c.dataset.bad = JSON.stringify(bad);
+      Chart.lines(c, [{ x: sc.step, y: sc[k], color: Chart.COLORS.lines[1] }], { title: k, width: 380, height: 150, marker: S.sel && S.sel.step, bad, badLines: true });
       return c;
     }));
   } catch (e) { fail("scalars", e); }
@@ -364,10 +378,11 @@ function guard(f) {
   };
 }
 
+// [start, stop) as the API takes it; the fields show the first and the last step, both shown.
 function zoomTo(start, stop) {
   S.start = start; S.stop = stop;
   $("start").value = start === null ? "" : start;
-  $("stop").value = stop === null ? "" : stop;
+  $("stop").value = stop === null ? "" : stop - 1;
   return refresh();
 }
 
@@ -381,7 +396,7 @@ function wire() {
   $("filter").addEventListener("input", () => { S.filter = $("filter").value.trim(); drawMap(); if (S.cmp) S.cmpGeo = drawHeat(S.cmp, { canvas: "compare-map", labels: "compare-labels", axis: "compare-axis", legend: "compare-legend" }, []); });
   $("sort").addEventListener("change", () => { S.sort = $("sort").value; drawMap(); });
   const int = id => $(id).value === "" ? null : parseInt($(id).value, 10);
-  $("zoom").addEventListener("click", guard(() => zoomTo(int("start"), int("stop"))));
+  $("zoom").addEventListener("click", guard(() => zoomTo(int("start"), int("stop") === null ? null : int("stop") + 1)));
   $("all-steps").addEventListener("click", guard(() => zoomTo(null, null)));
   $("zoom-out").addEventListener("click", guard(() => {
     const m = S.map, r = S.runs[S.run].steps;
@@ -396,7 +411,10 @@ function wire() {
     fillSelect($("kind"), S.runs[S.run].kinds, S.kind);
     fillSelect($("rank"), S.runs[S.run].ranks, S.rank);
     const r = S.runs[S.run].steps;
-    await zoomTo(Math.max(r[0], ev.step - 20), ev.step + 21);
+    let lo = ev.step - 20, hi = ev.step + 20;          // 41 steps around it, inside the run
+    if (lo < r[0]) { hi += r[0] - lo; lo = r[0]; }
+    if (hi > r[1]) { lo = Math.max(r[0], lo - (hi - r[1])); hi = r[1]; }
+    await zoomTo(lo <= r[0] ? null : lo, hi >= r[1] ? null : hi + 1);
     await select(ev.layer, ev.step);
   }));
   pointer("map", () => S.geo, guard(async (layer, col) => select(layer, await pickStep(layer, col))), guard(zoomTo));

@@ -81,8 +81,8 @@ const Chart = (() => {
     if (!(hi > lo)) return [lo];
     const step = Math.pow(10, Math.floor(Math.log10((hi - lo) / n)));
     const k = [1, 2, 5, 10].find(f => (hi - lo) / (step * f) <= n) * step;
-    const out = [];
-    for (let t = Math.ceil(lo / k) * k; t <= hi + 1e-9 * k; t += k) out.push(t);
+    const out = [];             // i * k, not a running sum: no 1e22 of rounding where 0 is meant
+    for (let i = Math.ceil(lo / k); i * k <= hi + 1e-9 * k; i++) out.push(i * k);
     return out;
   }
 
@@ -92,7 +92,9 @@ const Chart = (() => {
     return (a >= 1e4 || a < 1e-3) ? v.toExponential(1) : String(+v.toPrecision(3));
   }
 
-  // Line chart: series [{x: [...], y: [...], color, label}]; opts {title, marker, bad}.
+  // Line chart: series [{x: [...], y: [...], color, label}]; opts {title, marker, bad,
+  // badLines (the bad steps as pink dotted lines down the plot, not ticks on top)}.
+  // Returns the y ticks' labels.
   function lines(canvas, series, opts) {
     if (opts.log) series = series.map(s => ({ ...s, y: s.y.map(v => { const x = num(v); return x > 0 && isFinite(x) ? Math.log10(x) : NaN; }) }));
     const W = opts.width || 300, H = opts.height || 140, L = 52, R = 8, T = 18, B = 20;
@@ -114,9 +116,10 @@ const Chart = (() => {
     ctx.fillText((opts.title || "") + (opts.log ? " (log)" : ""), L, 12);
     ctx.strokeStyle = COLORS.grid;
     ctx.lineWidth = 1;
-    for (const t of ticks(y0, y1, 4)) {
+    const yticks = ticks(y0, y1, 4).map(t => [t, opts.log ? "1e" + (+t.toFixed(1)) : short(t)]);
+    for (const [t, text] of yticks) {
       ctx.beginPath(); ctx.moveTo(L, py(t)); ctx.lineTo(W - R, py(t)); ctx.stroke();
-      ctx.fillText(opts.log ? "1e" + (+t.toFixed(1)) : short(t), 2, py(t) + 4);
+      ctx.fillText(text, 2, py(t) + 4);
     }
     for (const t of ticks(x0, x1, 5)) ctx.fillText(short(t), px(t) - 8, H - 5);
     for (const s of series) {
@@ -137,16 +140,32 @@ const Chart = (() => {
     }
     ctx.fillStyle = COLORS.nonfinite;      // steps with a NaN or an Inf: a tick on top
     (opts.bad || []).forEach(x => ctx.fillRect(px(x) - 1, T - 4, 3, 4));
+    if (opts.badLines) {
+      ctx.strokeStyle = COLORS.nonfinite;
+      ctx.setLineDash([2, 2]);
+      for (const x of opts.bad || []) { ctx.beginPath(); ctx.moveTo(px(x), T); ctx.lineTo(px(x), H - B); ctx.stroke(); }
+      ctx.setLineDash([]);
+    }
     if (opts.marker !== undefined && opts.marker !== null) {
       ctx.strokeStyle = COLORS.marker;
       ctx.setLineDash([3, 3]);
       ctx.beginPath(); ctx.moveTo(px(opts.marker), T); ctx.lineTo(px(opts.marker), H - B); ctx.stroke();
       ctx.setLineDash([]);
     }
+    return yticks.map(t => t[1]);
+  }
+
+  // A bin's label: its lower edge, or for an open-ended tail bin "< x" / "> x"
+  // (x its one finite edge): never "-Infinity".
+  function edge(lo, hi) {
+    lo = num(lo); hi = num(hi);
+    if (isFinite(lo) && isFinite(hi)) return short(lo);
+    return isFinite(hi) ? "< " + short(hi) : isFinite(lo) ? "> " + short(lo) : "all";
   }
 
   // Bar chart of a histogram over its bins (one bar a bin, the value axis as the
   // bins are: log-spaced), then the NaN, +Inf and -Inf bars; counts on a log axis.
+  // Returns the x ticks' labels.
   function bars(canvas, h, opts) {
     const W = opts.width || 600, H = opts.height || 200, L = 52, T = 10, B = 34, side = 120;
     const n = h.counts.length;
@@ -171,11 +190,16 @@ const Chart = (() => {
     });
     ctx.fillStyle = COLORS.text;
     const every = Math.max(1, Math.ceil(n / 5));
-    for (let i = 0; i < n; i += every) ctx.fillText(short(num(h.bin_lo[i])), L + i * bw, H - 6);
+    const xticks = [];
+    for (let i = 0; i < n; i += every) {
+      xticks.push(edge(h.bin_lo[i], h.bin_hi[i]));
+      ctx.fillText(xticks[xticks.length - 1], L + i * bw, H - 6);
+    }
     ctx.fillText("count (log)", L + 4, T + 2);
     ctx.strokeStyle = COLORS.grid;
     ctx.beginPath(); ctx.moveTo(L, py(0)); ctx.lineTo(W - side, py(0)); ctx.stroke();
+    return xticks;
   }
 
-  return { COLORS, viridis, num, fit, logScale, heatmap, lines, bars, short };
+  return { COLORS, viridis, num, fit, logScale, heatmap, lines, bars, short, ticks };
 })();
