@@ -37,7 +37,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from recorder import format as fmt
+from recorder import histogram as fmt
 
 __all__ = ["BLOCK", "HEAD", "LANES", "NO_TABLE", "READS", "cached_mark", "chunk", "compile_for",
            "finish", "many", "nonfinite", "one", "shift_of", "slot_table"]

@@ -240,7 +240,7 @@ def test_deepcopy_of_hooked_model_records_nothing(tmp_store):
     want = copy.deepcopy(model).fc1(x)
     np.testing.assert_array_equal(run.tensor("fc1", step=0).values, want.detach().numpy())
     assert run.stats().sel(layer="fc1")["count"].values.tolist() == [16]    # one row of 16
-    with pytest.raises(ValueError, match="micro-batches recorded: \\[0\\]"):
+    with pytest.raises(ValueError, match=r"its micro-batches \(the forward passes of a step, from 0\) are 0$"):
         run.tensor("fc1", step=0, micro=1)
 
 
