@@ -327,7 +327,7 @@ def _scalars_nonfinite(run, rank: int) -> dict:
     step where the name has no value (``scalars`` shows both as NaN)."""
     from ._scalars import logged
     return {name: ints(steps[~np.isfinite(values)])
-            for name, (steps, values) in logged(run._index, rank).items()}
+            for name, (steps, values) in logged(run.index, rank).items()}
 
 
 # --- two runs ----------------------------------------------------------------------------------

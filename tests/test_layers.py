@@ -105,6 +105,7 @@ FOREIGN_PRIVATES = {
     #                         registered a torch.distributed hook (_collectives)
     "_schema",              # an OpOverload's schema: the op's name (replay's dispatch mode)
     "_call_s3",             # s3fs: reading the lock object with the call the store makes
+    "_cache",               # a numba dispatcher's disk cache: where its compiled kernels are
 }
 
 
