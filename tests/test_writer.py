@@ -281,16 +281,24 @@ def test_a_dead_writer_raises_once_under_on_error_raise(tmp_path, monkeypatch):
     model = _model()
     rec = Recorder(model, str(tmp_path / "run.zarr"), layers="*", on_error="raise",
                    close_timeout=1.0)
-    errors = 0
+    errors, noticed = 0, None
     with pytest.warns(TensortapeWarning, match="did not commit within close_timeout"), rec:
-        for i in range(5):
+        # the writer dies when it first runs, which a loaded machine may put off for a
+        # while: step on until the death is raised, then 5 steps more, which must not raise
+        deadline = time.monotonic() + 60
+        i = 0
+        while (noticed is None and time.monotonic() < deadline) or \
+                (noticed is not None and i <= noticed + 5):
             try:
                 with rec.step(i):
                     model(torch.randn(4, 16)).sum().backward()
             except RecorderError as e:
                 errors += 1
+                noticed = i if noticed is None else noticed
                 assert "writer thread died" in str(e)
-    assert errors == 1
+            i += 1
+            time.sleep(0.005)
+    assert errors == 1 and noticed is not None
 
 
 def test_a_forgotten_recorder_is_ended_without_a_lock_or_a_wait(tmp_path):
