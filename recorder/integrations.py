@@ -25,6 +25,9 @@ optional extra: ``tensortape[hf]``, ``tensortape[lightning]``).
 
 from __future__ import annotations
 
+from . import _scalars
+from .errors import RecorderError
+
 __all__ = ["LightningCallback", "TrainerCallback"]
 
 
@@ -67,13 +70,15 @@ class _Session:
     def log(self, values) -> None:
         """The trainer's logged scalars (numbers and 0-dim tensors; anything else is
         skipped) into the open step, or the last one (``Recorder.log``)."""
-        import numbers
         rec = self.recorder
         if rec is None or rec.closed or not values:
             return
-        kept = {str(k): v for k, v in dict(values).items()
-                if (isinstance(v, numbers.Real) and not isinstance(v, bool))
-                or (getattr(v, "ndim", None) == 0 and not getattr(v, "is_complex", bool)())}
+        kept = {}
+        for k, v in dict(values).items():      # what rec.log takes; anything else skipped
+            try:                               # (a trainer's logging never raises into it)
+                kept.update(_scalars.check({str(k): v}))
+            except RecorderError:
+                pass
         if kept:
             rec.log(kept)
 

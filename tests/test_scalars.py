@@ -195,8 +195,12 @@ def test_hugging_face_trainer_stores_its_logged_loss(tmp_path):
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=4,
         save_strategy="no", report_to=[], use_cpu=True, logging_steps=1, disable_tqdm=True,
         learning_rate=1e-3)
+    class Noter(transformers.TrainerCallback):       # another callback logs a value that is
+        def on_log(self, args, state, control, logs=None, **kwargs):   # no number: skipped,
+            logs["phase"] = np.array("warmup")        # never raised into the training
     trainer = transformers.Trainer(model=gpt, args=args, train_dataset=data,
-                                   callbacks=[TrainerCallback(store, layers="transformer.h.0.mlp")])
+                                   callbacks=[Noter(), TrainerCallback(store,
+                                                                       layers="transformer.h.0.mlp")])
     trainer.train()
     history = {e["step"] - 1: e for e in trainer.state.log_history if "loss" in e}
     assert sorted(history) == [0, 1, 2, 3]
