@@ -9,26 +9,35 @@ import textwrap
 import time
 
 import numpy as np
-import pytest
 
 from analysis import open_run
 from recorder import StoreNotFoundError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CHILD = textwrap.dedent("""
-    import sys, torch
+# One process imports torch once and forks a recording child per line it reads (the store's
+# path), printing the child's pid and then "closed" or "killed" when it ends: the sweep's
+# kills then cost no interpreter start each.
+ZYGOTE = textwrap.dedent("""
+    import os, signal, sys, torch
     from recorder import Recorder
-    lin = torch.nn.Linear(64, 48)
-    with torch.no_grad():
-        lin.weight.copy_(torch.arange(48 * 64.).reshape(48, 64) / 1000); lin.bias.fill_(0.5)
     print("ready", flush=True)
-    with Recorder(lin, sys.argv[1], layers="", capture=("activations", "weights"),
-                  flush_interval=0.02) as rec:
-        for i in range(40):
-            with rec.step(i):
-                lin(torch.full((8, 64), float(i)))
-    print("closed", flush=True)
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            lin = torch.nn.Linear(64, 48)
+            with torch.no_grad():
+                lin.weight.copy_(torch.arange(48 * 64.).reshape(48, 64) / 1000)
+                lin.bias.fill_(0.5)
+            with Recorder(lin, line.strip(), layers="", capture=("activations", "weights"),
+                          flush_interval=0.02) as rec:
+                for i in range(40):
+                    with rec.step(i):
+                        lin(torch.full((8, 64), float(i)))
+            os._exit(0)
+        print(pid, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print("killed" if os.WIFSIGNALED(status) else "closed", flush=True)
 """)
 
 
@@ -37,44 +46,51 @@ def _expected(i):
     return np.full((8, 64), float(i), np.float32) @ w.T + np.float32(0.5)
 
 
-def _child(store):
-    env = dict(os.environ, TENSORTAPE_COMPILE="0")
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, store], stdout=subprocess.PIPE,
-                            text=True, cwd=ROOT, env=env)
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
-
-
 def test_kill_sweep(tmp_path):
-    proc = _child(str(tmp_path / "whole.zarr"))          # how long attach..close takes here
-    t = time.monotonic()
-    assert proc.stdout.readline().strip() == "closed"
-    span = time.monotonic() - t
-    proc.wait()
-    proc.stdout.close()
-    rng = random.Random(1234)
-    outcomes = {"no store yet": 0, "recording": 0, "complete": 0}
-    for k in range(12):
-        store = str(tmp_path / f"k{k}.zarr")
-        proc = _child(store)
-        time.sleep(rng.uniform(0.0, 1.2 * span))   # before attach, inside it, ..., after close
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
-        try:
-            run = open_run(store)
-        except StoreNotFoundError:
-            outcomes["no store yet"] += 1
-            continue
-        assert run.status in ("recording", "complete"), run.status
-        outcomes[run.status] += 1
-        steps = run.steps(tensors=True).tolist() if run.kinds else []
-        assert steps == list(range(len(steps)))
-        for i in steps:
-            np.testing.assert_allclose(run.tensor("(root)", step=i).values, _expected(i),
-                                       rtol=1e-6)
-    print(outcomes)
-    assert sum(outcomes.values()) == 12 and outcomes["recording"] >= 3
+    env = dict(os.environ, TENSORTAPE_COMPILE="0")
+    zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        assert zygote.stdout.readline().strip() == "ready"
+
+        def start(store):
+            zygote.stdin.write(store + "\n")
+            zygote.stdin.flush()
+            return int(zygote.stdout.readline())
+
+        start(str(tmp_path / "whole.zarr"))          # how long attach..close takes here
+        t = time.monotonic()
+        assert zygote.stdout.readline().strip() == "closed"
+        span = time.monotonic() - t
+        rng = random.Random(1234)
+        outcomes = {"no store yet": 0, "recording": 0, "complete": 0}
+        for k in range(12):
+            store = str(tmp_path / f"k{k}.zarr")
+            pid = start(store)
+            time.sleep(rng.uniform(0.0, 1.4 * span))   # before attach, inside it, ..., after close
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:                # it had ended (and been reaped) already
+                pass
+            assert zygote.stdout.readline().strip() in ("killed", "closed")
+            try:
+                run = open_run(store)
+            except StoreNotFoundError:
+                outcomes["no store yet"] += 1
+                continue
+            assert run.status in ("recording", "complete"), run.status
+            outcomes[run.status] += 1
+            steps = run.steps(tensors=True).tolist() if run.kinds else []
+            assert steps == list(range(len(steps)))
+            for i in steps:
+                np.testing.assert_allclose(run.tensor("(root)", step=i).values, _expected(i),
+                                           rtol=1e-6)
+        print(outcomes)
+        assert sum(outcomes.values()) == 12 and outcomes["recording"] >= 3
+    finally:
+        zygote.stdin.close()
+        zygote.wait(timeout=60)
+        zygote.stdout.close()
 
 
 def test_a_run_killed_while_writing_its_root_is_no_run_yet_and_can_start_again(tmp_path):
