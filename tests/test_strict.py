@@ -135,32 +135,41 @@ OUTSIDE = textwrap.dedent("""
 """)
 
 
-def outside(tmp_path, setup, *flags):
-    store = str(tmp_path / "out.zarr")
+def outside(tmp_path, *cases):
+    """Each case (a setup line, then interpreter flags) run as its own interpreter, all at
+    once; their finished processes (``stdout``, ``stderr``), in order."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, *flags, "-c", OUTSIDE.format(setup=setup), store],
-                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "TRAINED" in p.stdout and open_run(store).steps().tolist() == [0, 1]
-    return p
+    procs = []
+    for i, (setup, *flags) in enumerate(cases):
+        store = str(tmp_path / f"out{i}.zarr")
+        procs.append((store, subprocess.Popen(
+            [sys.executable, *flags, "-c", OUTSIDE.format(setup=setup), store],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)))
+    done = []
+    for store, proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        assert "TRAINED" in out and open_run(store).steps().tolist() == [0, 1]
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
 
 
 def test_tensortape_warnings_are_their_own_class_to_raise_or_silence(tmp_path):
+    raised, ignored, default, prefix, prefix_ignored = outside(
+        tmp_path,
+        ('warnings.filterwarnings("error", category=TensortapeWarning)',),
+        ('warnings.filterwarnings("ignore", category=TensortapeWarning)', "-W", "error"),
+        ("",),                                            # Python's default filters
+        ("", "-W", "error:tensortape"),   # on the command line, -W names builtin categories
+        ("", "-W", "error", "-W", "ignore:tensortape"))   # only: the message prefix
     # raised where the user's code called tensortape, on the training thread
-    p = outside(tmp_path, 'warnings.filterwarnings("error", category=TensortapeWarning)')
-    assert "RAISED tensortape: the recorded model ran outside a step" in p.stdout
-    assert "ran outside a step" not in p.stderr
-    p = outside(tmp_path, 'warnings.filterwarnings("ignore", category=TensortapeWarning)',
-                "-W", "error")
-    assert "RAISED" not in p.stdout and "outside a step" not in p.stderr
-    p = outside(tmp_path, "")                       # Python's default filters: shown once
-    assert "RAISED" not in p.stdout and p.stderr.count("TensortapeWarning: tensortape: the "
-                                                       "recorded model ran outside") == 1
-    # on the command line, where -W names builtin categories only: the message prefix
-    p = outside(tmp_path, "", "-W", "error:tensortape")
-    assert "RAISED tensortape:" in p.stdout
-    p = outside(tmp_path, "", "-W", "error", "-W", "ignore:tensortape")
-    assert "RAISED" not in p.stdout and "outside a step" not in p.stderr
+    assert "RAISED tensortape: the recorded model ran outside a step" in raised.stdout
+    assert "ran outside a step" not in raised.stderr
+    assert "RAISED" not in ignored.stdout and "outside a step" not in ignored.stderr
+    assert "RAISED" not in default.stdout and default.stderr.count(
+        "TensortapeWarning: tensortape: the recorded model ran outside") == 1   # shown once
+    assert "RAISED tensortape:" in prefix.stdout
+    assert "RAISED" not in prefix_ignored.stdout and "outside a step" not in prefix_ignored.stderr
 
 
 @pytest.mark.filterwarnings("error::recorder.TensortapeWarning")
