@@ -153,9 +153,11 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_demo_and_sample_scripts(tmp_path):
     p = script("demo", str(tmp_path / "demo.zarr"), "--steps", "5")
     assert p.returncode == 0 and "tensortape nan" in p.stdout
-    q = subprocess.run([sys.executable, os.path.join(ROOT, "sample_runs", "seeds.py"), str(tmp_path / "s")],
-                       capture_output=True, text=True)
-    assert q.returncode == 0 and os.path.isdir(tmp_path / "s" / "seed1.zarr")
+    q = subprocess.run([sys.executable, os.path.join(ROOT, "sample_runs", "seeds.py"),
+                        str(tmp_path / "s"), "5"], capture_output=True, text=True)
+    assert q.returncode == 0, q.stderr
+    assert [open_run(str(tmp_path / "s" / f"seed{i}.zarr")).steps().tolist() for i in (0, 1)] \
+        == [list(range(5))] * 2
 
 
 def test_readme_python_snippet_runs(tmp_path):
