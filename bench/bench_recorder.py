@@ -1,6 +1,6 @@
 """Recorder overhead, side by side in one run (ratios, never absolute claims).
 
-    python bench/bench_recorder.py [--only MODE ...] [--rounds N]   (MODE: many stats full kernel first)
+    python bench/bench_recorder.py [--only MODE ...] [--rounds N]   (MODE: many parts stats full kernel first)
 
 Workloads, on the CPU:
 
@@ -30,6 +30,13 @@ steps: what a long run pays).
   many    tensortape statistics only, and full tensors (the default
           tensors_every=1)                    vs TensorBoard add_histogram; and the
           added time per captured tensor
+  parts   on the ``many`` model: the added time per captured tensor of each part
+          of the recorder, cumulatively (plain torch hooks doing nothing; tensortape's
+          hooks into a null sink; + the capture record and clone; + the step-end
+          packing, the engine stubbed; + the engine; + the writer thread, first
+          interpreting the records only, then writing the store); the training
+          thread's step with the writer on and off.  The parts are switched off
+          through internals (no public switch exists): a bench-only measurement
   kernel  the statistics engine per tensor    vs one read of it (x.sum()): MB/s and
           the ratio to that floor
   first   the first steps of a fresh process (the kernels compile or load at their
@@ -49,6 +56,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -199,10 +207,19 @@ def bench_stats(tmp, rounds, block):
     return res, None
 
 
-def bench_many(tmp, rounds, block):
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside (the ``many`` workloads); its thread count restored after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def bench_many(tmp, rounds, block):
+    with one_thread():
         base, x, layers = many_linears()
         c = {"bare": Contender(base, x)}
         recs = [recorder(c.setdefault("tensortape stats", Contender(base, x)),
@@ -216,8 +233,79 @@ def bench_many(tmp, rounds, block):
         w.close()
         from analysis import open_run
         return res, 2 * len(open_run(os.path.join(tmp, "many-stats.zarr")).layers)
-    finally:
-        torch.set_num_threads(threads)
+
+
+class _StubEngine:
+    """An engine that computes nothing (``parts``: the packing without the engine)."""
+
+    def reduce_many(self, xs, exp_bits):
+        from recorder._summary import VECTOR
+        return torch.zeros((len(xs), VECTOR), dtype=torch.float64)
+
+
+PARTS = ("torch hooks, doing nothing", "tt hooks, null sink", "+ capture record, clone",
+         "+ step-end packing", "+ engine (writer off)", "+ writer: interpret only",
+         "+ writer: rows and commits")
+
+
+def _parts_contender(name, c, store, layers):
+    """Wire one ``parts`` contender: each switches off what its name does not add."""
+    if name == PARTS[0]:
+        hand_hooks(c.m, layers, lambda k, t: None)
+        return None
+    rec = recorder(c, store, layers, tensors_every=None)
+    level = PARTS.index(name)
+    buf, w = rec._buffer, rec._writer
+    if level == 1:
+        buf.add = lambda *a, **k: None                   # the hooks' sink does nothing
+    if level == 2:                                       # captures taken, never packed
+        buf.summarizer.pack = lambda caps: ([], [], None)
+    if level == 3:                                       # packing, with an engine doing nothing
+        buf.summarizer.engines.for_tensor = lambda x: _StubEngine()
+    if level <= 4:
+        w.put = lambda record: None                      # the writer gets nothing
+    if level == 5:
+        w.rows._write = lambda u, tensors: None          # records interpreted, no rows written
+    return rec
+
+
+def bench_parts(tmp, rounds, block):
+    """Each part's added time per captured tensor on the ``many`` model."""
+    with one_thread():
+        base, x, layers = many_linears()
+        c = {"bare": Contender(base, x)}
+        recs = []
+        for i, name in enumerate(PARTS):
+            c[name] = Contender(base, x)
+            recs.append(_parts_contender(name, c[name], os.path.join(tmp, f"parts{i}.zarr"),
+                                         layers))
+        with warnings.catch_warnings():      # the null sink's steps capture nothing: it says so
+            warnings.filterwarnings("ignore", message=".*captured nothing")
+            res = run(c, rounds, block)
+        n = recs[-1]._buffer.captured                   # captures a step (402)
+        for rec in recs:
+            if rec is not None:
+                rec.close()
+        return res, n
+
+
+def print_parts(res, bare, n):
+    """Per captured tensor: each contender's added time, and its part's own."""
+    print(f"  {'per captured tensor (' + str(n) + ' a step)':34s} {'median':>8s} {'part':>7s}"
+          f" {'sustained':>10s} {'part':>7s}")
+    prev = (0.0, 0.0)
+    parts = {}
+    for k in PARTS:
+        med, sus = ((v - b) / n * 1e6 for v, b in zip(res[k], bare))
+        parts[k] = (med - prev[0], sus - prev[1])
+        print(f"  {k:34s} {med:6.1f}us {parts[k][0]:+6.1f} {sus:8.1f}us {parts[k][1]:+6.1f}")
+        prev = (med, sus)
+    for i, what in ((0, "median"), (1, "sustained")):
+        k = max(parts, key=lambda k: parts[k][i])
+        print(f"  largest part ({what}): {k} ({parts[k][i]:.1f} us a tensor)")
+    off, on = res[PARTS[4]][0], res[PARTS[-1]][0]
+    print(f"  training thread's step (median): writer off {off * 1e3:.2f} ms, "
+          f"on {on * 1e3:.2f} ms ({(on - off) / n * 1e6:+.1f} us a tensor)")
 
 
 def bench_kernel(tmp, rounds, block):
@@ -298,7 +386,7 @@ def print_first(res: dict) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", nargs="+", choices=["full", "stats", "many", "kernel", "first"],
+    ap.add_argument("--only", nargs="+", choices=["full", "stats", "many", "parts", "kernel", "first"],
                     default=None)
     ap.add_argument("--rounds", type=int, default=None, help="rounds of blocks (default per mode)")
     ap.add_argument("--first-child", nargs=2, help=argparse.SUPPRESS)
@@ -309,7 +397,7 @@ def main():
         return
     tmp = tempfile.mkdtemp(prefix="tt-bench-")
     print(f"threads={torch.get_num_threads()}")
-    modes = (("many", bench_many, 6, 10), ("stats", bench_stats, 6, 5),
+    modes = (("many", bench_many, 6, 10), ("parts", bench_parts, 12, 10), ("stats", bench_stats, 6, 5),
              ("full", bench_full, 3, 20), ("kernel", bench_kernel, 0, 0), ("first", None, 0, 0))
     try:
         for mode, fn, rounds, block in modes:
@@ -328,6 +416,9 @@ def main():
             bare_med, bare_sus = res.pop("bare")
             print(f"\n[{mode}] {args.rounds or rounds} rounds of {block}-step blocks; bare step: "
                   f"median {bare_med * 1e3:.1f} ms, sustained {bare_sus * 1e3:.1f} ms")
+            if mode == "parts":
+                print_parts(res, (bare_med, bare_sus), extra)
+                continue
             for k, (med, sus) in res.items():
                 print(f"  {k:30s} median {med / bare_med:6.2f}x bare (+{(med - bare_med) * 1e3:7.1f} ms)"
                       f"   sustained {sus / bare_sus:6.2f}x (+{(sus - bare_sus) * 1e3:7.1f} ms)")
