@@ -106,7 +106,7 @@ class _Shards:
         hi = min(start + len(block), origin[0] + shard[0]) - origin[0]
         key = self.array.metadata.encode_chunk_key(tuple(o // s for o, s in zip(origin, shard)))
         path = self.array.store_path / key
-        old = self._stored(path, cps) if (lo, hi) != (0, extent[0]) else {}
+        old, where = self._stored(path, cps) if (lo, hi) != (0, extent[0]) else (b"", None)
         parts, at = [], 0
         index = np.full((*cps, 2), _ABSENT, dtype="<u8")
         for cc in morton_order_iter(cps):
@@ -115,10 +115,11 @@ class _Shards:
                 continue                                  # wholly outside the array
             if lo <= first[0] < hi:
                 data = self._encode(block, [o + f for o, f in zip(origin, first)], start)
-            else:
-                data = old.get(cc)
-                if not data:
+            else:                                     # kept from the stored shard
+                at_old, size = (_ABSENT, 0) if where is None else where[cc]
+                if at_old == _ABSENT or not size:
                     continue
+                data = old[int(at_old): int(at_old + size)]
             index[cc] = (at, len(data))
             at += len(data)
             parts.append(data)
@@ -142,19 +143,18 @@ class _Shards:
         data = bytes(self.zstd.encode(chunk))
         return data + _crc(data)
 
-    def _stored(self, path, cps: tuple) -> dict:
-        """The stored shard's chunks, by their coordinates in it (none: empty)."""
+    def _stored(self, path, cps: tuple) -> tuple[bytes, np.ndarray | None]:
+        """The stored shard's bytes and its index (each chunk's offset and length;
+        None: no shard stored)."""
         buf = sync(path.get(prototype=self.prototype))
         if buf is None:
-            return {}
+            return b"", None
         data = buf.to_bytes()
         size = math.prod(cps) * 16
         raw, crc = data[-size - 4: -4], data[-4:]
         if len(raw) != size or _crc(raw) != crc:
             raise ValueError(f"the shard index of {path} does not match its checksum")
-        index = np.frombuffer(raw, dtype="<u8").reshape(*cps, 2)
-        return {cc: data[int(index[cc][0]): int(index[cc][0] + index[cc][1])]
-                for cc in np.ndindex(*cps) if index[cc][0] != _ABSENT}
+        return data, np.frombuffer(raw, dtype="<u8").reshape(*cps, 2)
 
 
 class Column:
