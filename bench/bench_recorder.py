@@ -101,6 +101,7 @@ class Contender:
         self.before, self.after, self.end_block = before, after, end_block
         self.steps: list[float] = []
         self.blocks: list[float] = []
+        self.cpu: list[float] = []        # the process's CPU seconds a step, per block
 
     def step(self, i):
         with (self.before(i) if self.before else None) or contextlib.nullcontext():
@@ -111,7 +112,7 @@ class Contender:
             self.after(i)
 
     def block(self, start, n, keep):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         for i in range(start, start + n):
             t = time.perf_counter()
             self.step(i)
@@ -121,6 +122,7 @@ class Contender:
             self.end_block()
         if keep:
             self.blocks.append((time.perf_counter() - t0) / n)
+            self.cpu.append((_cpu() - c0) / n)
 
 
 def run(contenders, rounds, block):
@@ -286,21 +288,27 @@ def bench_parts(tmp, rounds, block):
         for rec in recs:
             if rec is not None:
                 rec.close()
-        return res, n
+        cpu = {k: statistics.mean(v.cpu) for k, v in c.items()}
+        return res, (n, cpu)
 
 
-def print_parts(res, bare, n):
-    """Per captured tensor: each contender's added time, and its part's own."""
+def print_parts(res, bare, extra):
+    """Per captured tensor: each contender's added time, and its part's own; and
+    the added CPU seconds of the whole process (all its threads, flush included:
+    a figure the machine's load moves less than wall time)."""
+    n, cpu = extra
     print(f"  {'per captured tensor (' + str(n) + ' a step)':34s} {'median':>8s} {'part':>7s}"
-          f" {'sustained':>10s} {'part':>7s}")
-    prev = (0.0, 0.0)
+          f" {'sustained':>10s} {'part':>7s} {'CPU':>8s} {'part':>7s}")
+    prev = (0.0, 0.0, 0.0)
     parts = {}
     for k in PARTS:
         med, sus = ((v - b) / n * 1e6 for v, b in zip(res[k], bare))
-        parts[k] = (med - prev[0], sus - prev[1])
-        print(f"  {k:34s} {med:6.1f}us {parts[k][0]:+6.1f} {sus:8.1f}us {parts[k][1]:+6.1f}")
-        prev = (med, sus)
-    for i, what in ((0, "median"), (1, "sustained")):
+        used = (cpu[k] - cpu["bare"]) / n * 1e6
+        parts[k] = (med - prev[0], sus - prev[1], used - prev[2])
+        print(f"  {k:34s} {med:6.1f}us {parts[k][0]:+6.1f} {sus:8.1f}us {parts[k][1]:+6.1f}"
+              f" {used:6.1f}us {parts[k][2]:+6.1f}")
+        prev = (med, sus, used)
+    for i, what in ((0, "median"), (1, "sustained"), (2, "CPU")):
         k = max(parts, key=lambda k: parts[k][i])
         print(f"  largest part ({what}): {k} ({parts[k][i]:.1f} us a tensor)")
     off, on = res[PARTS[4]][0], res[PARTS[-1]][0]
