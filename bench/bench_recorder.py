@@ -1,6 +1,6 @@
 """Recorder overhead, side by side in one run (ratios, never absolute claims).
 
-    python bench/bench_recorder.py [--only MODE ...] [--rounds N]   (MODE: many stats full kernel first)
+    python bench/bench_recorder.py [--only MODE ...] [--rounds N]   (MODE: many parts stats full kernel first)
 
 Workloads, on the CPU:
 
@@ -30,6 +30,13 @@ steps: what a long run pays).
   many    tensortape statistics only, and full tensors (the default
           tensors_every=1)                    vs TensorBoard add_histogram; and the
           added time per captured tensor
+  parts   on the ``many`` model: the added time per captured tensor of each part
+          of the recorder, cumulatively (plain torch hooks doing nothing; tensortape's
+          hooks into a null sink; + the capture record and clone; + the step-end
+          packing, the engine stubbed; + the engine; + the writer thread, first
+          interpreting the records only, then writing the store); the training
+          thread's step with the writer on and off.  The parts are switched off
+          through internals (no public switch exists): a bench-only measurement
   kernel  the statistics engine per tensor    vs one read of it (x.sum()): MB/s and
           the ratio to that floor
   first   the first steps of a fresh process (the kernels compile or load at their
@@ -93,6 +100,7 @@ class Contender:
         self.before, self.after, self.end_block = before, after, end_block
         self.steps: list[float] = []
         self.blocks: list[float] = []
+        self.cpu: list[float] = []        # the process's CPU seconds a step, per block
 
     def step(self, i):
         with (self.before(i) if self.before else None) or contextlib.nullcontext():
@@ -103,7 +111,7 @@ class Contender:
             self.after(i)
 
     def block(self, start, n, keep):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         for i in range(start, start + n):
             t = time.perf_counter()
             self.step(i)
@@ -113,6 +121,7 @@ class Contender:
             self.end_block()
         if keep:
             self.blocks.append((time.perf_counter() - t0) / n)
+            self.cpu.append((_cpu() - c0) / n)
 
 
 def run(contenders, rounds, block):
@@ -199,10 +208,19 @@ def bench_stats(tmp, rounds, block):
     return res, None
 
 
-def bench_many(tmp, rounds, block):
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside (the ``many`` workloads); its thread count restored after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def bench_many(tmp, rounds, block):
+    with one_thread():
         base, x, layers = many_linears()
         c = {"bare": Contender(base, x)}
         recs = [recorder(c.setdefault("tensortape stats", Contender(base, x)),
@@ -216,8 +234,12 @@ def bench_many(tmp, rounds, block):
         w.close()
         from analysis import open_run
         return res, 2 * len(open_run(os.path.join(tmp, "many-stats.zarr")).layers)
-    finally:
-        torch.set_num_threads(threads)
+
+
+def bench_parts(tmp, rounds, block):
+    """``parts``: each part's added time per captured tensor (``bench_parts.py``)."""
+    from bench_parts import bench
+    return bench(tmp, rounds, block)
 
 
 def bench_kernel(tmp, rounds, block):
@@ -298,7 +320,7 @@ def print_first(res: dict) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", nargs="+", choices=["full", "stats", "many", "kernel", "first"],
+    ap.add_argument("--only", nargs="+", choices=["full", "stats", "many", "parts", "kernel", "first"],
                     default=None)
     ap.add_argument("--rounds", type=int, default=None, help="rounds of blocks (default per mode)")
     ap.add_argument("--first-child", nargs=2, help=argparse.SUPPRESS)
@@ -309,7 +331,7 @@ def main():
         return
     tmp = tempfile.mkdtemp(prefix="tt-bench-")
     print(f"threads={torch.get_num_threads()}")
-    modes = (("many", bench_many, 6, 10), ("stats", bench_stats, 6, 5),
+    modes = (("many", bench_many, 6, 10), ("parts", bench_parts, 12, 10), ("stats", bench_stats, 6, 5),
              ("full", bench_full, 3, 20), ("kernel", bench_kernel, 0, 0), ("first", None, 0, 0))
     try:
         for mode, fn, rounds, block in modes:
@@ -328,6 +350,10 @@ def main():
             bare_med, bare_sus = res.pop("bare")
             print(f"\n[{mode}] {args.rounds or rounds} rounds of {block}-step blocks; bare step: "
                   f"median {bare_med * 1e3:.1f} ms, sustained {bare_sus * 1e3:.1f} ms")
+            if mode == "parts":
+                from bench_parts import report
+                report(res, (bare_med, bare_sus), extra)
+                continue
             for k, (med, sus) in res.items():
                 print(f"  {k:30s} median {med / bare_med:6.2f}x bare (+{(med - bare_med) * 1e3:7.1f} ms)"
                       f"   sustained {sus / bare_sus:6.2f}x (+{(sus - bare_sus) * 1e3:7.1f} ms)")

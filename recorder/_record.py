@@ -35,6 +35,7 @@ writer thread, but for the two policies above.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -62,10 +63,10 @@ class Plan:
         return cls(step, config.stats_at(step), persist, keep)
 
 
-@dataclass(frozen=True)
-class Meta:
+class Meta(NamedTuple):
     """A capture as the record keeps it: which row of which block holds its vector
-    (``block`` None: none, its element count is all)."""
+    (``block`` None: none, its element count is all).  A named tuple: a step makes
+    one or two per capture, and a frozen dataclass costs three times as much."""
     order: int
     kind: str
     name: str
@@ -113,6 +114,8 @@ class Packed:
         for part in self._parts:
             part.unpin()
         arrays = [part.host().numpy() for part in self._parts]
+        if len(arrays) == 1:           # one device (the common case): no copy
+            return arrays[0]
         return np.concatenate(arrays) if arrays else np.zeros(0)
 
 
@@ -165,43 +168,53 @@ class CloseRecord:
 def _resolve(rec: StepRecord) -> Resolved:
     """The writer thread's work on a record (see the module): every capture with
     statistics is a row of ``moments``, the summary blocks' rows first, then a row
-    for each capture without a vector (its element count)."""
+    for each capture without a vector (its element count).  One pass over the
+    captures finds each one's row; the non-finite counts are read for all of them
+    at once, and only captures holding NaN/Inf become events."""
     out = Resolved()
-    if not rec.metas:
+    metas, blocks = rec.metas, rec.blocks
+    if not metas:
         return out
     flat = rec.packed.host() if rec.packed is not None else np.zeros(0)
-    mats = [flat[b.start: b.start + b.rows * b.width].reshape(b.rows, b.width) for b in rec.blocks]
-    summary = [i for i, b in enumerate(rec.blocks) if b.holds is Holds.SUMMARY]
+    mats = [flat[b.start: b.start + b.rows * b.width].reshape(b.rows, b.width) for b in blocks]
+    summary = [i for i, b in enumerate(blocks) if b.holds is Holds.SUMMARY]
     base, at = {}, 0
     for i in summary:
-        base[i], at = at, at + rec.blocks[i].rows
-    counted_only = [i for i, m in enumerate(rec.metas) if m.block is None]
-    position = {i: at + j for j, i in enumerate(counted_only)}
-    for i, m in enumerate(rec.metas):
-        if m.block is not None and rec.blocks[m.block].holds is Holds.SUMMARY:
-            position[i] = base[m.block] + m.row
-    m, hist = moments([mats[i] for i in summary], [float(rec.metas[i].numel) for i in counted_only])
-    for i, meta in enumerate(rec.metas):
-        if i in position:
-            p = position[i]
-            bad = (int(m["nan"][p]), int(m["posinf"][p]), int(m["neginf"][p]))
-        elif meta.block is not None:                # Holds.NONFINITE: the counts themselves
-            bad = tuple(int(v) for v in mats[meta.block][meta.row])
+        base[i], at = at, at + blocks[i].rows
+    position = [-1] * len(metas)         # each capture's row of ``moments`` (-1: none)
+    counts: list[float] = []             # the element counts of captures without a vector
+    nonfinite = []                       # captures whose vector is their NaN/Inf counts
+    for i, meta in enumerate(metas):
+        b = meta.block
+        if b is None:
+            position[i] = at + len(counts)
+            counts.append(float(meta.numel))
+        elif b in base:
+            position[i] = base[b] + meta.row
         else:
-            continue
-        if any(bad):
+            nonfinite.append(i)
+    m, hist = moments([mats[i] for i in summary], counts)
+    pos = np.array(position, dtype=np.int64)
+    rows = np.flatnonzero(pos >= 0)
+    bad = np.stack([m["nan"], m["posinf"], m["neginf"]], axis=1)[pos[rows]]
+    found = [(int(rows[j]), bad[j]) for j in np.flatnonzero(bad.any(axis=1))]
+    found += [(i, mats[metas[i].block][metas[i].row]) for i in nonfinite]
+    for i, counted in found:
+        n_nan, n_pos, n_neg = (int(v) for v in counted)
+        if n_nan or n_pos or n_neg:
+            meta = metas[i]
             out.events.append(fmt.NonFiniteEvent(
-                rec.step, meta.name, meta.kind, *bad, order=meta.order,
+                rec.step, meta.name, meta.kind, n_nan, n_pos, n_neg, order=meta.order,
                 phase="backward" if meta.kind in fmt.BACKWARD_KINDS else "forward",
                 micro=meta.micro))
     out.events.sort(key=lambda e: e.sort_key)
     if not rec.plan.stats:
         return out
     per_kind: dict[str, dict[str, list[int]]] = {}        # kind -> layer -> its rows
-    for i, meta in enumerate(rec.metas):
-        if i in position:
-            per_kind.setdefault(meta.kind, {}).setdefault(meta.name, []).append(position[i])
-    s = combine(m, hist, [rows for layers in per_kind.values() for rows in layers.values()])
+    for i in rows.tolist():
+        meta = metas[i]
+        per_kind.setdefault(meta.kind, {}).setdefault(meta.name, []).append(position[i])
+    s = combine(m, hist, [r for layers in per_kind.values() for r in layers.values()])
     at = 0                                             # micro-batches: one row over all of them
     for kind, layers in per_kind.items():
         part = slice(at, at + len(layers))

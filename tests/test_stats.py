@@ -229,6 +229,44 @@ def test_nonfinite_between_stats_steps_is_still_an_event(tmp_store):
     assert run.first_nonfinite().step == 7
 
 
+def _poisoned(n, nan, posinf, neginf, seed):
+    """``n`` values holding that many NaN, +Inf and -Inf, at random places."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    x[:nan] = float("nan")
+    x[nan: nan + posinf] = float("inf")
+    x[nan + posinf: nan + posinf + neginf] = -float("inf")
+    return x[torch.randperm(n, generator=g)]
+
+
+def test_every_event_holds_its_own_captures_nan_and_inf_counts(tmp_store):
+    """Each capture's NaN, +Inf and -Inf counts, against plain counts of the tensor,
+    in every form a capture takes: tiny tensors (summarised in the step's batch),
+    large ones (an engine's own vector), integer ones (a count only, never an
+    event), at a step without statistics (NaN/Inf counts only), over micro-batches."""
+    model = Emit([])
+    expected = set()
+    with Recorder(model, tmp_store, layers="", capture="activations", tensors_every=None,
+                  stats_every=2) as rec:
+        for step in range(3):                      # steps 0 and 2 with statistics, 1 without
+            with rec.step():
+                for micro in range(2):
+                    seed = 10 * step + micro
+                    model.xs = [_poisoned(64, 1 + micro, 0, 2, seed), _poisoned(64, 0, 3, step, seed),
+                                _poisoned(20000, 5, 7 + micro, 11, seed),
+                                _poisoned(64, 0, 0, 0, seed), _poisoned(9000, 0, 0, 4, seed),
+                                torch.arange(5)]
+                    model()
+                    for i, x in enumerate(model.xs):
+                        if x.is_floating_point():
+                            bad = (int(x.isnan().sum()), int((x == float("inf")).sum()),
+                                   int((x == -float("inf")).sum()))
+                            if any(bad):
+                                expected.add((step, f"(root):{i}", micro, *bad))
+    got = {(e.step, e.layer, e.micro, e.nan, e.posinf, e.neginf) for e in open_run(tmp_store).events}
+    assert got == expected
+
+
 def test_histogram_bins_are_identical_across_runs(tmp_path):
     bins = []
     for seed in (0, 1):

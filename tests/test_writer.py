@@ -465,3 +465,45 @@ def test_tensortape_s_warnings_name_the_user_s_line(tmp_path):
         with pytest.warns(TensortapeWarning, match="outside a step") as told:
             model(torch.randn(2, 16))
     assert told[0].filename == __file__, told[0].filename
+
+
+def _files(root):
+    """Every stored file under ``root``: its path and bytes."""
+    import pathlib
+    return {str(p.relative_to(root)): p.read_bytes()
+            for p in sorted(pathlib.Path(root).rglob("*")) if p.is_file() and "/c/" in str(p)}
+
+
+@pytest.mark.parametrize("layers", [3, 201, 300])
+def test_statistics_shards_are_written_byte_for_byte_as_zarr_writes_them(tmp_path, layers):
+    """The writer encodes the statistics tables' shards itself (``recorder._table``);
+    the oracle is zarr writing the same blocks into an identical array: every stored
+    file is the same, byte for byte, after each write (a first write, a shard's
+    other bands kept, a band written again, several shards across the layers, the
+    edge padded), and zarr reads back what was written."""
+    import zarr
+    from recorder._layout import stats_columns
+    from recorder._table import _Shards
+    rng = np.random.default_rng(layers)
+    made = {}
+    for side in ("zarr", "ours"):
+        g = zarr.open_group(str(tmp_path / side), mode="w")
+        made[side] = stats_columns(g, "activations", layers)
+    for name, rows in (("hist", 16), ("stats", 1024)):
+        ours, theirs = made["ours"][name], made["zarr"][name]
+        shards = _Shards.of(ours)
+        assert shards is not None
+        for a in (ours, theirs):
+            a.resize((512 if name == "hist" else 2048, *a.shape[1:]))
+        for start in (0, 16, 16, 240, 256) if name == "hist" else (0, 0, 1024):
+            block = np.full((rows, *ours.shape[1:]), ours.fill_value, dtype=ours.dtype)
+            filled = rng.integers(1, rows + 1)
+            block[:filled] = (rng.integers(0, 50, (filled, *ours.shape[1:])) if name == "hist"
+                              else rng.standard_normal((filled, *ours.shape[1:])))
+            assert shards.fits(start, block)
+            theirs[start: start + rows] = block
+            shards.write(start, block)
+            stored = _files(tmp_path / "ours")
+            assert stored and stored == _files(tmp_path / "zarr")
+            np.testing.assert_array_equal(ours[start: start + rows], block)
+    assert not _Shards.of(made["ours"]["step"])          # not sharded: zarr writes it
