@@ -68,7 +68,8 @@ def rows(step: int, layers: int, rng) -> tuple[dict, np.ndarray]:
 
 def write(loc: str, steps: int, layers: int) -> float:
     from recorder import format as fmt
-    from recorder._store import RunStore, open_root
+    from recorder._root import open_root
+    from recorder._store import RunStore
     names = names_of(layers)
     root = open_root(loc, "w", 0, attributes={"tensortape_format": fmt.FORMAT_VERSION,
                                               "status": "recording", "layers": names,
