@@ -153,8 +153,7 @@ def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start
     out = MapColumns(run, kind, rank, rows, stat, i0, edges, len(names))
     if level == GRAIN:
         got = grains.get(run, kind, rank, rows, g1)[g0:g1]
-        out.fold(np.stack([got[..., MAP_STATS.index(stat)], got[..., -1]], axis=-1),
-                 np.arange(g0, g1) * GRAIN)
+        out.fold(got[..., MAP_STATS.index(stat)], got[..., -1], np.arange(g0, g1) * GRAIN)
         out.fine(i0, g0 * GRAIN)                              # the partial grains
         out.fine(g1 * GRAIN, i1)
     elif level:

@@ -62,15 +62,16 @@ class MapColumns:
         self.values = np.full((ncol, width), np.nan)
         self.bad = np.zeros((ncol, width), bool)
 
-    def fold(self, grains: np.ndarray, first: np.ndarray) -> None:
-        """Grains (grain, layer, [value, any non-finite]) whose first rows are ``first``."""
-        if not len(grains):
+    def fold(self, values: np.ndarray, flags: np.ndarray, first: np.ndarray) -> None:
+        """Grains' ``values`` and non-finite ``flags`` (grain x layer; a flag is set
+        where ``> 0``) whose first rows are ``first``."""
+        if not len(values):
             return
         col = np.searchsorted(self.edges, first - self.i0, "right") - 1
         at = np.flatnonzero(np.r_[True, col[1:] != col[:-1]])
         c = col[at]
-        self.values[c] = np.fmax(self.values[c], np.fmax.reduceat(grains[..., 0], at, axis=0))
-        self.bad[c] |= np.logical_or.reduceat(grains[..., 1] > 0, at, axis=0)
+        self.values[c] = np.fmax(self.values[c], np.fmax.reduceat(values, at, axis=0))
+        self.bad[c] |= np.logical_or.reduceat(flags > 0, at, axis=0)
 
     def fine(self, a: int, b: int) -> None:
         """Rows ``a:b`` (of the rows read): the whole fine grains among them from the
@@ -85,14 +86,14 @@ class MapColumns:
         s1 = min(f1, max(f0, held))
         if s1 > f0:
             w = self.values.shape[1]
-            got = [np.asarray(arr[f0:s1, :w, i], np.float64)
-                   for i in (MAP_STATS.index(self.stat), len(MAP_STATS))]
-            self.fold(np.stack(got, axis=-1), np.arange(f0, s1) * fine)
+            self.fold(*(np.asarray(arr[f0:s1, :w, i], np.float64)
+                        for i in (MAP_STATS.index(self.stat), len(MAP_STATS))),
+                      np.arange(f0, s1) * fine)
         for r0 in range(s1 * fine, f1 * fine, BLOCK):
             r1 = min(f1 * fine, r0 + BLOCK)
             got = self.block(r0, r1)
-            both = np.stack([fmt.map_value(got, self.stat), fmt.any_nonfinite(got)], axis=-1)
-            self.fold(fmt.grain_maxima(both, fine), np.arange(r0, r1, fine))
+            self.fold(fmt.grain_maxima(fmt.map_value(got, self.stat), fine),
+                      fmt.grain_maxima(fmt.any_nonfinite(got), fine), np.arange(r0, r1, fine))
         self.rows(f1 * fine, b)
 
     def rows(self, a: int, b: int) -> None:
