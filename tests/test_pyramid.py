@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.parse
 import urllib.request
 
@@ -298,17 +299,28 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def committed(path) -> int:
+    try:
+        with open(os.path.join(path, "rank0", "zarr.json")) as f:
+            return json.load(f)["attributes"]["committed"].get(TABLE, 0)
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 def test_a_run_killed_while_recording_reads_right(tmp_path):
     path = str(tmp_path / "killed.zarr")
     env = dict(os.environ, TENSORTAPE_COMPILE="0")
     proc = subprocess.Popen([sys.executable, "-c", CHILD, path, ROOT], stdout=subprocess.PIPE,
                             text=True, cwd=ROOT, env=env)
     assert proc.stdout.readline().strip() == "ready"
-    proc.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while committed(path) < 200 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)            # while it records: rows, grains, commits
     proc.wait()
     proc.stdout.close()
     run = open_run(path)
-    assert run.status == "recording" and len(run.steps("activations")) > 100
+    assert run.status == "recording" and len(run.steps("activations")) >= 200
     s = Server(path)
     try:
         n = int(run.steps("activations")[-1]) + 1
