@@ -225,6 +225,21 @@ def test_the_stored_pyramid_is_the_grains_of_the_stored_rows(stores, name, grain
     assert ((got[..., 5] > 0) == (want[..., 5] > 0)).all()
 
 
+def test_a_store_migrated_from_its_export_has_its_pyramid(stores, tmp_path):
+    from click.testing import CliRunner
+    from cli import cli
+    h5 = open_run(stores["plain"]).to_hdf5(str(tmp_path / "plain.h5"))
+    new = str(tmp_path / "back.zarr")
+    assert CliRunner().invoke(cli, ["migrate", h5, new]).exit_code == 0
+    g = zarr.open_group(new, mode="r")
+    assert dict(g["rank0"].attrs)["pyramid"][TABLE] == 357
+    for grain in (64, 8):
+        want = stored_oracle(new, grain)
+        got = g[TABLE][f"pyramid{grain}"][:]
+        assert got.shape[0] == 357 // grain
+        np.testing.assert_array_equal(got[..., :5], want[..., :5])
+
+
 def test_a_store_with_a_pyramid_opens_with_plain_xarray(stores):
     import xarray as xr
     tree = xr.open_datatree(stores["resumed"], engine="zarr", consolidated=False)
