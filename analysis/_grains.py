@@ -147,7 +147,7 @@ class Grains:
                            as_slice(rows[r0:min(upto * GRAIN, r0 + BLOCK)]), slice(0, width))
                 both = [*(fmt.map_value(got, s) for s in MAP_STATS), fmt.any_nonfinite(got)]
                 add.append(fmt.grain_maxima(np.stack(both, axis=-1), GRAIN))
-            kept = np.concatenate([kept, *add])
+            kept = add[0] if not len(kept) and len(add) == 1 else np.concatenate([kept, *add])
             done = rows[:len(kept) * GRAIN].copy()
         self.tables[key] = (kept, done)
         return kept

@@ -182,10 +182,13 @@ class RunIndex:
 
     def _level(self, path: str, grain: int):
         """The array of a stats table's pyramid level, if it is one this reader reads."""
-        where = f"{path}/{fmt.pyramid_level(grain)}"
-        if self.tables.version != 3 or not self.source.has(where):
+        if self.tables.version != 3:
             return None
-        arr, attrs = self.source.array(where), self.source.attrs(where)
+        try:                                # one read of its metadata
+            arr = self.source.array(f"{path}/{fmt.pyramid_level(grain)}")
+        except KeyError:
+            return None
+        attrs = dict(arr.attrs)
         ok = (attrs.get("grain") == grain and attrs.get("stats") == list(fmt.PYRAMID_STATS)
               and arr.ndim == 3 and arr.shape[2] == len(fmt.PYRAMID_STATS))
         return arr if ok else None
