@@ -84,7 +84,8 @@ class RunStore:
         if not committed:
             return Pyramid(g, pyramid_columns(g, width), 0, self.pool)
         names = {grain: fmt.pyramid_level(grain) for grain in fmt.PYRAMID_GRAINS}
-        if self.state().pyramid.get(path, 0) < committed or not all(n in g for n in names.values()):
+        if self.state().pyramid.get(path, 0) < committed or not all(
+                n in g and g[n].shape[0] >= committed // grain for grain, n in names.items()):
             return None
         col = table.columns["stats"]          # its buffer holds the rows of its last chunk
         start = committed - committed % math.lcm(*fmt.PYRAMID_GRAINS)
