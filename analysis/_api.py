@@ -24,18 +24,15 @@ from recorder.errors import RecorderError
 
 from ._numbers import number
 from ._stats import Statistics
+from ._grains import BLOCK, GRAIN, Grains, MapColumns, read as _read, reduce as _reduce
 from ._tables import as_slice
 
 __all__ = ["GRAIN", "Grains", "MAP_STATS", "NotFound", "compare_map", "histogram", "map_", "runs", "scalars",
            "stats"]
 
-MAP_STATS = ("abs_max", "std", "norm", "rms", "nonfinite")
-BLOCK = 4096            # rows read at a time (a multiple of the stats shards' 1024 steps)
+MAP_STATS = fmt.MAP_STATS
 NONFINITE = fmt.COUNT_STATS[1:]          # nan, posinf, neginf
-MAP_NEEDS = {"nonfinite": NONFINITE, "rms": ("count", "norm", *NONFINITE),
-             **{s: (s, *NONFINITE) for s in ("abs_max", "std", "norm")}}
-GRAIN_NEEDS = ("count", "abs_max", "std", "norm", *NONFINITE)
-GRAIN = 64              # rows a grain (``Grains``); BLOCK is a multiple of it
+_map_values = fmt.map_value
 
 
 class NotFound(RecorderError):
@@ -124,49 +121,16 @@ def _window(steps: np.ndarray, start, stop) -> tuple[int, int]:
     return i0, max(i0, i1)
 
 
-def _reduce(block: np.ndarray, b0: int, edges: np.ndarray, out: np.ndarray, op) -> None:
-    """Fold rows ``b0 : b0 + len(block)`` of a window into its columns (``out``)."""
-    b1 = b0 + len(block)
-    c0 = int(np.searchsorted(edges, b0, "right")) - 1
-    c1 = int(np.searchsorted(edges, b1 - 1, "right")) - 1
-    starts = np.maximum(edges[c0:c1 + 1], b0) - b0
-    out[c0:c1 + 1] = op(out[c0:c1 + 1], op.reduceat(block, starts, axis=0))
-
-
-def _read(run, kind: str, rank: int, names: tuple, rows, cols) -> dict:
-    """Statistics ``names`` at ``rows`` (a slice where they are consecutive) and layer
-    columns ``cols``; only the chunks they touch are read.  A format-3 table read at
-    a slice of rows is sliced directly (no task graph); anything else through dask."""
-    path = fmt.stats_group(rank, kind)
-    tables = run.index.tables
-    if isinstance(rows, slice) and tables.version == 3:
-        run.index.checked_rows(path, rank)
-        arr = tables.source.array(f"{path}/stats")
-        return {s: np.asarray(arr[rows, cols, fmt.STATS.index(s)], np.float64) for s in names}
-    import dask
-    lazy = [tables.stat(path, s, rows, cols) for s in names]
-    return dict(zip(names, dask.compute(*lazy, scheduler="threads")))
-
-
-def _map_values(got: dict, stat: str) -> np.ndarray:
-    """One block's values of ``stat`` (rows x layers): NaN where the layer did not run."""
-    bad = sum(np.nan_to_num(got[k], nan=0.0) for k in NONFINITE)
-    if stat == "nonfinite":
-        return np.where(np.isnan(got["nan"]), np.nan, bad)
-    if stat == "rms":
-        finite = got["count"] - bad
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(finite > 0, got["norm"] / np.sqrt(finite), np.nan)
-    return got[stat]
-
-
 def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start=None,
          stop=None, width: int = 1000, grains: "Grains | None" = None) -> dict:
     """The layer x step map of ``stat`` over steps [start, stop), in at most ``width``
     columns; rows in execution order.  ``grains``: a cache of each layer's maxima
-    per ``GRAIN`` rows, used when a column spans whole grains (its columns then
-    hold whole grains, and the window's partial grains at either end).  Memory: a
-    block of ``BLOCK`` rows read at a time, whatever the window."""
+    per ``GRAIN`` rows; with it, a window of at least ``width / 4`` grains of a
+    pyramid level (``fmt.PYRAMID_GRAINS``: 64, else 8 rows) has columns of whole
+    grains of that level (and the window's partial grains at either end), read
+    from the cache (64), the stored pyramid where it holds them, or the rows.
+    Every column is the largest of its rows however it is read, bit for bit.
+    Memory: a block of ``BLOCK`` rows read at a time, whatever the window."""
     _stat(stat, MAP_STATS)
     rank = _rank(run, rank)
     _kind(run, kind, rank)
@@ -176,84 +140,33 @@ def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start
     cols = sorted(range(len(names)), key=lambda i: order.get(names[i], len(order) + i))
     i0, i1 = _window(steps, start, stop)
     n, width = i1 - i0, max(1, int(width))
-    g0, g1 = -(-i0 // GRAIN), i1 // GRAIN
     # a window of many grains a column is made of whole grains: at most ``width`` columns
-    # and at least one grain each (fewer columns than ``width`` below width x GRAIN steps)
-    coarse = grains is not None and g1 - g0 >= max(1, width // 4)
-    if coarse:
-        edges = np.concatenate([[0], _columns(g1 - g0, width)[1:-1] * GRAIN + g0 * GRAIN - i0, [n]])
-        edges = edges.astype(np.int64)
+    # and at least one grain each (fewer columns than ``width`` below width x grain steps)
+    level = next((g for g in fmt.PYRAMID_GRAINS if i1 // g + i0 // -g >= max(1, width // 4)),
+                 None) if grains is not None else None
+    if level:
+        g0, g1 = -(i0 // -level), i1 // level
+        edges = np.concatenate([[0], _columns(g1 - g0, width)[1:-1] * level + g0 * level - i0,
+                                [n]]).astype(np.int64)
     else:
         edges = _columns(n, width)
-    ncol = len(edges) - 1 if n else 0
-    values = np.full((ncol, len(names)), np.nan)
-    bad = np.zeros((ncol, len(names)), bool)
-    need = MAP_NEEDS[stat]
-    spans = [(0, n)]
-    if coarse:
-        gv, gb = grains.get(run, kind, rank, rows, g1)
-        first = edges[:-1] + i0
-        at = np.maximum(-(-first // GRAIN), g0) - g0
-        values[:] = np.fmax.reduceat(gv[stat][g0:g1], at, axis=0)
-        bad[:] = np.logical_or.reduceat(gb[g0:g1], at, axis=0)
-        spans = [(0, g0 * GRAIN - i0), (g1 * GRAIN - i0, n)]          # the partial grains
-    for a, b in spans:
-        for b0 in range(a, b, BLOCK):
-            got = _read(run, kind, rank, need, as_slice(rows[i0 + b0: i0 + min(b, b0 + BLOCK)]),
-                        slice(None))
-            _reduce(_map_values(got, stat), b0, edges, values, np.fmax)
-            _reduce(_nonfinite(got), b0, edges, bad, np.logical_or)
+    out = MapColumns(run, kind, rank, rows, stat, i0, edges, len(names))
+    if level == GRAIN:
+        got = grains.get(run, kind, rank, rows, g1)[g0:g1]
+        out.fold(got[..., MAP_STATS.index(stat)], got[..., -1], np.arange(g0, g1) * GRAIN)
+        out.fine(i0, g0 * GRAIN)                              # the partial grains
+        out.fine(g1 * GRAIN, i1)
+    elif level:
+        out.fine(i0, i1)
+    else:
+        out.rows(i0, i1)
+    values, bad = out.values, out.bad
     lo = steps[i0 + edges[:-1]] if n else np.zeros(0, np.int64)
     hi = steps[i0 + edges[1:] - 1] if n else np.zeros(0, np.int64)
     return {"kind": kind, "stat": stat, "rank": rank, "layers": [names[i] for i in cols],
             "step_lo": ints(lo), "step_hi": ints(hi), "steps_in_window": int(n),
             "values": numbers(values.T[cols]), "nonfinite": bad.T[cols].tolist(),
             "steps": [int(steps[0]), int(steps[-1])] if len(steps) else None}
-
-
-def _nonfinite(got: dict) -> np.ndarray:
-    return sum(np.nan_to_num(got[k], nan=0.0) for k in NONFINITE) > 0
-
-
-class Grains:
-    """Each layer's largest value of every map statistic, and whether any is
-    non-finite, per grain of ``GRAIN`` consecutive rows of a stats table: what a
-    map of many steps a column is made of (about 50 bytes a layer per grain).
-    Only whole grains are kept, so a live run's new rows add grains; rows that
-    change (a step recorded again) start the table's grains anew."""
-
-    def __init__(self):
-        self.tables: dict = {}
-
-    def filled(self, run, kind: str, rank: int, rows: np.ndarray) -> int:
-        """How many grains of (kind, rank) are kept for these rows."""
-        have = self.tables.get((run.path, kind, rank))
-        return len(have[2]) // GRAIN if have and np.array_equal(have[2], rows[:len(have[2])]) else 0
-
-    def get(self, run, kind: str, rank: int, rows: np.ndarray, upto: int):
-        """The grains of (kind, rank) up to grain ``upto``, read where not yet."""
-        key = (run.path, kind, rank)
-        have = self.tables.get(key)
-        if have is None or not np.array_equal(have[2], rows[:len(have[2])]):
-            have = ({s: np.zeros((0, len(run.index.stats_layers(kind, rank)))) for s in MAP_STATS},
-                    np.zeros((0, len(run.index.stats_layers(kind, rank))), bool), rows[:0].copy())
-        values, bad, done = have
-        g = len(done) // GRAIN
-        if g < upto:
-            add_v, add_b = {s: [] for s in MAP_STATS}, []
-            for r0 in range(g * GRAIN, upto * GRAIN, BLOCK):
-                r1 = min(upto * GRAIN, r0 + BLOCK)
-                got = _read(run, kind, rank, GRAIN_NEEDS, as_slice(rows[r0:r1]), slice(None))
-                k = (r1 - r0) // GRAIN
-                for s in MAP_STATS:
-                    v = _map_values(got, s).reshape(k, GRAIN, -1)
-                    add_v[s].append(np.fmax.reduce(v, axis=1))
-                add_b.append(_nonfinite(got).reshape(k, GRAIN, -1).any(axis=1))
-            values = {s: np.concatenate([values[s], *add_v[s]]) for s in MAP_STATS}
-            bad = np.concatenate([bad, *add_b])
-            done = rows[:upto * GRAIN].copy()
-        self.tables[key] = (values, bad, done)
-        return values, bad
 
 
 # --- one layer: its histogram and its statistics --------------------------------------------

@@ -54,6 +54,7 @@ class RunIndex:
                                    ) from e
         self._valid: set[str] = set()
         self._current: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._pyramids: dict[tuple[str, int, int], list] = {}
 
     def _open(self) -> None:
         self.source = open_source(self.path)
@@ -151,6 +152,46 @@ class RunIndex:
             recordings = np.asarray(self.source.array(f"{path}/{fmt.RECORDING}")[:n]) \
                 if self.source.has(f"{path}/{fmt.RECORDING}") else np.zeros(n, np.int64)
         return fmt.current_rows(steps, recordings, runs), steps
+
+    def pyramid(self, path: str, rank: int, grain: int, rows: np.ndarray):
+        """A stats table's stored pyramid level of ``grain`` rows a grain, and how many
+        of its first grains a reader of ``rows`` (the table's rows it reads, in order)
+        may trust: grains of rows that are committed, that the rank state says the
+        pyramid covers, and that are read as stored (the rows read begin with the
+        physical rows, in order: no step recorded again before them), each shard of
+        them there.  ``(None, 0)`` for a table without one (older stores, exports)."""
+        key = (path, rank, grain)
+        if key not in self._pyramids:
+            self._pyramids[key] = [self._level(path, grain), 0]
+        got = self._pyramids[key]
+        arr = got[0]
+        if arr is None:
+            return None, 0
+        covered = min(self.states[rank].pyramid.get(path, 0), self.checked_rows(path, rank))
+        head = np.asarray(rows[:covered])
+        moved = np.flatnonzero(head != np.arange(len(head)))
+        n = min((int(moved[0]) if len(moved) else len(head)) // grain, int(arr.shape[0]))
+        if n > got[1]:
+            shard = int((getattr(arr, "shards", None) or arr.chunks)[0])
+            where = f"{path}/{fmt.pyramid_level(grain)}"
+            if self.source.missing_chunk(where, (f"c/{i}/0/0" for i in range(-(-n // shard)))):
+                got[0] = None               # a partial copy: the rows are read instead
+                return None, 0
+            got[1] = n
+        return arr, n
+
+    def _level(self, path: str, grain: int):
+        """The array of a stats table's pyramid level, if it is one this reader reads."""
+        if self.tables.version != 3:
+            return None
+        try:                                # one read of its metadata
+            arr = self.source.array(f"{path}/{fmt.pyramid_level(grain)}")
+        except KeyError:
+            return None
+        attrs = dict(arr.attrs)
+        ok = (attrs.get("grain") == grain and attrs.get("stats") == list(fmt.PYRAMID_STATS)
+              and arr.ndim == 3 and arr.shape[2] == len(fmt.PYRAMID_STATS))
+        return arr if ok else None
 
     # --- checks -------------------------------------------------------------------
     def checked_rows(self, path: str, rank: int) -> int:

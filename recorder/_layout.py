@@ -2,7 +2,8 @@
 
 ``format`` names the groups, arrays and attributes of a store; this module
 makes the arrays behind those names as the recorder writes them: a statistics
-table's packed ``stats`` and sharded ``hist`` (with their bins), a full-tensor
+table's packed ``stats`` and sharded ``hist`` (with their bins) and its
+pyramid's levels (``pyramid_columns``), a full-tensor
 table's ``data`` (chunked by rows to about ``CHUNK_BYTES``, compressed at the
 level ``zstd_level`` picks) and its small columns, and the columns an older
 table gains (``existing_columns``).  ``to_numpy`` is a host tensor as those
@@ -23,7 +24,8 @@ from . import format as fmt
 from .dtypes import nan_bits
 from .histogram import NBINS, bin_edges
 
-__all__ = ["existing_columns", "fill_for", "new_array", "stats_columns", "step_column",
+__all__ = ["existing_columns", "fill_for", "new_array", "pyramid_columns", "stats_columns",
+           "step_column",
            "tensor_columns", "to_numpy", "zstd_level"]
 
 CHUNK_BYTES = 8 << 20          # target size of one data chunk, uncompressed
@@ -33,6 +35,8 @@ LAYER_CHUNK = 256            # steps x 256 layers x every statistic, whose inner
 STATS_LAYER_CHUNK = 16       # one statistic of 16 layers (a layer's evolution reads little);
 HIST_SHARD_ROWS = 256        # histograms in shards of 256 steps x 256 layers, whose inner
                              # chunks are 16 steps x 8 layers
+PYRAMID_CHUNK = 128          # grains a shard of a pyramid level (x 256 layers x every
+                             # statistic), whose inner chunks are one statistic
 HIST_CHUNK_ROWS = 16
 HIST_LAYER_CHUNK = 8
 SAMPLE_BYTES = 1 << 20         # how much of a tensor's first step picks its zstd level
@@ -97,6 +101,17 @@ def stats_columns(g: zarr.Group, kind: str, n_layers: int) -> dict[str, zarr.Arr
                               shards=(HIST_SHARD_ROWS, LAYER_CHUNK, NBINS))}
     g.update_attributes({"kind": kind, fmt.EVERY_CHUNK: True, "stats": list(fmt.STATS)})
     return cols
+
+
+def pyramid_columns(g: zarr.Group, n_layers: int) -> dict[int, zarr.Array]:
+    """A new statistics table's pyramid in ``g``, ``n_layers`` wide: an array
+    (grain, layer, ``format.PYRAMID_STATS``) per level, by its grain."""
+    return {grain: new_array(g, fmt.pyramid_level(grain), (0, n_layers, len(fmt.PYRAMID_STATS)),
+                             (PYRAMID_CHUNK, LAYER_CHUNK, 1), "float64", np.nan,
+                             [f"grain{grain}", "layer", "grain_stat"],
+                             {"grain": grain, "stats": list(fmt.PYRAMID_STATS)},
+                             shards=(PYRAMID_CHUNK, LAYER_CHUNK, len(fmt.PYRAMID_STATS)))
+            for grain in fmt.PYRAMID_GRAINS}
 
 
 def tensor_columns(g: zarr.Group, kind: str, layer: str, sample: np.ndarray,

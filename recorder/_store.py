@@ -23,6 +23,7 @@ forgotten without ``close`` is garbage collected.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
@@ -31,10 +32,10 @@ import numpy as np
 import zarr
 
 from . import format as fmt
-from ._layout import (existing_columns, fill_for, new_array, stats_columns, step_column,
-                      tensor_columns, to_numpy, zstd_level)
+from ._layout import (existing_columns, fill_for, new_array, pyramid_columns, stats_columns,
+                      step_column, tensor_columns, to_numpy, zstd_level)
 from ._pool import WritePool, write_threads
-from ._table import Table
+from ._table import Pyramid, StatsTable, Table
 from .histogram import NBINS
 
 __all__ = ["Compression", "RunStore"]
@@ -66,9 +67,31 @@ class RunStore:
                     recording: int = 0) -> Table:
         """The open statistics table at ``path`` (``format.stats_group``): the
         store's arrays when it has ``committed`` rows, else new ones ``width``
-        layers wide.  ``recording``: as ``_open``."""
-        return self._open(path, committed, recording,
-                          lambda g: stats_columns(g, fmt.parse_path(path).kind, width))
+        layers wide, with its pyramid (``_pyramid``).  ``recording``: as ``_open``."""
+        table = self.tables.get(path)
+        if table is None:
+            table = self._open(path, committed, recording,
+                               lambda g: stats_columns(g, fmt.parse_path(path).kind, width),
+                               StatsTable)
+            table.pyramid = self._pyramid(table, path, width, committed)
+        return table
+
+    def _pyramid(self, table: StatsTable, path: str, width: int, committed: int) -> Pyramid | None:
+        """A new table's new pyramid; a stored table's stored one, when its rank state
+        says it covers every committed row (its partial grains folded again from
+        the table's last rows), else none (a table made before pyramids)."""
+        g = table.group
+        if not committed:
+            return Pyramid(g, pyramid_columns(g, width), 0, self.pool)
+        names = {grain: fmt.pyramid_level(grain) for grain in fmt.PYRAMID_GRAINS}
+        if self.state().pyramid.get(path, 0) < committed or not all(
+                n in g and g[n].shape[0] >= committed // grain for grain, n in names.items()):
+            return None
+        col = table.columns["stats"]          # its buffer holds the rows of its last chunk
+        start = committed - committed % math.lcm(*fmt.PYRAMID_GRAINS)
+        tail = col.buf[start - col.start: committed - col.start].copy()
+        levels = {grain: g[n].with_config({"write_empty_chunks": True}) for grain, n in names.items()}
+        return Pyramid(g, levels, committed, self.pool, tail)
 
     def tensor_table(self, path: str, layer: str, sample: np.ndarray, logical: str | None,
                      committed: int = 0, recording: int = 0) -> Table:
@@ -80,7 +103,7 @@ class RunStore:
             g, fmt.parse_path(path).kind, layer, sample, logical, self._level(sample)))
 
     def _open(self, path: str, committed: int, recording: int,
-              create: Callable[[zarr.Group], dict[str, zarr.Array]]) -> Table:
+              create: Callable[[zarr.Group], dict[str, zarr.Array]], cls=Table) -> Table:
         """The open table at ``path``: the store's arrays when it has committed
         rows, else new ones made by ``create(group)``.  A recording after the first
         (``recording`` > 0, a resumed job) gives the table its ``recording`` column,
@@ -97,7 +120,7 @@ class RunStore:
                 cols = create(g)
                 if recording or stale:
                     cols[fmt.RECORDING] = step_column(g, fmt.RECORDING)
-            table = self.tables[path] = Table(g, cols, committed, self.pool)
+            table = self.tables[path] = cls(g, cols, committed, self.pool)
         return table
 
     # --- rows -------------------------------------------------------------------
@@ -180,7 +203,14 @@ class RunStore:
 
     def commit(self, state: fmt.RankState, root_attrs: dict[str, Any] | None) -> None:
         """Advance the commit counters after the data: the rank's state in one
-        write of its ``zarr.json``, then (rank 0) the root's in one write."""
+        write of its ``zarr.json``, then (rank 0) the root's in one write.  The
+        state says, with them, the rows each open stats table's pyramid covers."""
+        for path, t in self.tables.items():
+            if isinstance(t, StatsTable):
+                if t.pyramid is not None:
+                    state.pyramid[path] = t.pyramid.rows
+                else:
+                    state.pyramid.pop(path, None)
         self.rank_group.update_attributes(state.to_json())
         if root_attrs is not None:
             self.root.update_attributes(fmt.to_json(root_attrs))

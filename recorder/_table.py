@@ -17,6 +17,9 @@ chunks of a shard kept from the stored one.  zarr's own writer spends about
 201 layers pays 143 times at every commit; any other array, or a block that is
 not whole inner chunks over the array's full width, is written by zarr.
 
+A statistics table (``StatsTable``) also keeps its ``Pyramid``: the maxima of
+each grain of its rows, at each level of ``format.PYRAMID_GRAINS``.
+
 Runs on the writer thread; the pool's threads only read a block once it is
 submitted (a new buffer takes its place).
 """
@@ -38,9 +41,10 @@ try:                        # zarr's own pieces (not its public API): without th
 except ImportError:         # pragma: no cover - another zarr
     Zstd = None
 
+from . import format as fmt
 from ._pool import Lane, WritePool
 
-__all__ = ["Column", "Table"]
+__all__ = ["Column", "Pyramid", "StatsTable", "Table"]
 
 
 _ABSENT = 2 ** 64 - 1                 # a shard index's entry for a chunk not stored
@@ -286,3 +290,127 @@ class Table:
                 c.drain()
             except Exception:       # the write that failed, or one after it
                 pass
+
+
+class Pyramid:
+    """A stats table's pyramid (``format``): at each level, the maxima of each whole
+    grain of its rows, appended as the table's rows come, a batch at a time
+    (``BATCH`` rows, and at a flush: a few numpy calls a batch).  The partial last
+    grain of each level is kept in memory as the fold of its rows so far; only
+    whole grains are written, so a level holds the grains of ``rows // grain``."""
+
+    BATCH = 64
+
+    def __init__(self, group: zarr.Group, levels: dict[int, zarr.Array], rows: int,
+                 pool: WritePool, tail: np.ndarray | None = None):
+        """``rows``: the table's rows the levels hold (a stored table's committed
+        rows, whose whole grains are stored); ``tail``: its last rows since a grain
+        boundary of every level (row, layer, statistic), folded again into the
+        partial grains."""
+        self.levels = {g: Table(group, {fmt.pyramid_level(g): a}, rows // g, pool)
+                       for g, a in levels.items()}
+        self.partial: dict[int, np.ndarray | None] = {g: None for g in levels}
+        self.pending: list[np.ndarray] = []
+        self.rows = rows
+        if tail is not None and len(tail):
+            self.rows -= len(tail)
+            self._fold(fmt.pyramid_values(tail))
+
+    def append(self, row: np.ndarray, width: int) -> None:
+        """The table's next row of statistics (layer, statistic); ``width``: the
+        table's layers now (each level is as wide)."""
+        for t in self.levels.values():
+            c = next(iter(t.columns.values()))
+            if c.buf.shape[1] < width:
+                c.grow_inner((width, len(fmt.PYRAMID_STATS)))
+        self.pending.append(row)
+        if len(self.pending) >= self.BATCH:
+            self.fold()
+
+    def fold(self) -> None:
+        """Fold the rows appended since the last fold into every level."""
+        if not self.pending:
+            return
+        width = max(r.shape[0] for r in self.pending)
+        packed = np.full((len(self.pending), width, len(fmt.STATS)), np.nan)
+        for i, r in enumerate(self.pending):
+            packed[i, : r.shape[0]] = r
+        self.pending = []
+        self._fold(fmt.pyramid_values(packed))
+
+    def _fold(self, values: np.ndarray) -> None:
+        """Fold rows' pyramid values (row, layer, statistic) in order: complete each
+        level's partial grain, append the whole grains, keep the rest partial."""
+        k = len(values)
+        for g, table in self.levels.items():
+            pos, i, acc = self.rows, 0, self.partial[g]
+            if acc is not None:                     # pos is inside a grain
+                if acc.shape[0] < values.shape[1]:
+                    acc = np.concatenate([acc, np.full((values.shape[1] - acc.shape[0],
+                                                        acc.shape[1]), np.nan)])
+                i = min(-pos % g, k)
+                acc = np.fmax.reduce(np.concatenate([acc[None], values[:i]]), axis=0)
+                if (pos + i) % g == 0:
+                    self._emit(table, g, (pos + i) // g - 1, acc)
+                    acc = None
+            whole = (k - i) // g
+            for j, grain in enumerate(fmt.grain_maxima(values[i: i + whole * g], g)):
+                self._emit(table, g, (pos + i) // g + j, grain)
+            i += whole * g
+            self.partial[g] = np.fmax.reduce(values[i:], axis=0) if i < k else acc
+        self.rows += k
+
+    @staticmethod
+    def _emit(table: Table, grain: int, index: int, value: np.ndarray) -> None:
+        if index >= table.rows:                     # not one a stored level already holds
+            table.append({fmt.pyramid_level(grain): value})
+
+    def flush(self) -> None:
+        self.fold()
+        for t in self.levels.values():
+            t.flush()
+
+    def trim(self) -> None:
+        for t in self.levels.values():
+            t.trim()
+
+    def drain(self) -> None:
+        for t in self.levels.values():
+            t.drain()
+
+    def settle(self) -> None:
+        for t in self.levels.values():
+            t.settle()
+
+
+class StatsTable(Table):
+    """A statistics table and its ``pyramid`` (None: a table made before pyramids,
+    or appended to by a tensortape without them)."""
+
+    pyramid: Pyramid | None = None
+
+    def append(self, values: dict[str, np.ndarray]) -> None:
+        super().append(values)
+        if self.pyramid is not None:
+            self.pyramid.append(np.asarray(values["stats"], np.float64),
+                                self.columns["stats"].buf.shape[1])
+
+    def flush(self) -> None:
+        if self.pyramid is not None:
+            self.pyramid.flush()
+        super().flush()
+
+    def trim(self) -> None:
+        super().trim()
+        if self.pyramid is not None:
+            self.pyramid.trim()
+
+    def drain(self) -> None:
+        super().drain()
+        if self.pyramid is not None:
+            self.pyramid.drain()
+
+    def settle(self) -> None:
+        super().settle()
+        if self.pyramid is not None:
+            self.pyramid.settle()

@@ -10,7 +10,9 @@ Layout of a store (Zarr v3)::
         stats/<kind>/               step (step), stats (step, layer, stat) in shards of
                                     1024 steps x 256 layers, hist (step, layer, bin) in
                                     shards of 256 steps x 256 layers, bin_lo/bin_hi (bin);
-                                    attrs: stats (the names along ``stat``)
+                                    attrs: stats (the names along ``stat``);
+                                    pyramid<G> (grain<G>, layer, grain_stat): the maxima
+                                    of each grain of G physical rows (``PYRAMID_GRAINS``)
         tensors/<kind>/<node>/      data (step, dim_0, ...), step (step), micro (step),
                                     extent (step, axis); attrs: name, kind
                                     (either table: recording (step) once a resumed
@@ -26,6 +28,18 @@ as shards, so a rank's files grow with its flushes and steps / 256, not with
 arrays x steps.  Format 2 had an array per statistic (``<stat>`` (step,
 layer)) and histogram chunks of 16 steps x 8 layers; format 1 no ``micro``.
 Readers read all three; ``tensortape migrate`` converts a store to format 3.
+
+The *pyramid* of a stats table (absent in tables made before it: readers
+then compute it) holds, per grain of ``G`` consecutive physical rows and per
+layer, the largest value of each map statistic (``MAP_STATS``, as
+``map_value`` computes it from a row) and whether any row is non-finite
+(``any_nonfinite``, read as ``> 0``), a fold of the grain's rows in order
+(``pyramid_values``, ``grain_maxima``).  Only whole grains are
+stored; the rank state's ``pyramid`` says how many of the table's rows they
+cover, committed with the rows: a reader trusts the grains of the first
+``min(pyramid, committed)`` rows (a tensortape without pyramids that appends
+to the table drops that entry, so the grains are then not trusted).  It is
+an addition old readers ignore, so the format version stays 3.
 
 A step's statistics are one row (over all its micro-batches); its full
 tensors are a row per micro-batch.  A step recorded again (a job resumed
@@ -111,6 +125,9 @@ BIN_COLUMNS = ("bin_lo", "bin_hi")            # fixed: one value per bin
 TENSOR_COLUMNS = ("data", "step", "micro", "extent")
 SCALAR_COLUMNS = ("step", "name", "value")    # ``rec.log``: a row per (step, name)
 OPTIONAL_COLUMNS = {"micro": 0}               # absent in format 1: every row is micro-batch 0
+MAP_STATS = ("abs_max", "std", "norm", "rms", "nonfinite")   # the browser view's map
+PYRAMID_STATS = (*MAP_STATS, "any_nonfinite")     # along a pyramid level's ``grain_stat``
+PYRAMID_GRAINS = (64, 8)     # rows a grain of each pyramid level, coarsest first
 RECORDING = "recording"      # a column of a table a resumed recording appended to (any format-3
                              # table may have it; absent: every row is recording 0)
 EVERY_CHUNK = "every_chunk"  # a table attribute: each chunk of its rows is stored, even one all
@@ -127,6 +144,42 @@ STORED_DTYPES = frozenset({
 def is_url(location: str) -> bool:
     """Whether a store location is an fsspec URL rather than a local path."""
     return "://" in str(location)
+
+
+def pyramid_level(grain: int) -> str:
+    """The array of a stats table's pyramid level of ``grain`` rows a grain."""
+    return f"pyramid{int(grain)}"
+
+
+def map_value(got: dict, stat: str) -> np.ndarray:
+    """The map statistic ``stat`` (``MAP_STATS``) of rows of a stats table (``got``:
+    each statistic needed, rows x layers): NaN where a layer did not run."""
+    bad = sum(np.nan_to_num(got[k], nan=0.0) for k in COUNT_STATS[1:])
+    if stat == "nonfinite":
+        return np.where(np.isnan(got["nan"]), np.nan, bad)
+    if stat == "rms":
+        finite = got["count"] - bad
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(finite > 0, got["norm"] / np.sqrt(finite), np.nan)
+    return got[stat]
+
+
+def any_nonfinite(got: dict) -> np.ndarray:
+    """Whether each row and layer of ``got`` (as ``map_value``'s) holds NaN or Inf."""
+    return sum(np.nan_to_num(got[k], nan=0.0) for k in COUNT_STATS[1:]) > 0
+
+
+def pyramid_values(packed: np.ndarray) -> np.ndarray:
+    """Rows of a stats table (rows, layer, ``STATS``) as a pyramid's values (rows,
+    layer, ``PYRAMID_STATS``)."""
+    got = {s: packed[..., i] for i, s in enumerate(STATS)}
+    return np.stack([*(map_value(got, s) for s in MAP_STATS), any_nonfinite(got)], axis=-1)
+
+
+def grain_maxima(values: np.ndarray, grain: int) -> np.ndarray:
+    """The maxima of each whole grain of ``grain`` rows of ``values`` (rows first):
+    each a fold of its rows in order (``np.fmax``: NaN only where every row is)."""
+    return np.fmax.reduce(values.reshape(-1, grain, *values.shape[1:]), axis=1)
 
 
 def rank_group(rank: int) -> str:
@@ -373,6 +426,8 @@ class RankState:
     rerecorded: list[list[int]] = field(default_factory=list)   # the steps a recording recorded
                                      # again (``note_step`` runs): older rows there are not read
     scalar_names: list[str] = field(default_factory=list)   # ``rec.log``'s names, by index
+    pyramid: dict[str, int] = field(default_factory=dict)   # stats table -> the rows its
+                                     # pyramid covers (committed with them; absent: none)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -403,7 +458,8 @@ class RankState:
                 bytes_raw=integer(d.get("bytes_raw", 0)),
                 recording=integer(d.get("recording", 0)),
                 rerecorded=[step_run(r) for r in list(d.get("rerecorded", []))],
-                scalar_names=strings(d.get("scalar_names", [])))
+                scalar_names=strings(d.get("scalar_names", [])),
+                pyramid={str(p): integer(n) for p, n in dict(d.get("pyramid", {})).items()})
         except StoreFormatError:
             raise
         except (TypeError, ValueError, AttributeError) as e:

@@ -209,8 +209,9 @@ def test_a_ranks_files_grow_with_steps_over_256_not_with_arrays(tmp_path):
         group = tmp_path / "run.zarr" / "rank0" / "stats" / kind
         # zarr.json of the group and its 5 arrays; bin_lo, bin_hi: a chunk each; step: 2
         # chunks of 1024; stats: 2 shards of 1024 steps x 256 layers; hist: 5 shards of 256
-        # steps x 256 layers (format 2: 11 x 5 + 69 x 5 + 5 for the same)
-        assert files_under(group) == 6 + 2 + 2 + 2 + 5, sorted(
+        # steps x 256 layers (format 2: 11 x 5 + 69 x 5 + 5 for the same); the summary
+        # pyramid: 2 arrays, 17 grains of 64 steps in 1 shard, 137 of 8 in 2 (128 a shard)
+        assert files_under(group) == 6 + 2 + 2 + 2 + 5 + (2 + 1 + 2), sorted(
             os.path.relpath(os.path.join(d, f), group) for d, _, fs in os.walk(group) for f in fs)
     ds = run.stats("gradients").compute()
     assert ds.sizes == {"step": steps, "layer": layers}
