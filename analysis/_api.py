@@ -18,7 +18,7 @@ import fnmatch
 
 import numpy as np
 
-from recorder import format as fmt
+from recorder import format as fmt, pyramid
 from recorder.histogram import ZERO_BIN
 from recorder.errors import RecorderError
 
@@ -32,7 +32,7 @@ __all__ = ["GRAIN", "Grains", "MAP_STATS", "NotFound", "compare_map", "histogram
 
 MAP_STATS = fmt.MAP_STATS
 NONFINITE = fmt.COUNT_STATS[1:]          # nan, posinf, neginf
-_map_values = fmt.map_value
+_map_values = pyramid.map_value
 
 
 class NotFound(RecorderError):

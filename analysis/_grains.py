@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recorder import format as fmt
+from recorder import format as fmt, pyramid
 
 from ._tables import as_slice
 
@@ -92,16 +92,16 @@ class MapColumns:
         for r0 in range(s1 * fine, f1 * fine, BLOCK):
             r1 = min(f1 * fine, r0 + BLOCK)
             got = self.block(r0, r1)
-            self.fold(fmt.grain_maxima(fmt.map_value(got, self.stat), fine),
-                      fmt.grain_maxima(fmt.any_nonfinite(got), fine), np.arange(r0, r1, fine))
+            self.fold(pyramid.grain_maxima(pyramid.map_value(got, self.stat), fine),
+                      pyramid.grain_maxima(pyramid.any_nonfinite(got), fine), np.arange(r0, r1, fine))
         self.rows(f1 * fine, b)
 
     def rows(self, a: int, b: int) -> None:
         """Rows ``a:b`` (of the rows read), read a block at a time."""
         for r0 in range(a, b, BLOCK):
             got = self.block(r0, min(b, r0 + BLOCK))
-            reduce(fmt.map_value(got, self.stat), r0 - self.i0, self.edges, self.values, np.fmax)
-            reduce(fmt.any_nonfinite(got), r0 - self.i0, self.edges, self.bad, np.logical_or)
+            reduce(pyramid.map_value(got, self.stat), r0 - self.i0, self.edges, self.values, np.fmax)
+            reduce(pyramid.any_nonfinite(got), r0 - self.i0, self.edges, self.bad, np.logical_or)
 
     def block(self, r0: int, r1: int) -> dict:
         """The statistics the map's ``stat`` needs of rows ``r0:r1`` (of the rows read)."""
@@ -145,8 +145,8 @@ class Grains:
             for r0 in range(g * GRAIN, upto * GRAIN, BLOCK):
                 got = read(run, kind, rank, GRAIN_NEEDS,
                            as_slice(rows[r0:min(upto * GRAIN, r0 + BLOCK)]), slice(0, width))
-                both = [*(fmt.map_value(got, s) for s in MAP_STATS), fmt.any_nonfinite(got)]
-                add.append(fmt.grain_maxima(np.stack(both, axis=-1), GRAIN))
+                both = [*(pyramid.map_value(got, s) for s in MAP_STATS), pyramid.any_nonfinite(got)]
+                add.append(pyramid.grain_maxima(np.stack(both, axis=-1), GRAIN))
             kept = add[0] if not len(kept) and len(add) == 1 else np.concatenate([kept, *add])
             done = rows[:len(kept) * GRAIN].copy()
         self.tables[key] = (kept, done)

@@ -32,9 +32,9 @@ Readers read all three; ``tensortape migrate`` converts a store to format 3.
 The *pyramid* of a stats table (absent in tables made before it: readers
 then compute it) holds, per grain of ``G`` consecutive physical rows and per
 layer, the largest value of each map statistic (``MAP_STATS``, as
-``map_value`` computes it from a row) and whether any row is non-finite
+``pyramid.map_value`` computes it from a row) and whether any row is non-finite
 (``any_nonfinite``, read as ``> 0``), a fold of the grain's rows in order
-(``pyramid_values``, ``grain_maxima``).  Only whole grains are
+(``recorder.pyramid``: how a row becomes map values, and grains their maxima).  Only whole grains are
 stored; the rank state's ``pyramid`` says how many of the table's rows they
 cover, committed with the rows: a reader trusts the grains of the first
 ``min(pyramid, committed)`` rows (a tensortape without pyramids that appends
@@ -57,7 +57,8 @@ This module owns: the names (kinds, statistics, statuses), the table paths
 and their parsing, the columns of each table, and the rank state and the
 events to and from JSON.  Beside it, public too: ``histogram`` (the histogram
 codes and bins, both ways), ``dtypes`` (bfloat16 and float8 from their stored
-bits) and ``patterns`` (which layer names a glob pattern selects).
+bits), ``patterns`` (which layer names a glob pattern selects) and ``pyramid``
+(a stats row's map values, and their maxima per grain).
 
 Any thread, no state: the training thread (names), the writer thread (rows and
 state) and the reader's threads.
@@ -149,37 +150,6 @@ def is_url(location: str) -> bool:
 def pyramid_level(grain: int) -> str:
     """The array of a stats table's pyramid level of ``grain`` rows a grain."""
     return f"pyramid{int(grain)}"
-
-
-def map_value(got: dict, stat: str) -> np.ndarray:
-    """The map statistic ``stat`` (``MAP_STATS``) of rows of a stats table (``got``:
-    each statistic needed, rows x layers): NaN where a layer did not run."""
-    bad = sum(np.nan_to_num(got[k], nan=0.0) for k in COUNT_STATS[1:])
-    if stat == "nonfinite":
-        return np.where(np.isnan(got["nan"]), np.nan, bad)
-    if stat == "rms":
-        finite = got["count"] - bad
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(finite > 0, got["norm"] / np.sqrt(finite), np.nan)
-    return got[stat]
-
-
-def any_nonfinite(got: dict) -> np.ndarray:
-    """Whether each row and layer of ``got`` (as ``map_value``'s) holds NaN or Inf."""
-    return sum(np.nan_to_num(got[k], nan=0.0) for k in COUNT_STATS[1:]) > 0
-
-
-def pyramid_values(packed: np.ndarray) -> np.ndarray:
-    """Rows of a stats table (rows, layer, ``STATS``) as a pyramid's values (rows,
-    layer, ``PYRAMID_STATS``)."""
-    got = {s: packed[..., i] for i, s in enumerate(STATS)}
-    return np.stack([*(map_value(got, s) for s in MAP_STATS), any_nonfinite(got)], axis=-1)
-
-
-def grain_maxima(values: np.ndarray, grain: int) -> np.ndarray:
-    """The maxima of each whole grain of ``grain`` rows of ``values`` (rows first):
-    each a fold of its rows in order (``np.fmax``: NaN only where every row is)."""
-    return np.fmax.reduce(values.reshape(-1, grain, *values.shape[1:]), axis=1)
 
 
 def rank_group(rank: int) -> str:

@@ -483,7 +483,7 @@ def test_statistics_shards_are_written_byte_for_byte_as_zarr_writes_them(tmp_pat
     edge padded), and zarr reads back what was written."""
     import zarr
     from recorder._layout import stats_columns
-    from recorder._table import _Shards
+    from recorder._shards import Shards
     rng = np.random.default_rng(layers)
     made = {}
     for side in ("zarr", "ours"):
@@ -491,7 +491,7 @@ def test_statistics_shards_are_written_byte_for_byte_as_zarr_writes_them(tmp_pat
         made[side] = stats_columns(g, "activations", layers)
     for name, rows in (("hist", 16), ("stats", 1024)):
         ours, theirs = made["ours"][name], made["zarr"][name]
-        shards = _Shards.of(ours)
+        shards = Shards.of(ours)
         assert shards is not None
         for a in (ours, theirs):
             a.resize((512 if name == "hist" else 2048, *a.shape[1:]))
@@ -506,4 +506,4 @@ def test_statistics_shards_are_written_byte_for_byte_as_zarr_writes_them(tmp_pat
             stored = _files(tmp_path / "ours")
             assert stored and stored == _files(tmp_path / "zarr")
             np.testing.assert_array_equal(ours[start: start + rows], block)
-    assert not _Shards.of(made["ours"]["step"])          # not sharded: zarr writes it
+    assert not Shards.of(made["ours"]["step"])          # not sharded: zarr writes it
