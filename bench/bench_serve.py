@@ -2,6 +2,7 @@
 and the same data through TensorBoard's reader.
 
     python bench/bench_serve.py [--steps 100000] [--layers 200] [--out DIR] [--tb-steps 2000]
+                                [--paint 3]
 
 The store (statistics only, one kind) is written through the writer's store layer
 (``recorder._store.RunStore.append_stats``, what the background writer calls),
@@ -12,6 +13,10 @@ statistics drift smoothly; layer 117 has a one-step spike (x 1e4) at step
 With ``--out`` the store is kept and reused by the next run.
 
 Reported:
+- with ``--paint N``: first paint in Chromium, N times: ``tensortape serve STORE --port 0
+  --no-browser`` started as a user starts it, Debian's ``/usr/bin/chromium`` driven by
+  Playwright, from ``page.goto`` to the page's ``data-ready`` (the run, the map and the
+  scalars drawn), a new server and a new page each time;
 - the map's first answer (a new server, ``GET /api/map`` over every step at
   1,000 columns) and zooms (a window of 10,000, 1,000 and 100 steps), each the
   median of 5 over HTTP on loopback, and whether the spike and the NaN show;
@@ -248,12 +253,42 @@ def bench_tensorboard(loc: str, tb_steps: int, layers: int) -> None:
     server.server_close()
 
 
+def bench_paint(loc: str, times: int) -> None:
+    """First paint in Chromium of a new server's page (see the module)."""
+    import subprocess
+    from playwright.sync_api import sync_playwright
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    took = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium")
+        for _ in range(times):
+            proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", loc, "--port", "0",
+                                     "--no-browser"], cwd=root, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=dict(os.environ, PYTHONPATH=root))
+            try:
+                url = proc.stdout.readline().split(" at ")[1].strip()
+                page = browser.new_page(viewport={"width": 1300, "height": 1000})
+                t = time.perf_counter()
+                page.goto(url)
+                page.wait_for_selector("body[data-ready='1']", timeout=120_000)
+                took.append(time.perf_counter() - t)
+                page.close()
+            finally:
+                proc.terminate()
+                proc.communicate(timeout=60)
+        browser.close()
+    print(f"chromium: first paint (page load to the map and scalars drawn), a new server each "
+          f"time: {', '.join(f'{x * 1000:.0f} ms' for x in took)}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--layers", type=int, default=200)
     ap.add_argument("--out", default=None, help="folder for the store, kept and reused")
     ap.add_argument("--tb-steps", type=int, default=2000, help="steps in the TensorBoard file (0: none)")
+    ap.add_argument("--paint", type=int, default=0, help="first paints in Chromium to time (0: none)")
     args = ap.parse_args()
     folder = args.out or tempfile.mkdtemp(prefix="tt-serve-")
     loc = os.path.join(folder, f"serve-{args.layers}x{args.steps}.zarr")
@@ -264,6 +299,8 @@ def main():
               f"{took:.0f} s")
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(loc) for f in fs)
     print(f"store: {loc}, {size / 1e6:.0f} MB")
+    if args.paint:
+        bench_paint(loc, args.paint)
     bench_server(loc, args.steps, args.layers)
     if args.tb_steps:
         bench_tensorboard(loc, min(args.tb_steps, args.steps), args.layers)
