@@ -167,6 +167,8 @@ class RunIndex:
         arr = got[0]
         if arr is None:
             return None, 0
+        if int(arr.shape[1]) != int(self.source.array(f"{path}/stats").shape[1]):
+            return None, 0          # widened by a writer that kept no pyramid (an older one)
         covered = min(self.states[rank].pyramid.get(path, 0), self.checked_rows(path, rank))
         head = np.asarray(rows[:covered])
         moved = np.flatnonzero(head != np.arange(len(head)))

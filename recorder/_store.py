@@ -32,13 +32,17 @@ import numpy as np
 import zarr
 
 from . import format as fmt
-from ._layout import (existing_columns, fill_for, new_array, pyramid_columns, stats_columns,
-                      step_column, tensor_columns, to_numpy, zstd_level)
+from ._layout import (STATS_CHUNK_ROWS, existing_columns, fill_for, new_array, pyramid_columns,
+                      stats_columns, step_column, tensor_columns, to_numpy, zstd_level)
 from ._pool import WritePool, write_threads
 from ._table import Pyramid, StatsTable, Table
 from .histogram import NBINS
 
 __all__ = ["Compression", "RunStore"]
+
+# a resumed pyramid's partial grains are folded again from the stats column's last chunk
+# (``_pyramid``), which must then begin on a grain of every level
+assert STATS_CHUNK_ROWS % math.lcm(*fmt.PYRAMID_GRAINS) == 0
 
 Compression = Literal["auto"] | int | None    # "auto": ``zstd_level`` per table; a level; none
 

@@ -34,12 +34,14 @@ then compute it) holds, per grain of ``G`` consecutive physical rows and per
 layer, the largest value of each map statistic (``MAP_STATS``, as
 ``pyramid.map_value`` computes it from a row) and whether any row is non-finite
 (``any_nonfinite``, read as ``> 0``), a fold of the grain's rows in order
-(``recorder.pyramid``: how a row becomes map values, and grains their maxima).  Only whole grains are
-stored; the rank state's ``pyramid`` says how many of the table's rows they
-cover, committed with the rows: a reader trusts the grains of the first
-``min(pyramid, committed)`` rows (a tensortape without pyramids that appends
-to the table drops that entry, so the grains are then not trusted).  It is
-an addition old readers ignore, so the format version stays 3.
+(``recorder.pyramid``: how a row becomes map values, and grains their
+maxima).  Only whole grains are stored; the rank state's ``pyramid`` says how
+many of the table's rows they cover, committed with the rows: a reader trusts
+the grains of the first ``min(pyramid, committed)`` rows, and none when the
+levels are narrower than the table (a tensortape without pyramids appending
+to the table keeps that entry but widens only ``stats``; a writer continues a
+pyramid only when it covers every committed row).  It is an addition old
+readers ignore, so the format version stays 3.
 
 A step's statistics are one row (over all its micro-batches); its full
 tensors are a row per micro-batch.  A step recorded again (a job resumed

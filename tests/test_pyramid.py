@@ -267,15 +267,13 @@ def cut(path, copy, rows, garbage=False, entry=True):
     return copy
 
 
-@pytest.mark.parametrize("case", ["uncommitted rows", "no pyramid entry", "entry behind"])
+@pytest.mark.parametrize("case", ["uncommitted rows", "entry behind"])
 def test_only_grains_of_committed_rows_the_state_vouches_for_are_read(stores, tmp_path, case):
     """A spike at step 300, past the commit, is in the stored grains of rows 256..319
     (and 296..303): a reader that trusted them would show it."""
     src = record(str(tmp_path / "src.zarr"), range(357), spike=300, nan_step=301)
     if case == "uncommitted rows":
         path = cut(src, str(tmp_path / "cut.zarr"), 297)
-    elif case == "no pyramid entry":          # appended to by a tensortape without pyramids
-        path = cut(src, str(tmp_path / "cut.zarr"), 357, garbage=True, entry=False)
     else:                                     # the pyramid covers fewer rows than committed
         path = cut(src, str(tmp_path / "cut.zarr"), 357, garbage=True)
         g = zarr.open_group(path, mode="r+")
@@ -287,6 +285,41 @@ def test_only_grains_of_committed_rows_the_state_vouches_for_are_read(stores, tm
     try:
         for width, start, stop in ((1, None, None), (4, None, None), (30, None, None),
                                    (12, 8, 330), (1000, None, None)):
+            for stat in ("abs_max", "nonfinite"):
+                check(run, s.map(stat=stat, width=width, start=start, stop=stop), stat, start, stop)
+    finally:
+        s.close()
+
+
+def test_a_table_widened_by_a_writer_without_pyramids_is_read_from_its_rows(tmp_path,
+                                                                           monkeypatch):
+    """A tensortape older than pyramids appending to a store keeps the rank state's
+    pyramid entry (attributes are merged) but widens only ``stats`` when a layer is
+    added: the narrower levels must not be read, or the new layer would show another
+    layer's grains (or the map would fail)."""
+    from recorder import _store
+    path = str(tmp_path / "mixed.zarr")
+    model, data = Net(), torch.Generator().manual_seed(5)
+
+    def steps(layers, span, mode):
+        with Recorder(model, path, layers=layers, tensors_every=None, capture=("activations",),
+                      mode=mode) as rec:
+            for step in span:
+                with rec.step(step), torch.no_grad():
+                    model(torch.randn(3, 4, generator=data) * (1 + step))
+    steps(["a"], range(130), "w-")
+    with monkeypatch.context() as m:                 # the older writer: no pyramid kept
+        m.setattr(_store.RunStore, "_pyramid", lambda self, *a: None)
+        steps(["a", "c"], range(130, 300), "a")
+    g = zarr.open_group(path, mode="r+")
+    assert g[TABLE]["stats"].shape[1] == 2 and g[TABLE]["pyramid64"].shape[1] == 1
+    # its rank state knew no "pyramid" key, and zarr merged its commit into the attributes
+    g["rank0"].attrs.update({"pyramid": {TABLE: 130}})
+    run = open_run(path)
+    s = Server(path)
+    try:
+        for width, start, stop in ((1, None, None), (4, None, None), (30, None, None),
+                                   (7, 0, 128), (1000, None, None)):
             for stat in ("abs_max", "nonfinite"):
                 check(run, s.map(stat=stat, width=width, start=start, stop=stop), stat, start, stop)
     finally:
