@@ -2,7 +2,6 @@
 reads back exactly, and the status is never unknown."""
 import os
 import random
-import signal
 import subprocess
 import sys
 import textwrap
@@ -15,27 +14,32 @@ from recorder import StoreNotFoundError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# One process imports torch once and forks a recording child per line it reads (the store's
-# path), printing the child's pid and then "closed" or "killed" when it ends: the sweep's
-# kills then cost no interpreter start each.
+# One process imports torch once and forks a recording child for each line it reads (the
+# store's path and a delay), prints the child's pid, SIGKILLs it after the delay unless it
+# is negative (the zygote kills its own unreaped child: the pid cannot have been reused),
+# and prints "closed" or "killed" when it ends: the sweep's kills cost no interpreter start.
 ZYGOTE = textwrap.dedent("""
-    import os, signal, sys, torch
+    import os, signal, sys, time, torch
     from recorder import Recorder
     print("ready", flush=True)
     for line in sys.stdin:
+        store, delay = line.split()
         pid = os.fork()
         if pid == 0:
             lin = torch.nn.Linear(64, 48)
             with torch.no_grad():
                 lin.weight.copy_(torch.arange(48 * 64.).reshape(48, 64) / 1000)
                 lin.bias.fill_(0.5)
-            with Recorder(lin, line.strip(), layers="", capture=("activations", "weights"),
+            with Recorder(lin, store, layers="", capture=("activations", "weights"),
                           flush_interval=0.02) as rec:
                 for i in range(40):
                     with rec.step(i):
                         lin(torch.full((8, 64), float(i)))
             os._exit(0)
         print(pid, flush=True)
+        if float(delay) >= 0:
+            time.sleep(float(delay))
+            os.kill(pid, signal.SIGKILL)      # ours until waited for, even if it has ended
         _, status = os.waitpid(pid, 0)
         print("killed" if os.WIFSIGNALED(status) else "closed", flush=True)
 """)
@@ -53,25 +57,20 @@ def test_kill_sweep(tmp_path):
     try:
         assert zygote.stdout.readline().strip() == "ready"
 
-        def start(store):
-            zygote.stdin.write(store + "\n")
+        def start(store, delay=-1.0):
+            zygote.stdin.write(f"{store} {delay!r}\n")
             zygote.stdin.flush()
             return int(zygote.stdout.readline())
 
-        start(str(tmp_path / "whole.zarr"))          # how long attach..close takes here
         t = time.monotonic()
+        start(str(tmp_path / "whole.zarr"))          # how long attach..close takes here
         assert zygote.stdout.readline().strip() == "closed"
         span = time.monotonic() - t
         rng = random.Random(1234)
         outcomes = {"no store yet": 0, "recording": 0, "complete": 0}
         for k in range(12):
             store = str(tmp_path / f"k{k}.zarr")
-            pid = start(store)
-            time.sleep(rng.uniform(0.0, 1.4 * span))   # before attach, inside it, ..., after close
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:                # it had ended (and been reaped) already
-                pass
+            start(store, rng.uniform(0.0, 1.4 * span))   # before attach, inside it, ..., after close
             assert zygote.stdout.readline().strip() in ("killed", "closed")
             try:
                 run = open_run(store)
