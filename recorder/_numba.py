@@ -155,7 +155,7 @@ class NumbaEngine(Engine):
         """Load ``dtype``'s kernels now when numba's cache holds them (about half a
         second, once: at ``Recorder.attach``), else start their compile apart."""
         if device.type == "cpu" and dtype in _BITS:
-            self.ready(dtype, wait=os.path.exists(K.cached_mark(_BITS[dtype][1])))
+            self.ready(dtype)
 
     def ready(self, dtype: torch.dtype, wait: bool = False) -> bool:
         """Whether ``dtype``'s kernels are loaded.  If not: their compile apart is

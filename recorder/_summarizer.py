@@ -25,7 +25,7 @@ writer thread summarises them when it resolves the step (``Later.host``),
 with the same engine once its kernels are loaded (it waits for them up to
 ``_Patience``), else with the eager torch kernels: the same counts, minimum,
 maximum and histograms.  The copies are bounded (``_Held``: at most
-``_LATER_MAX`` bytes, and a quarter of ``max_pending_bytes``; they count in
+``_LATER_MAX`` bytes, and half of ``max_pending_bytes``; they count in
 the record's bytes); past it a capture is summarised here, as before.  Never
 under ``on_nonfinite="raise"`` or ``"replay"``: their steps are resolved on
 the training thread.
@@ -87,7 +87,7 @@ _HOLDS = {Form.SUMMARY: Holds.SUMMARY, Form.NONFINITE: Holds.NONFINITE}
 # the members as module constants: an Enum attribute costs a lookup per capture
 _COUNT, _EMPTY, _SMALL, _SUMMARY = Form.COUNT, Form.EMPTY, Form.SMALL, Form.SUMMARY
 _LATER = "later"                 # ``pack``'s place for the blocks left to the writer
-_LATER_MAX = 1 << 28             # bytes of copies left to the writer, at most (``_Held``)
+_LATER_MAX = 1 << 29             # bytes of copies left to the writer, at most (``_Held``)
 _BATCHED = {8: torch.float32, 11: torch.float64}     # the dtype a tiny tensors' batch is read as
 
 
@@ -103,7 +103,7 @@ class Summarizer:
         # summaries left to the writer (see the module): not where the training thread
         # resolves its steps itself
         self._held = None if config.on_nonfinite in ("raise", "replay") else \
-            _Held(min(_LATER_MAX, config.max_pending_bytes // 4))
+            _Held(min(_LATER_MAX, config.max_pending_bytes // 2))
         self._patience = _Patience(config.close_timeout / 3)
 
     def warm(self, model: torch.nn.Module) -> None:
