@@ -42,7 +42,9 @@ steps: what a long run pays).
   first   the first steps of a fresh process (the kernels compile or load at their
           first use), recorded                vs bare, each in its own process: the
           attach, steps 0, 1 and the median of steps 2-5, wall and CPU seconds (a
-          compile in a child process included once it has ended)
+          compile in a child process included once it has ended); ``--rounds N``
+          pairs (default 1), each with empty caches under ``NUMBA_CACHE_DIR`` and
+          ``TORCHINDUCTOR_CACHE_DIR`` where they are set
 """
 
 from __future__ import annotations
@@ -297,25 +299,47 @@ def first_steps(recorded: bool, tmp: str) -> dict:
     return out
 
 
-def bench_first(tmp: str) -> dict:
+def bench_first(tmp: str, rounds: int) -> list[dict]:
+    """``rounds`` pairs of fresh processes, bare then recorded.  Where
+    ``NUMBA_CACHE_DIR`` or ``TORCHINDUCTOR_CACHE_DIR`` is set, each process gets an
+    empty folder of its own under it, so every round starts with empty caches."""
     import json
     import subprocess
     import sys
-    out = {}
-    for name, flag in (("bare", "0"), ("tensortape stats", "1")):
-        p = subprocess.run([sys.executable, __file__, "--first-child", flag, tmp],
-                           capture_output=True, text=True, check=True)
-        out[name] = json.loads(p.stdout.strip().splitlines()[-1])
+    out = []
+    for r in range(rounds):
+        env = dict(os.environ)
+        for var in ("NUMBA_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+            if var in os.environ:
+                env[var] = tempfile.mkdtemp(prefix=f"round{r}-", dir=os.environ[var])
+        res = {}
+        for name, flag in (("bare", "0"), ("tensortape stats", "1")):
+            p = subprocess.run([sys.executable, __file__, "--first-child", flag, tmp],
+                               capture_output=True, text=True, check=True, env=env)
+            res[name] = json.loads(p.stdout.strip().splitlines()[-1])
+        res["load"] = os.getloadavg()[0]
+        out.append(res)
     return out
 
 
-def print_first(res: dict) -> None:
-    print("\n[first] a fresh process each: attach, step 0, step 1, median of steps 2-5;"
-          " wall (CPU seconds, children's included)")
-    for k, r in res.items():
-        cells = [r["attach"], *zip(r["wall"][:2], r["cpu"][:2]),
-                 (statistics.median(r["wall"][2:]), statistics.median(r["cpu"][2:]))]
-        print(f"  {k:20s}" + "".join(f" {w * 1e3:7.0f} ms ({c * 1e3:6.0f})" for w, c in cells))
+def print_first(rounds: list[dict]) -> None:
+    empty = [v for v in ("NUMBA_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR") if v in os.environ]
+    print(f"\n[first] {len(rounds)} rounds of a fresh process each, bare then recorded ("
+          + (f"empty {' and '.join(empty)} each" if empty else "the caches as they are")
+          + "): attach, step 0, step 1, median of steps 2-5; wall (CPU seconds, children's "
+            "included)")
+    for i, res in enumerate(rounds):
+        print(f"  round {i + 1}, load average {res['load']:.1f}")
+        for k in ("bare", "tensortape stats"):
+            r = res[k]
+            cells = [r["attach"], *zip(r["wall"][:2], r["cpu"][:2]),
+                     (statistics.median(r["wall"][2:]), statistics.median(r["cpu"][2:]))]
+            print(f"    {k:18s}" + "".join(f" {w * 1e3:7.0f} ms ({c * 1e3:6.0f})" for w, c in cells))
+    more = [(res["tensortape stats"]["wall"][0] - res["bare"]["wall"][0],
+             res["tensortape stats"]["cpu"][0] - res["bare"]["cpu"][0]) for res in rounds]
+    print("  step 0, recorded minus bare: " + ", ".join(f"{w:+.2f} s ({c:+.2f})" for w, c in more)
+          + f"; median {statistics.median(w for w, _ in more):+.2f} s "
+            f"({statistics.median(c for _, c in more):+.2f})")
 
 
 def main():
@@ -338,7 +362,7 @@ def main():
             if args.only and mode not in args.only:
                 continue
             if mode == "first":
-                print_first(bench_first(tmp))
+                print_first(bench_first(tmp, args.rounds or 1))
                 continue
             res, extra = fn(tmp, args.rounds or rounds, block)
             if mode == "kernel":

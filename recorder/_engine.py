@@ -187,6 +187,11 @@ class Engine:
                 self._warn(fn, e)
         return fn(x)
 
+    def later(self, dtype: torch.dtype) -> bool:
+        """Whether a tensor of ``dtype`` is better summarised later, on the writer
+        thread (``_numba``: while its kernels compile); here never."""
+        return False
+
     def warm(self, dtype: torch.dtype, device: torch.device) -> None:
         """Prepare what a tensor of ``dtype`` on ``device`` takes, before the first
         step (the Triton engine compiles its kernel in the background; the torch

@@ -17,15 +17,20 @@ order of additions (as the compiled and eager torch kernels differ).
 on disk (``cache=True``).  A dtype's kernels are compiled by a child process
 (``_compile_apart``, waited for by a background thread), then loaded from the
 cache on the thread that asks (``ready``): at ``Recorder.attach`` for the
-model's dtypes when the cache holds them (``warm``), else at the first capture
-after the child has ended.  Until then that dtype's tensors take the eager
-torch kernels (the same numbers), so no step waits for a compiler.  A load
-that fails makes ``reduce`` raise: the fault path demotes that dtype to the
-next engine of ``_engines.ORDER``.  Where no child can run or no cache can be
-written, the load compiles in this process (seconds, once).
+model's dtypes when the cache holds them (``warm``), else once the child has
+ended.  Until then (``later``) the training thread leaves
+that dtype's tensors to the writer thread (``_summarizer.Later``: a copy of
+each), which waits for the child and loads the kernels there (``settle``),
+so no step waits for a compiler and the numbers are this engine's; past the
+copies' bound, the eager torch kernels take them (the same counts, minimum,
+maximum and histograms).  A load that fails is kept and makes ``reduce``
+raise: the fault path demotes that dtype to the next engine of
+``_engines.ORDER``.  Where no child can run or no cache can be written, the
+load compiles in this process (seconds, once).
 
-Training thread (and autograd's threads); the child waited for on a thread of
-its own.
+Training thread (and autograd's threads); ``settle`` and the kernels on the
+writer thread for the captures left to it; the child waited for on a thread
+of its own.
 """
 
 from __future__ import annotations
@@ -140,6 +145,7 @@ class NumbaEngine(Engine):
     def __init__(self, device_type: str, compile: bool):
         super().__init__(device_type, False)       # the fallback meanwhile: the eager kernels
         self._ready: dict[torch.dtype, concurrent.futures.Future | bool] = {}
+        self._failed: dict[torch.dtype, BaseException] = {}    # loads that failed, raised again
 
     def __repr__(self) -> str:
         return f"NumbaEngine({self.device_type})"
@@ -157,26 +163,62 @@ class NumbaEngine(Engine):
         has) they are loaded on this thread, a Python-heavy half second that a
         background thread would stretch into seconds of the training thread's
         waits for the GIL.  Raises what the load raised (the fault path demotes)."""
-        state = self._ready.get(dtype)
-        if state is True:
-            return True
-        if state is None:
-            with self._lock:
-                if dtype not in self._ready:
-                    self._ready[dtype] = _pool("compile", 1).submit(_compile_apart,
-                                                                    _BITS[dtype][1])
-            state = self._ready[dtype]
+        state = self._state(dtype)
         if state is True:
             return True
         if not (wait or state.done()):
             return False
         state.result()
         with self._lock:
+            if dtype in self._failed:           # once: a failed load is not tried again
+                raise self._failed[dtype]
             if self._ready[dtype] is not True:
-                with quiet():       # numba's warnings are not the user's news (``_quiet``)
-                    K.compile_for(_BITS[dtype][1])   # a load from the cache (else a compile)
+                try:
+                    with quiet():   # numba's warnings are not the user's news (``_quiet``)
+                        K.compile_for(_BITS[dtype][1])   # a load from the cache (else a compile)
+                except Exception as e:
+                    self._failed[dtype] = e
+                    raise
                 self._ready[dtype] = True
         return True
+
+    def _state(self, dtype: torch.dtype) -> concurrent.futures.Future | bool:
+        """``dtype``'s state: True (loaded), or its compile apart (started now if not
+        yet)."""
+        state = self._ready.get(dtype)
+        if state is None:
+            with self._lock:
+                if dtype not in self._ready:
+                    self._ready[dtype] = _pool("compile", 1).submit(_compile_apart,
+                                                                    _BITS[dtype][1])
+            state = self._ready[dtype]
+        return state
+
+    # --- deferred summaries: the training thread copies, the writer summarises ----------
+    def later(self, dtype: torch.dtype) -> bool:
+        """Whether a tensor of ``dtype`` had better be summarised later, off the
+        training thread (``_summarizer.Later``): its kernels are on their way (their
+        compile apart started here if not yet), not loaded and not failed.  Never
+        loads, never waits."""
+        if self._ready.get(dtype) is True or dtype not in _BITS or dtype in self._failed:
+            return False
+        return self._state(dtype) is not True
+
+    def settle(self, dtype: torch.dtype, timeout: float) -> bool:
+        """On the writer thread: wait up to ``timeout`` seconds for ``dtype``'s
+        compile apart, then load its kernels here (``ready``); whether there is
+        nothing more to wait for: loaded, or failed (the failure is kept: ``ready``
+        raises it again, on the training thread too, where the fault path demotes
+        the dtype)."""
+        if dtype not in _BITS or dtype in self._failed:
+            return True
+        state = self._state(dtype)
+        if state is not True:
+            concurrent.futures.wait([state], max(timeout, 0.0))
+        try:
+            return self.ready(dtype)
+        except Exception:
+            return True
 
     # --- the engine ---------------------------------------------------------------------
     def _read(self, x: torch.Tensor):

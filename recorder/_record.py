@@ -17,7 +17,10 @@ What a record holds:
   its vectors hold (``Holds``), never its width;
 - ``packed``: the step's vectors, their copies to the host started on the
   training thread (a pinned buffer and an event on CUDA); ``Packed.host``
-  waits for them, on the writer thread;
+  waits for them, on the writer thread.  A part may be vectors not made yet
+  (a ``Deferred``: copies of CPU tensors whose kernels were compiling, ``held``
+  bytes); ``Packed.host`` makes them there, on the writer thread, waiting for
+  the kernels until ``hurry`` says the writer is needed elsewhere;
 - ``tensors``: the full tensors kept (``Snapshot``: the writer gives their
   pinned slots back once stored);
 - ``drops``, ``outside``: what was counted, not recorded;
@@ -34,6 +37,7 @@ writer thread, but for the two policies above.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -44,8 +48,8 @@ from ._config import RecorderConfig
 from ._snapshot import Snapshot
 from ._summary import Holds, combine, moments
 
-__all__ = ["Block", "CloseRecord", "Meta", "Packed", "Plan", "Resolved", "StatsRows", "StepRecord",
-           "TensorRow"]
+__all__ = ["Block", "CloseRecord", "Deferred", "Meta", "Packed", "Plan", "Resolved", "StatsRows",
+           "StepRecord", "TensorRow"]
 
 
 @dataclass(frozen=True)
@@ -103,17 +107,35 @@ class TensorRow:
     snap: Snapshot
 
 
+class Deferred:
+    """A part of ``Packed`` whose vectors the writer thread makes (``_summarizer.Later``),
+    from copies of ``nbytes``."""
+    nbytes = 0
+
+    def host(self, hurry: Callable[[], bool]):
+        """The vectors, flat, float64 (a tensor); ``hurry``: whether to stop waiting
+        for kernels still compiling."""
+        raise NotImplementedError
+
+
 class Packed:
     """A step's vectors, packed per device, on their way to the host."""
 
-    def __init__(self, parts: list[Snapshot]):
-        self._parts = parts            # a float64 host copy per device
+    def __init__(self, parts: list):
+        self._parts = parts            # a float64 host copy per device (a ``Snapshot``),
+        # or a ``Deferred``: the copies it holds
+        self.held = sum(p.nbytes for p in parts if isinstance(p, Deferred))
 
-    def host(self) -> np.ndarray:
-        """Every vector, on the host (waits for the copies: the writer thread does)."""
+    def host(self, hurry: Callable[[], bool] = lambda: False) -> np.ndarray:
+        """Every vector, on the host (waits for the copies, and makes the deferred
+        ones: the writer thread does; ``hurry`` as ``Deferred.host``)."""
+        arrays = []
         for part in self._parts:
-            part.unpin()
-        arrays = [part.host().numpy() for part in self._parts]
+            if isinstance(part, Deferred):
+                arrays.append(part.host(hurry).numpy())
+            else:
+                part.unpin()
+                arrays.append(part.host().numpy())
         if len(arrays) == 1:           # one device (the common case): no copy
             return arrays[0]
         return np.concatenate(arrays) if arrays else np.zeros(0)
@@ -144,12 +166,14 @@ class StepRecord:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.snap.nbytes for t in self.tensors)
+        held = self.packed.held if self.packed is not None else 0
+        return held + sum(t.snap.nbytes for t in self.tensors)
 
-    def resolve(self) -> Resolved:
-        """Statistics and events from the packed vectors (once; waits for the copies)."""
+    def resolve(self, hurry: Callable[[], bool] = lambda: False) -> Resolved:
+        """Statistics and events from the packed vectors (once; waits for the copies;
+        ``hurry`` as ``Deferred.host``)."""
         if self._resolved is None:
-            self._resolved = _resolve(self)
+            self._resolved = _resolve(self, hurry)
             self.packed = None
         return self._resolved
 
@@ -165,7 +189,7 @@ class CloseRecord:
     scalars: list = field(default_factory=list)              # rec.log's since the last step
 
 
-def _resolve(rec: StepRecord) -> Resolved:
+def _resolve(rec: StepRecord, hurry: Callable[[], bool]) -> Resolved:
     """The writer thread's work on a record (see the module): every capture with
     statistics is a row of ``moments``, the summary blocks' rows first, then a row
     for each capture without a vector (its element count).  One pass over the
@@ -175,7 +199,7 @@ def _resolve(rec: StepRecord) -> Resolved:
     metas, blocks = rec.metas, rec.blocks
     if not metas:
         return out
-    flat = rec.packed.host() if rec.packed is not None else np.zeros(0)
+    flat = rec.packed.host(hurry) if rec.packed is not None else np.zeros(0)
     mats = [flat[b.start: b.start + b.rows * b.width].reshape(b.rows, b.width) for b in blocks]
     summary = [i for i, b in enumerate(blocks) if b.holds is Holds.SUMMARY]
     base, at = {}, 0

@@ -85,6 +85,11 @@ class Worker:
             return STUCK
         return None
 
+    def pressed(self) -> bool:
+        """Whether the inbox is half full, in count or bytes: the worker had better not
+        wait for anything now (read without the lock: a hint, from the worker)."""
+        return len(self._inbox) * 2 >= self.max_items or self._bytes * 2 > self.max_bytes
+
     def send(self, item, nbytes: int = 0, deadline: float | None = None) -> str | None:
         """Queue ``item`` (holding ``nbytes`` of snapshots); None when queued, else why
         not.  Waits while the inbox is full and the worker makes progress, up to

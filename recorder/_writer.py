@@ -77,6 +77,8 @@ class _Rows:
                                                # less often, never back to back
         self._pending = False
         self.abandoned = False                  # close gave up: commit nothing more
+        self.hurry = lambda: False              # the inbox's pressure (``Worker.pressed``): a
+                                                # record's deferred summaries wait no more
         self.lock = threading.Lock()            # held by a commit's counters and by the give-up
 
     def _tell(self, key: str, message: str, error: BaseException | None = None) -> None:
@@ -158,7 +160,7 @@ class _Rows:
         """The record's statistics and events; a record that cannot be interpreted
         loses its statistics (counted), never the store."""
         try:
-            return record.resolve()
+            return record.resolve(self.hurry)
         except Exception as e:
             reason = f"statistics failed ({cause(e)})"
             record.drops[reason] = record.drops.get(reason, 0) + len(record.metas)
@@ -288,6 +290,7 @@ class Writer:
         self.worker = Worker(self.rows, outbox, max_bytes=config.max_pending_bytes,
                              poll=min(0.05, config.flush_interval / 4),
                              stall=config.close_timeout, progress=lambda: store.pool.progress)
+        self.rows.hurry = self.worker.pressed
 
     # --- training-thread side ------------------------------------------------------------
     def put(self, record: StepRecord | CloseRecord) -> None:

@@ -206,3 +206,141 @@ def test_an_empty_cache_is_filled_by_a_child_process(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        cwd=ROOT, timeout=600)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+# --- a fresh machine: the first steps' summaries, while the kernels compile apart ------------
+# A child process records with an empty numba cache; its plain forward hooks and tensor hooks
+# save every captured tensor (the oracle's input), and a spy notes the torch kernels the
+# training thread ran meanwhile.
+COLD = r'''
+import json, sys, threading, torch
+from torch import nn
+from recorder import Recorder, _engine, _nbkernels
+out, mode = sys.argv[1], sys.argv[2]
+on_training = []
+for kernel in ("reduce", "reduce_many", "count_nonfinite"):
+    def spy(self, *a, _orig=getattr(_engine.Engine, kernel), _name=kernel):
+        if threading.current_thread() is threading.main_thread():
+            on_training.append(_name)
+        return _orig(self, *a)
+    setattr(_engine.Engine, kernel, spy)
+if mode == "broken":                                # no kernels: nothing compiles, loads fail
+    import recorder._numba as N
+    N._compile_apart = lambda reads: None
+    def broken(*a, **k):
+        raise RuntimeError("compile broken")
+    _nbkernels.compile_for = broken
+g = torch.Generator().manual_seed(5)
+special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1.0, -2.5])
+fixed = [special.repeat(3000), special.bfloat16(), torch.randn(40, 300, generator=g).double().t(),
+         torch.randn(9000, generator=g).half(), torch.arange(12)]
+
+class Emit(nn.Module):
+    def forward(self):
+        return tuple(fixed)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 1200)          # 512 x 1200: split across threads
+        self.act = nn.ReLU()
+        self.head = nn.Linear(1200, 3)
+        self.emit = Emit()
+
+    def forward(self, x):
+        self.emit()
+        return self.head(self.act(self.fc(x)))
+
+torch.manual_seed(0)
+model = Net()
+seen, step = [], [0]
+def keep(name, t):
+    seen.append((name, step[0], t.detach().clone()))
+def hook(m, a, o, name):
+    for i, t in enumerate(o if isinstance(o, tuple) else (o,)):
+        keep(f"{name}:{i}" if isinstance(o, tuple) else name, t)
+for name, m in [("(root)", model), *model.named_children()]:
+    m.register_forward_hook(lambda m, a, o, name=name: hook(m, a, o, name))
+x = torch.randn(512, 64, generator=g)
+rec = Recorder(model, out + "/run", layers="*", capture="activations", tensors_every=None,
+               stats_every=2 if mode == "cold" else 1, close_timeout=300).attach()
+for i in range(4):
+    step[0] = i
+    with rec.step():
+        model(x).square().mean().backward()
+    if mode == "broken" and i == 0:
+        rec.flush()                                 # the writer's load has failed: told to all
+rec.close()
+torch.save(seen, out + "/seen.pt")
+print(json.dumps(on_training))
+'''
+
+
+def _cold(tmp_path, mode):
+    env = dict(os.environ, PYTHONPATH=ROOT, NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+               TENSORTAPE_ENGINE="numba")
+    p = subprocess.run([sys.executable, "-c", COLD, str(tmp_path), mode], env=env,
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return open_run(str(tmp_path / "run")), torch.load(tmp_path / "seen.pt"), \
+        __import__("json").loads(p.stdout.strip().splitlines()[-1]), p.stderr
+
+
+def _stored(run, seen, every):
+    """Each capture the hooks saw, with what the store holds of it: statistics and
+    histogram at a step with statistics (of ``every``), non-finite counts (events) at
+    one without; None where no statistics are stored (a float tensor's only its count)."""
+    ds = run.stats().compute()
+    events = {(e.step, e.layer): (e.nan, e.posinf, e.neginf) for e in run.events}
+    for name, step, x in seen:
+        if step % every:
+            yield name, step, x, events.get((step, name), (0, 0, 0))
+            continue
+        if step not in ds["step"].values:
+            yield name, step, x, None
+            continue
+        row = ds.sel(layer=name, step=step)
+        got = {k: row[k].item() for k in oracle.STATS}
+        lost = np.isnan(got["count"]) or x.is_floating_point() and np.isnan(got["min"])
+        yield name, step, x, None if lost else (got, run.histogram(name, step=step).values)
+
+
+def _nonfinite(x):
+    if not x.is_floating_point():
+        return 0, 0, 0
+    v = oracle.values(x)
+    return tuple(int(n) for n in ((np.isnan(v).sum(), (v == np.inf).sum(), (v == -np.inf).sum())))
+
+
+def test_the_first_steps_on_a_fresh_machine_are_summarised_off_the_training_thread(tmp_path):
+    run, seen, on_training, _ = _cold(tmp_path, "cold")
+    assert run.dropped == 0
+    assert on_training == []          # no eager kernel on the training thread: the writer's work
+    e = engine()                      # this process's numba kernels, loaded (warm)
+    assert len(seen) == 4 * 9
+    for name, step, x, stored in _stored(run, seen, 2):
+        if step % 2:                  # no statistics: the exact non-finite counts
+            assert stored == _nonfinite(x), (name, step)
+            continue
+        got, hist = stored
+        if not x.is_floating_point():                 # a count, and nothing else
+            assert got["count"] == x.numel() and np.isnan(got["mean"]), (name, step)
+            continue
+        check(got, hist, x)
+        if x.numel() >= 8192 and x.is_floating_point():   # bit for bit the warm engine's sums
+            want = {k: v[0] for k, v in finalize([e.reduce(prepared(x)).numpy()]).stats.items()}
+            for k in ("mean", "std", "norm"):
+                assert got[k] == want[k], (name, step, k, got[k], want[k])
+
+
+def test_kernels_that_fail_to_compile_still_store_the_first_steps(tmp_path):
+    run, seen, _, err = _cold(tmp_path, "broken")
+    assert "compile broken" in err                  # told (once), never raised
+    lost = [(name, step) for name, step, x, stored in _stored(run, seen, 1) if stored is None]
+    for name, step, x, stored in _stored(run, seen, 1):
+        if stored is not None and x.is_floating_point():
+            check(*stored, x)
+    # a dtype's capture that met the failure on the training thread is dropped (counted) as
+    # its engine is demoted; the captures left to the writer are summarised there (eagerly)
+    assert len(lost) == run.dropped and 0 < run.dropped < 8, lost
+    assert all(step == 0 for _, step in lost[:-2]) and all(step < 2 for _, step in lost), lost
