@@ -689,6 +689,8 @@ def serve(run, run_b, host, port, no_browser):
     paths = [run] + ([run_b] if run_b else [])
     try:
         server = make_server(paths, host, port)
+    except RecorderError:
+        raise                                   # a run that cannot be served: its own line
     except OSError as e:
         raise click.BadParameter(f"cannot listen on {host}:{port} ({e.strerror or e})",
                                  param_hint="--port") from None

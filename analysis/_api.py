@@ -102,12 +102,20 @@ def _run(run, size) -> dict:
             "layers": run.layers, "ranks": run.ranks,
             "steps": [int(min(s[0] for s in steps)), int(max(s[-1] for s in steps))] if steps else None,
             "step_count": int(max(len(s) for s in steps)) if steps else 0,
-            "size_bytes": size, "first_nonfinite": event, "events": len(run.events),
+            "size_bytes": size, "first_nonfinite": event,
+            "events": sum(run.state(r).events_total for r in run.ranks),   # all, not the kept
             "scalars": has_scalars, "model_class": run.attrs.get("model_class"),
             "map_stats": list(MAP_STATS), "stats": [*fmt.STATS, "rms"]}
 
 
 # --- the map --------------------------------------------------------------------------------
+def _width(width) -> int:
+    """``width``, checked: a number of columns, at least 1 (a bad one is the asker's: 400)."""
+    if int(width) < 1:
+        raise ValueError(f"width={width} is not valid; use a number of columns, at least 1")
+    return int(width)
+
+
 def _columns(n: int, width: int) -> np.ndarray:
     """Edges (``cols + 1`` row offsets) that split ``n`` rows into at most ``width``
     columns of consecutive rows, as even as can be."""
@@ -139,7 +147,7 @@ def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start
     order = {n: i for i, n in enumerate(run.layers_of(rank))}
     cols = sorted(range(len(names)), key=lambda i: order.get(names[i], len(order) + i))
     i0, i1 = _window(steps, start, stop)
-    n, width = i1 - i0, max(1, int(width))
+    n, width = i1 - i0, _width(width)
     # a window of many grains a column is made of whole grains: at most ``width`` columns
     # and at least one grain each (fewer columns than ``width`` below width x grain steps)
     level = next((g for g in fmt.PYRAMID_GRAINS if i1 // g + i0 // -g >= max(1, width // 4)),
@@ -202,7 +210,7 @@ def stats(run, layer: str, kind: str = "activations", rank=None, start=None, sto
     _, rows, steps = Statistics(run.index).rows(kind, rank)
     i0, i1 = _window(steps, start, stop)
     n = i1 - i0
-    edges = _columns(n, int(width) if width else max(n, 1))
+    edges = _columns(n, _width(width) if width is not None else max(n, 1))
     out = {s: np.full(len(edges) - 1, np.nan) for s in (*fmt.STATS, "rms")}
     for b0 in range(0, n, BLOCK):
         got = _read(run, kind, rank, fmt.STATS, as_slice(rows[i0 + b0: i0 + min(n, b0 + BLOCK)]),
@@ -286,7 +294,7 @@ def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=
     steps = ds.step.values
     i0, i1 = _window(steps, start, stop)
     n = i1 - i0
-    edges = _columns(n, max(1, int(width)))
+    edges = _columns(n, _width(width))
     raw = np.abs(ds[metric].sel(layer=names).values[i0:i1].astype(np.float64))
     values = np.full((len(edges) - 1, len(names)), np.nan)
     bad = np.zeros(values.shape, bool)

@@ -331,6 +331,32 @@ def test_unknown_things_are_404_with_one_line_of_json(spiky, serve, route, query
     assert set(body) == {"error"} and "\n" not in body["error"] and body["error"]
 
 
+@pytest.mark.parametrize("route,query", [("map", {}), ("compare-map", {}),
+                                         ("stats", {"layer": "first"})])
+@pytest.mark.parametrize("width", [0, -3])
+def test_a_width_of_no_columns_is_refused_not_quietly_one(spiky, serve, route, query, width):
+    s = serve(spiky, spiky)
+    status, body = s.get(route, width=width, **query)
+    assert status == 400 and "width" in body["error"] and "\n" not in body["error"]
+
+
+def test_the_run_counts_every_event_not_only_those_kept(tmp_path, serve):
+    """More non-finite events than the attributes keep (1,000): the count is them all."""
+    import torch
+    from recorder import Recorder
+    path = str(tmp_path / "many.zarr")
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(20)])
+    with Recorder(model, path, tensors_every=None, capture=("activations",)) as rec:
+        for step in range(60):
+            with rec.step(step), torch.no_grad():
+                model(torch.full((1, 2), float("nan")))
+    run = open_run(path)
+    total = sum(run.state(r).events_total for r in run.ranks)
+    assert total == 60 * 21 > len(run.events)                  # 20 layers and the root
+    status, body = serve(path).get("runs")
+    assert status == 200 and body[0]["events"] == total
+
+
 @pytest.mark.parametrize("path", [
     "/../../../../etc/passwd", "/%2e%2e/%2e%2e/etc/passwd", "/static/../_serve.py",
     "/app.js/../../_api.py", "/..%2f..%2fzarr.json", "/zarr.json", "/rank0/zarr.json",
@@ -404,6 +430,7 @@ def test_an_unreadable_run_is_one_line_and_exit_2_before_serving(tmp_path):
         out, err = p.communicate(timeout=120)
         assert p.returncode == 2 and out == ""
         assert len(err.strip().splitlines()) == 1 and err.startswith("Error: ")
+        assert "--port" not in err and "listen" not in err, err     # the run is at fault
 
 
 def test_a_host_other_than_loopback_warns_of_no_authentication(spiky):

@@ -116,7 +116,7 @@ const Chart = (() => {
     ctx.fillText((opts.title || "") + (opts.log ? " (log)" : ""), L, 12);
     ctx.strokeStyle = COLORS.grid;
     ctx.lineWidth = 1;
-    const yticks = ticks(y0, y1, 4).map(t => [t, opts.log ? "1e" + (+t.toFixed(1)) : short(t)]);
+    const yticks = ticks(y0, y1, 4).map(t => [t, opts.log ? short(Math.pow(10, t)) : short(t)]);
     for (const [t, text] of yticks) {
       ctx.beginPath(); ctx.moveTo(L, py(t)); ctx.lineTo(W - R, py(t)); ctx.stroke();
       ctx.fillText(text, 2, py(t) + 4);
