@@ -258,11 +258,14 @@ def _compare_nonfinite(ds, names: list, metric: str, i0: int, i1: int) -> np.nda
     against NaN is no difference to ``stat_rel`` (0), yet it is no agreement)."""
     sel = lambda v: ds[v].sel(layer=names).values[i0:i1]
     raw = sel(metric).astype(np.float64)
+    if metric in TENSOR_METRICS:     # NaN: no full tensor in both runs there, not compared
+        return np.isinf(raw) | (~np.isnan(raw) & sel("nonfinite"))
     ran = ~(sel("absent_a") & sel("absent_b"))
     return np.isinf(raw) | (ran & (np.isnan(raw) | sel("nonfinite")))
 
 
-COMPARE_METRICS = ("stat_rel", "rel_l2", "max_abs", *(f"delta_{s}" for s in fmt.STATS))
+TENSOR_METRICS = ("rel_l2", "max_abs")       # of full tensors: only where both runs hold one
+COMPARE_METRICS = ("stat_rel", *TENSOR_METRICS, *(f"delta_{s}" for s in fmt.STATS))
 
 
 def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=None,

@@ -340,6 +340,29 @@ def test_a_width_of_no_columns_is_refused_not_quietly_one(spiky, serve, route, q
     assert status == 400 and "width" in body["error"] and "\n" not in body["error"]
 
 
+@pytest.mark.parametrize("metric", ["rel_l2", "max_abs"])
+def test_a_full_tensor_metric_leaves_steps_without_tensors_uncompared(tmp_path, serve, metric):
+    """Two identical runs, full tensors every 3rd step: those steps are 0 apart, the
+    others not compared ("nan", as a map's cell with no value), never different."""
+    import torch
+    from recorder import Recorder
+    paths = []
+    for name in ("a", "b"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        paths.append(str(tmp_path / f"{name}.zarr"))
+        with Recorder(model, paths[-1], tensors_every=3, capture=("activations",)) as rec:
+            for step in range(10):
+                with rec.step(step), torch.no_grad():
+                    model(torch.full((2, 3), step / 10))
+    status, m = serve(*paths).get("compare-map", metric=metric, width=10)
+    assert status == 200 and m["step_lo"] == list(range(10))
+    held = [step % 3 == 0 for step in range(10)]
+    for row, bad in zip(m["values"], m["nonfinite"]):
+        assert not any(bad)
+        assert [v != "nan" for v in row] == held and all(v in (0, "nan") for v in row)
+
+
 def test_the_run_counts_every_event_not_only_those_kept(tmp_path, serve):
     """More non-finite events than the attributes keep (1,000): the count is them all."""
     import torch
