@@ -22,7 +22,6 @@ the 50-layer evolution, against tensortape doing the same.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics

@@ -342,6 +342,11 @@ def print_first(rounds: list[dict]) -> None:
             f"({statistics.median(c for _, c in more):+.2f})")
 
 
+def _times(theirs: float, ours: float) -> str:
+    """``theirs / ours`` of two added times; none when ours is within the noise (<= 0)."""
+    return f"{theirs / ours:.1f}x" if ours > 0 else "no ratio (tensortape's added time <= 0: noise)"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="+", choices=["full", "stats", "many", "parts", "kernel", "first"],
@@ -391,7 +396,7 @@ def main():
             elif mode == "stats":
                 add_tt = res["tensortape stats"][1] - bare_sus
                 add_tb = res["tensorboard add_histogram"][1] - bare_sus
-                print(f"  added time (sustained), TensorBoard / tensortape: {add_tb / max(add_tt, 1e-9):.1f}x")
+                print(f"  added time (sustained), TensorBoard / tensortape: {_times(add_tb, add_tt)}")
             else:
                 for k in ("tensortape stats", "tensortape full (default)"):
                     med, sus = res[k]
@@ -401,7 +406,7 @@ def main():
                 add_tt = res["tensortape stats"][1] - bare_sus
                 add_tb = res["tensorboard add_histogram"][1] - bare_sus
                 print(f"  added time (sustained), TensorBoard / tensortape stats: "
-                      f"{add_tb / max(add_tt, 1e-9):.1f}x")
+                      f"{_times(add_tb, add_tt)}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
