@@ -246,6 +246,20 @@ def test_a_store_with_a_pyramid_opens_with_plain_xarray(stores):
     assert tree[TABLE].ds["pyramid64"].dims == ("grain64", "layer", "grain_stat")
 
 
+def check_served(path, window):
+    """The served maps of ``path`` (abs_max and non-finite, whole and zoomed to ``window``:
+    width, start, stop) against the oracle."""
+    run = open_run(path)
+    s = Server(path)
+    try:
+        for width, start, stop in ((1, None, None), (4, None, None), (30, None, None),
+                                   window, (1000, None, None)):
+            for stat in ("abs_max", "nonfinite"):
+                check(run, s.map(stat=stat, width=width, start=start, stop=stop), stat, start, stop)
+    finally:
+        s.close()
+
+
 def cut(path, copy, rows, garbage=False, entry=True):
     """``path`` copied with its stats table's commit set back to ``rows`` (what a
     SIGKILL between writing rows and committing them leaves: data, grains and all,
@@ -280,15 +294,7 @@ def test_only_grains_of_committed_rows_the_state_vouches_for_are_read(stores, tm
         attrs = dict(g["rank0"].attrs)
         attrs["pyramid"][TABLE] = 0
         g["rank0"].attrs.put(attrs)
-    run = open_run(path)
-    s = Server(path)
-    try:
-        for width, start, stop in ((1, None, None), (4, None, None), (30, None, None),
-                                   (12, 8, 330), (1000, None, None)):
-            for stat in ("abs_max", "nonfinite"):
-                check(run, s.map(stat=stat, width=width, start=start, stop=stop), stat, start, stop)
-    finally:
-        s.close()
+    check_served(path, (12, 8, 330))
 
 
 def test_a_table_widened_by_a_writer_without_pyramids_is_read_from_its_rows(tmp_path,
@@ -315,15 +321,7 @@ def test_a_table_widened_by_a_writer_without_pyramids_is_read_from_its_rows(tmp_
     assert g[TABLE]["stats"].shape[1] == 2 and g[TABLE]["pyramid64"].shape[1] == 1
     # its rank state knew no "pyramid" key, and zarr merged its commit into the attributes
     g["rank0"].attrs.update({"pyramid": {TABLE: 130}})
-    run = open_run(path)
-    s = Server(path)
-    try:
-        for width, start, stop in ((1, None, None), (4, None, None), (30, None, None),
-                                   (7, 0, 128), (1000, None, None)):
-            for stat in ("abs_max", "nonfinite"):
-                check(run, s.map(stat=stat, width=width, start=start, stop=stop), stat, start, stop)
-    finally:
-        s.close()
+    check_served(path, (7, 0, 128))
 
 
 CHILD = textwrap.dedent("""
