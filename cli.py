@@ -716,12 +716,6 @@ def serve(run, run_b, host, port, no_browser):
         pass
     finally:
         server.server_close()
-    # a read-only view has nothing left to write: exit now, without the interpreter's
-    # shutdown waiting on the background reads (zarr's executor and event loop), which
-    # once held a Ctrl-C'd server past a minute under load
-    _flush_stdout()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 @cli.command()

@@ -423,10 +423,18 @@ def test_serving_never_writes_into_the_store(spiky, serve):
 
 
 # --- the command ---------------------------------------------------------------------------------
+def _ctrl_c_as_on_a_terminal():
+    """In the child before it starts: SIGINT's default disposition, which Python then
+    makes KeyboardInterrupt (a test run started in the background by a shell, as CI may
+    start it, ignores SIGINT, and a child inherits that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(*args, **kw):
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_ctrl_c_as_on_a_terminal, **kw)
 
 
 def test_serve_prints_its_url_answers_and_exits_0_on_ctrl_c(spiky):
