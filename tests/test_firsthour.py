@@ -257,7 +257,7 @@ def test_info_after_a_kill_says_recording_or_died_with_the_last_commit(tmp_path)
         assert "status   recording (last commit " in live.output, live.output
     finally:
         os.kill(p.pid, signal.SIGKILL)
-        p.wait()
+        p.communicate()                                      # and its pipe closed
     after = time.time()
     r = invoke("info", path)
     assert "recording, or died (no live job holds the run; last commit " in r.output, r.output
