@@ -33,11 +33,12 @@ def test_exported_names_are_exactly_the_documented_ones():
         public = {n for n in os.listdir(os.path.dirname(pkg.__file__))
                   if n.endswith(".py") and not n.startswith("_")}
         # the recorder's public modules for the reader and the CLI: the schema (format),
-        # its codecs (histogram, dtypes) and pattern matching (patterns); replay and
+        # its codecs (histogram, dtypes), pattern matching (patterns) and the summary
+        # pyramid's arithmetic (pyramid: the writer and the map share it); replay and
         # inspection (torch), migrate (the one writer of the layout), script (record),
         # liveness (whether a live job holds a run), quiet (the dependencies' warnings)
         assert public <= {"errors.py", "format.py", "histogram.py", "dtypes.py", "patterns.py",
-                          "integrations.py", "inspection.py", "migrate.py", "script.py",
+                          "pyramid.py", "integrations.py", "inspection.py", "migrate.py", "script.py",
                           "liveness.py", "quiet.py", "replay.py"}, public
 
 
