@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate the README's pictures: bash docs/pictures.sh (about 2 minutes on a CPU).
+# Regenerate the README's pictures: bash docs/pictures.sh (about 3 minutes on a CPU; the
+# browser view's screenshots need Playwright and Debian's chromium at /usr/bin/chromium).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
@@ -14,3 +15,31 @@ tensortape plot "$tmp/demo.zarr" --layer encoder.layers.0.linear2 --kind gradien
     --type histogram --step 10 --scale symlog -o docs/histogram.png   # tails over 30 decades
 tensortape compare "$tmp/stable.zarr" "$tmp/demo.zarr" --kind gradients -o docs/compare.png \
     > /dev/null || true          # exit 1: the runs diverge, as they should
+# the browser view, as a user opens it: the two runs served, the diverged one shown, its
+# first NaN jumped to (serve.png); the two runs' difference map below it (serve-compare.png)
+python3 - "$tmp/stable.zarr" "$tmp/demo.zarr" <<'EOF'
+import subprocess, sys
+from playwright.sync_api import sync_playwright
+proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", *sys.argv[1:3], "--port", "0",
+                         "--no-browser"], stdout=subprocess.PIPE, text=True)
+try:
+    url = proc.stdout.readline().split(" at ")[1].strip()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium")
+        page = browser.new_page(viewport={"width": 1300, "height": 1180})
+        page.goto(url)
+        page.wait_for_selector("body[data-ready='1']", timeout=120_000)
+        page.select_option("#run", "1")
+        page.wait_for_selector("#jump:not([hidden])", timeout=60_000)
+        page.click("#jump")
+        page.wait_for_selector("[data-testid=histogram][data-step]", timeout=60_000)
+        page.wait_for_timeout(500)
+        page.screenshot(path="docs/serve.png")
+        page.locator("[data-testid=compare-map]").scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        page.screenshot(path="docs/serve-compare.png")
+        browser.close()
+finally:
+    proc.terminate()
+    proc.communicate(timeout=60)
+EOF
