@@ -3,15 +3,17 @@
     python bench/bench_engines.py [--reps N]
 
 Contenders, on the same tensors (the TransformerEncoder's 2-8 MB activations and
-gradients of ``bench_recorder.py``, and bfloat16 copies of them):
+gradients of ``bench_recorder.py``, bfloat16 copies of two and a float8 copy of
+one):
 
-- ``x.sum()``: one read of the tensor, the floor;
+- ``x.sum()``: one read of the tensor, the floor (of its bytes, for float8);
 - ``numba``: ``recorder._numba.NumbaEngine`` (one read; a tensor split across
   threads by a pool of Python threads running ``nogil`` kernels);
 - ``numba prange``: the same kernel run by ``@njit(parallel=True)`` over the
   chunks (numba's threading layer instead of the pool);
 - ``torch compiled``: ``CpuEngine`` with ``torch.compile``d kernels (two
-  fused kernels and a split ``bincount``: the engine before numba);
+  fused kernels and a split ``bincount``: the engine before numba; float8
+  widened to float32 first);
 - ``torch eager``: the same kernels, eager.
 
 And a step's tiny tensors: ``reduce_many`` of 402 tensors of 64 elements (the
@@ -36,21 +38,22 @@ from recorder._summary import VECTOR, prepared
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _prange(a, dec, table, shift, cuts, parts, hists):
+def _prange(a, dec, shift, cuts, parts, counts, special):
     for p in prange(len(cuts) - 1):
-        s, q, lo, hi = K.chunk(a, cuts[p], cuts[p + 1], dec, table, shift, hists[p])
+        s, q, lo, hi = K.chunk(a, cuts[p], cuts[p + 1], dec, shift, counts[p], special[p])
         parts[p, 0], parts[p, 1], parts[p, 2], parts[p, 3] = s, q, lo, hi
 
 
 def prange_reduce(x):
     a, dec, table = bits(x)
-    shift = K.shift_of(a, 0, dec)
+    shift = K.shift_of(a, 0, a.size, dec)
     cuts = np.array(_splits(a.size, torch.get_num_threads()), np.int64)
     parts = np.empty((len(cuts) - 1, 4))
-    hists = np.zeros((len(cuts) - 1, K.LANES, K.SLOTS), np.int64)
-    _prange(a, dec, table, shift, cuts, parts, hists)
+    counts = np.zeros((len(cuts) - 1, K.LANES, table.size >> 1), np.int32)
+    special = np.zeros((len(cuts) - 1, 4), np.int64)
+    _prange(a, dec, shift, cuts, parts, counts, special)
     out = np.empty(VECTOR)
-    K.finish(a.size, shift, parts, hists, out)
+    K.finish(a.size, shift, parts, counts, special, table, out)
     return torch.from_numpy(out)
 
 
@@ -62,7 +65,8 @@ def tensors():
     hand_hooks(m, layers, lambda k, t: seen.append((k, t.detach().clone())))
     m(x).pow(2).mean().backward()
     picked = seen[:: max(1, len(seen) // 4)]
-    return picked + [(k + " bf16", t.bfloat16()) for k, t in picked[:2]]
+    return picked + [(k + " bf16", t.bfloat16()) for k, t in picked[:2]] + [
+        (k + " fp8", t.clamp(-448, 448).to(torch.float8_e4m3fn)) for k, t in picked[:1]]
 
 
 def timed(fn, x, reps):
@@ -88,15 +92,15 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     numba_engine = NumbaEngine("cpu", True)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
         numba_engine.ready(dtype, wait=True)
     eager, compiled = CpuEngine("cpu", False), CpuEngine("cpu", True)
     contenders = {"numba": numba_engine.reduce, "numba prange": prange_reduce,
                   "torch compiled": compiled.reduce, "torch eager": eager.reduce}
     print(f"threads={torch.get_num_threads()}; per tensor, best of {args.reps}")
     for name, t in tensors():
-        t = prepared(t)
-        floor = timed(lambda t: t.sum(), t, args.reps)
+        t = prepared(t, widen=False)           # an 8-bit float as it is: each engine reads it its way
+        floor = timed(lambda t: (t.view(torch.uint8) if t.element_size() == 1 else t).sum(), t, args.reps)
         mb = t.numel() * t.element_size() / 1e6
         print(f"{name:30s} {str(t.dtype)[6:]:8s} {mb:5.1f} MB  x.sum() {mb / floor:6.0f} MB/s")
         for cname, fn in contenders.items():

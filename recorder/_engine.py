@@ -32,7 +32,7 @@ import torch
 from . import histogram
 from ._quiet import quiet, warn
 from ._summary import (FIELDS, LANES, codes, exp_bits_of, lane_codes, nonfinite_counts,
-                       reductions, segment_reductions)
+                       reductions, segment_reductions, widened)
 
 __all__ = ["Engine", "registered"]
 
@@ -72,6 +72,7 @@ class Engine:
     """Runs the summary kernels on one device type."""
 
     family: ClassVar[str | None] = None     # the family a subclass registers in (``registered``)
+    narrow: ClassVar[bool] = False          # reads the 8-bit floats unwidened (``prepared``)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -101,12 +102,13 @@ class Engine:
     def count_nonfinite(self, x: torch.Tensor) -> torch.Tensor:
         """NaN, +Inf and -Inf counts of a prepared float tensor (``COUNTS``, float64,
         on its device); no sync."""
-        return self._run(nonfinite_counts, x)
+        return self._run(nonfinite_counts, widened(x))
 
     @torch.compiler.disable
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The summary vector of a prepared, non-empty float tensor, on its device
         (``Holds.SUMMARY``); no sync."""
+        x = widened(x)                         # an unwidened 8-bit float (a ``narrow`` engine's)
         exp_bits = exp_bits_of(x)              # its code width: 11 (float64) or 8
         counts = self._bincount(self._run(lane_codes, x), LANES * histogram.code_width(exp_bits))
         return torch.cat([self._run(reductions, x), self.to_slots(counts, exp_bits)])

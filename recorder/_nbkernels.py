@@ -1,20 +1,25 @@
 """The numba kernels of the CPU statistics engine (``_numba``): one read per tensor.
 
-Every element is read once, as its bits (float32 as ``uint32``, float64 as
-``uint64``, bfloat16 as ``uint16``, float16 as ``int16``, the 8-bit floats as
-``uint8`` through a 256-entry table of their float32 bits: no widened copy),
-and gives at once:
+Every element is read as its bits (float32 as ``uint32``, float64 as ``uint64``,
+bfloat16 as ``uint16``, float16 as ``int16``, the 8-bit floats as ``uint8``
+through a 256-entry table of their float32 bits: no widened copy).  A tensor
+is taken block by block (``BLOCK`` elements), in two loops over each: one read
+of memory, the second loop's from the cache:
 
-- its histogram slot (``format.code_slots`` of its code, ``format.encode``):
-  one lookup in a table indexed by the code and by whether the bits below the
-  code are all zero (what tells ±0 from the underflow bin and ±Inf from NaN),
-  counted into ``LANES`` private sub-histograms (element ``i`` into lane
+- ``_moments``, one vectorised loop: if finite, ``d = x - shift`` in float64,
+  summed with ``d * d`` (reassociated into the CPU's vector lanes: the same
+  sums as ``_summary.reductions`` but for rounding; the blocks' sums are added
+  in order); the minimum and maximum as integer order keys of the bits
+  (``_key``: integer reductions vectorise, float ``min`` does not); and the
+  counts of +0, -0, +Inf and -Inf;
+- ``_codes``: each element's histogram code (``format.encode``'s top bits)
+  counted into ``LANES`` private int32 rows (element ``i`` into lane
   ``i % LANES``, so a run of equal codes, a ReLU's zeros, does not serialise
-  on one counter);
-- if finite, ``d = x - shift`` in float64, summed with ``d * d`` in
-  ``LANES`` accumulators per block of ``BLOCK`` elements, the blocks' sums
-  added in order (the same sums as ``_summary.reductions``, but for rounding);
-  and the minimum and maximum.
+  on one counter).
+
+``finish`` turns the codes' counts into histogram slots (``format.code_slots``),
+moving the four special values from their code's slot to their own.  A step's
+tiny tensors (``many``) count slots straight into their rows instead.
 
 The functions are compiled by numba once per machine (``cache=True``: on disk,
 next to this file or in ``NUMBA_CACHE_DIR``), and run without the GIL
@@ -43,7 +48,8 @@ __all__ = ["BLOCK", "HEAD", "LANES", "NO_TABLE", "READS", "cached_mark", "chunk"
            "finish", "many", "nonfinite", "one", "shift_of", "slot_table"]
 
 LANES = 4
-BLOCK = 4096            # elements summed in lanes before they join the running sums
+BLOCK = 4096            # elements of a block: read by both loops while in cache, summed
+                        # before they join the running sums
 HEAD = 6                # the head of a summary vector (``_summary.FIELDS``)
 SLOTS = fmt.SLOTS
 NO_TABLE = np.zeros(1, np.uint32)       # the decoder table of a dtype that needs none
@@ -54,6 +60,7 @@ READS = {"float64": (np.uint64, 11), "float32": (np.uint32, 8), "bfloat16": (np.
 _EXP64 = np.uint64(0x7FF0000000000000)                   # float64's exponent bits
 _SHIFT64 = np.uint64(fmt.code_shift(11))
 _LOW64 = np.uint64((1 << fmt.code_shift(11)) - 1)
+_CODES64 = fmt.raw_codes(11)                             # float64's codes (8-bit exponents: 2048)
 _ZERO64 = np.uint64(0)
 
 
@@ -149,64 +156,172 @@ def _index_impl(u):
     return lambda u: np.intp(u >> 21) * 2 + np.intp((u & 0x1FFFFF) == 0)
 
 
+# --- per element type: the order key, the special values, the code -----------------
+def _key(u):
+    """The signed integer that orders floats as their values do (-0 just below +0),
+    of bits ``u``: its minimum and maximum are the floats' (integer reductions
+    vectorise; float ``min`` with its NaN rules does not)."""
+
+
+@overload(_key, inline="always")
+def _key_impl(u):
+    if u == types.uint64:
+        return lambda u: np.int64(u) ^ ((np.int64(u) >> 63) & 0x7FFFFFFFFFFFFFFF)
+    return lambda u: np.int32(u) ^ ((np.int32(u) >> 31) & 0x7FFFFFFF)
+
+
+def _value(k, a):
+    """The float64 value of order key ``k`` of the bits ``a`` is read as (``_key``'s
+    inverse; numba widens the keys to int64); ±Inf for the keys that stand for "no
+    finite element"."""
+
+
+@overload(_value, inline="always")
+def _value_impl(k, a):
+    if a.dtype == types.uint64:
+        def f64(k, a):
+            if k == _NONE64[0] or k == _NONE64[1]:
+                return np.inf if k == _NONE64[0] else -np.inf
+            return _as_f64(np.uint64(k ^ ((k >> 63) & 0x7FFFFFFFFFFFFFFF)))
+        return f64
+
+    def f32(k, a):
+        if k == _NONE32[0] or k == _NONE32[1]:
+            return np.inf if k == _NONE32[0] else -np.inf
+        return np.float64(_as_f32(np.uint32(k ^ ((k >> 31) & 0x7FFFFFFF))))
+    return f32
+
+
+_NONE32 = (np.int32(0x7FFFFFFF), np.int32(-0x80000000))       # (min, max) keys of no element
+_NONE64 = (np.int64(0x7FFFFFFFFFFFFFFF), np.int64(-0x8000000000000000))
+
+
+def _none(a):
+    """The (minimum, maximum) keys of no element, for the bits ``a`` is read as."""
+
+
+@overload(_none, inline="always")
+def _none_impl(a):
+    if a.dtype == types.uint64:
+        return lambda a: _NONE64
+    return lambda a: _NONE32
+
+
+def _specials(u):
+    """Whether bits ``u`` are +0, -0, +Inf, -Inf: the values whose slots differ
+    from their code's (``slot_table``)."""
+
+
+@overload(_specials, inline="always")
+def _specials_impl(u):
+    if u == types.uint64:
+        return lambda u: (u == _ZERO64, u == _NZERO64, u == _EXP64, u == _NINF64)
+    return lambda u: (u == 0, u == 0x80000000, u == 0x7F800000, u == 0xFF800000)
+
+
+_NZERO64 = np.uint64(0x8000000000000000)
+_NINF64 = np.uint64(0xFFF0000000000000)
+
+
+def _code(u):
+    """The histogram code of bits ``u`` (``format.encode``, before its special
+    codes): the top bits, sign, exponent and the mantissa's first two."""
+
+
+@overload(_code, inline="always")
+def _code_impl(u):
+    if u == types.uint64:
+        return lambda u: np.intp(u >> _SHIFT64)
+    return lambda u: np.intp(u >> 21)
+
+
 # --- the kernels ---------------------------------------------------------------------
+@njit(nogil=True, cache=True, fastmath={"reassoc"})
+def _moments(b, dec, shift):
+    """Of the elements of ``b`` (a block): the sum of ``d = x - shift`` and of
+    ``d * d`` over the finite ones, their minimum and maximum order keys, and the
+    counts of +0, -0, +Inf and -Inf.  One vectorised loop: the sums reassociated
+    (the CPU's vector lanes; they differ from an ordered sum only in rounding)."""
+    s = q = 0.0
+    lo, hi = _none(b)
+    p0 = n0 = pi = ni = np.int32(0)
+    for j in range(b.size):
+        x, u, f = _element(b, j, dec)
+        d = x - shift if f else 0.0
+        s += d
+        q += d * d
+        k = _key(u)
+        lo = min(lo, k if f else _none(b)[0])
+        hi = max(hi, k if f else _none(b)[1])
+        z, nz, inf, ninf = _specials(u)
+        p0 += np.int32(z)
+        n0 += np.int32(nz)
+        pi += np.int32(inf)
+        ni += np.int32(ninf)
+    return s, q, lo, hi, p0, n0, pi, ni
+
+
 @njit(nogil=True, cache=True)
-def chunk(a, start, stop, dec, table, shift, hist):
-    """Elements ``start:stop`` of flat ``a``: slot counts added to ``hist`` (LANES x
-    SLOTS, int64) and (sum of d, sum of d * d, min, max) of the finite ones."""
-    inf = np.inf
-    s_all, q_all, lo, hi = 0.0, 0.0, inf, -inf
+def _codes(b, dec, counts):
+    """Counts of the codes of ``b``'s elements added to ``counts`` (LANES x codes,
+    int32): element ``i`` into lane ``i % LANES``, so a run of equal codes, a
+    ReLU's zeros, does not serialise on one counter."""
+    n = b.size // LANES
+    for i in range(n):
+        for lane in range(LANES):
+            x, u, f = _element(b, i * LANES + lane, dec)
+            counts[lane, _code(u)] += 1
+    for j in range(n * LANES, b.size):
+        x, u, f = _element(b, j, dec)
+        counts[0, _code(u)] += 1
+
+
+@njit(nogil=True, cache=True)
+def _sums(a, start, stop, dec, shift, special):
+    """``_moments`` of elements ``start:stop`` of flat ``a``, block after block of
+    ``BLOCK`` (the blocks' sums added in order: a long tensor's sums stay
+    accurate): (sum of d, sum of d * d, min, max) of the finite ones; the special
+    values' counts added to ``special``."""
+    s_all = q_all = 0.0
+    lo, hi = _none(a)
     i = start
     while i < stop:
         end = min(stop, i + BLOCK)
-        s0 = s1 = s2 = s3 = 0.0
-        q0 = q1 = q2 = q3 = 0.0
-        while i + LANES <= end:
-            x0, u0, f0 = _element(a, i, dec)
-            x1, u1, f1 = _element(a, i + 1, dec)
-            x2, u2, f2 = _element(a, i + 2, dec)
-            x3, u3, f3 = _element(a, i + 3, dec)
-            hist[0, table[_index(u0)]] += 1
-            hist[1, table[_index(u1)]] += 1
-            hist[2, table[_index(u2)]] += 1
-            hist[3, table[_index(u3)]] += 1
-            d0 = x0 - shift if f0 else 0.0
-            d1 = x1 - shift if f1 else 0.0
-            d2 = x2 - shift if f2 else 0.0
-            d3 = x3 - shift if f3 else 0.0
-            s0 += d0
-            s1 += d1
-            s2 += d2
-            s3 += d3
-            q0 += d0 * d0
-            q1 += d1 * d1
-            q2 += d2 * d2
-            q3 += d3 * d3
-            lo = min(lo, min(x0 if f0 else inf, x1 if f1 else inf),
-                     min(x2 if f2 else inf, x3 if f3 else inf))
-            hi = max(hi, max(x0 if f0 else -inf, x1 if f1 else -inf),
-                     max(x2 if f2 else -inf, x3 if f3 else -inf))
-            i += LANES
-        while i < end:
-            x0, u0, f0 = _element(a, i, dec)
-            hist[0, table[_index(u0)]] += 1
-            if f0:
-                d0 = x0 - shift
-                s0 += d0
-                q0 += d0 * d0
-                lo = min(lo, x0)
-                hi = max(hi, x0)
-            i += 1
-        s_all += (s0 + s1) + (s2 + s3)
-        q_all += (q0 + q1) + (q2 + q3)
-    return s_all, q_all, lo, hi
+        s, q, l, h, p0, n0, pi, ni = _moments(a[i:end], dec, shift)
+        s_all += s
+        q_all += q
+        lo = min(lo, l)
+        hi = max(hi, h)
+        special[0] += p0
+        special[1] += n0
+        special[2] += pi
+        special[3] += ni
+        i = end
+    return s_all, q_all, _value(lo, a), _value(hi, a)
 
 
 @njit(nogil=True, cache=True)
-def finish(n, shift, parts, hists, out):
+def chunk(a, start, stop, dec, shift, counts, special):
+    """Elements ``start:stop`` of flat ``a``: code counts added to ``counts``
+    (LANES x the codes: half ``slot_table``'s length; int32: a chunk holds at most
+    ``2 ** 30`` elements),
+    special values' to ``special`` (+0, -0, +Inf, -Inf; int64), and (sum of d,
+    sum of d * d, min, max) of the finite ones."""
+    i = start
+    while i < stop:                              # the codes, block by block: in cache
+        end = min(stop, i + BLOCK)
+        _codes(a[i:end], dec, counts)
+        i = end
+    return _sums(a, start, stop, dec, shift, special)
+
+
+@njit(nogil=True, cache=True)
+def finish(n, shift, parts, counts, special, table, out):
     """The summary vector (``_summary``'s layout) of a tensor from its chunks'
-    ``parts`` (rows of sum, sum of squares, min, max) and ``hists``
-    (chunks x LANES x SLOTS), into ``out``."""
+    ``parts`` (rows of sum, sum of squares, min, max), code ``counts`` (chunks x
+    LANES x codes) and ``special`` counts (chunks x 4), into ``out``; ``table``:
+    ``slot_table`` (a code's slot at ``code << 1``, a special value's at its code's
+    ``code << 1 | 1``)."""
     out[0] = n
     out[1] = shift
     out[2] = 0.0
@@ -218,61 +333,83 @@ def finish(n, shift, parts, hists, out):
         out[3] += parts[p, 1]
         out[4] = min(out[4], parts[p, 2])
         out[5] = max(out[5], parts[p, 3])
-    for j in range(SLOTS):
+    out[HEAD:] = 0.0
+    ncodes = counts.shape[2]
+    for code in range(ncodes):
         c = 0
-        for p in range(hists.shape[0]):
+        for p in range(counts.shape[0]):
             for lane in range(LANES):
-                c += hists[p, lane, j]
-        out[HEAD + j] = c
+                c += counts[p, lane, code]
+        out[HEAD + table[code << 1]] += c
+    width = 11 if ncodes == _CODES64 else 8                     # the code's exponent bits
+    top = ((1 << width) - 1) << 2                               # exponent all ones, mantissa 00
+    sign = 1 << (width + 2)
+    for k, code in enumerate((0, sign, top, sign | top)):      # +0, -0, +Inf, -Inf
+        c = 0
+        for p in range(special.shape[0]):
+            c += special[p, k]
+        out[HEAD + table[code << 1]] -= c
+        out[HEAD + table[code << 1 | 1]] += c
 
 
 @njit(nogil=True, cache=True)
-def shift_of(a, start, dec):
-    """The sums' shift of a tensor starting at ``start``: its first element if
-    finite, else 0 (as ``_summary.reductions``)."""
-    x, u, f = _element(a, start, dec)
-    return x if f else 0.0
+def shift_of(a, start, stop, dec):
+    """The sums' shift of elements ``start:stop``: their first finite one (0 if
+    none).  ``_summary.reductions`` takes the first element if finite, else 0: a
+    tensor whose first element is NaN would then be summed around 0, and its
+    variance cancel (a large mean, a small spread)."""
+    for i in range(start, stop):
+        x, u, f = _element(a, i, dec)
+        if f:
+            return x
+    return 0.0
 
 
 @njit(nogil=True, cache=True)
 def one(a, dec, table, out):
-    """The summary vector of flat ``a`` (non-empty) into ``out``, on this thread."""
-    shift = shift_of(a, 0, dec)
-    hist = np.zeros((1, LANES, SLOTS), np.int64)
+    """The summary vector of flat ``a`` (non-empty, at most ``2 ** 30`` elements)
+    into ``out``, on this thread."""
+    shift = shift_of(a, 0, a.size, dec)
+    counts = np.zeros((1, LANES, table.size >> 1), np.int32)
+    special = np.zeros((1, 4), np.int64)
     parts = np.empty((1, 4))
-    parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3] = chunk(a, 0, a.size, dec, table, shift,
-                                                               hist[0])
-    finish(a.size, shift, parts, hist, out)
+    parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3] = chunk(a, 0, a.size, dec, shift,
+                                                               counts[0], special[0])
+    finish(a.size, shift, parts, counts, special, table, out)
 
 
 @njit(nogil=True, cache=True)
 def many(a, offsets, first, last, dec, table, out):
     """Rows ``first:last`` of ``out`` (tensors x VECTOR, float64): the summary
-    vector of each segment ``offsets[k]:offsets[k + 1]`` of flat ``a`` (non-empty)."""
-    hist = np.zeros((1, LANES, SLOTS), np.int64)
-    parts = np.empty((1, 4))
+    vector of each segment ``offsets[k]:offsets[k + 1]`` of flat ``a`` (non-empty,
+    tiny): the sums as ``one``'s, each element's slot counted straight into its row
+    (one lookup by code and "bits below the code are zero", see ``slot_table``)."""
+    special = np.zeros(4, np.int64)
     for k in range(first, last):
-        shift = shift_of(a, offsets[k], dec)
-        hist[:] = 0
-        parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3] = chunk(
-            a, offsets[k], offsets[k + 1], dec, table, shift, hist[0])
-        finish(offsets[k + 1] - offsets[k], shift, parts, hist, out[k])
+        start, stop = offsets[k], offsets[k + 1]
+        shift = shift_of(a, start, stop, dec)
+        row = out[k]
+        row[0] = stop - start
+        row[1] = shift
+        row[2], row[3], row[4], row[5] = _sums(a, start, stop, dec, shift, special)
+        row[HEAD:] = 0.0
+        for j in range(start, stop):
+            x, u, f = _element(a, j, dec)
+            row[HEAD + table[_index(u)]] += 1.0
 
 
 @njit(nogil=True, cache=True)
 def nonfinite(a, start, stop, dec, out):
     """NaN, +Inf and -Inf counts of elements ``start:stop`` of flat ``a``, added
     to ``out`` (int64)."""
+    b = a[start:stop]
     nan = pos = neg = 0
-    for i in range(start, stop):
-        x, u, f = _element(a, i, dec)
-        if not f:
-            if x != x:
-                nan += 1
-            elif x > 0:
-                pos += 1
-            else:
-                neg += 1
+    for j in range(b.size):
+        x, u, f = _element(b, j, dec)
+        z, nz, inf, ninf = _specials(u)
+        nan += not (f or inf or ninf)
+        pos += inf
+        neg += ninf
     out[0] += nan
     out[1] += pos
     out[2] += neg
@@ -296,11 +433,12 @@ def compile_for(dtype: str, mark: bool = False) -> None:
     a = np.zeros(LANES + 1, bits_type)
     dec, table = np.zeros(256, np.uint32), slot_table(exp_bits)
     dec = dec if bits_type == np.uint8 else NO_TABLE
-    hist = np.zeros((1, LANES, SLOTS), np.int64)
+    counts = np.zeros((1, LANES, table.size >> 1), np.int32)
+    special = np.zeros((1, 4), np.int64)
     parts = np.zeros((1, 4))
     out = np.zeros(HEAD + SLOTS)
-    parts[0] = chunk(a, 0, a.size, dec, table, shift_of(a, 0, dec), hist[0])
-    finish(a.size, 0.0, parts, hist, out)
+    parts[0] = chunk(a, 0, a.size, dec, shift_of(a, 0, a.size, dec), counts[0], special[0])
+    finish(a.size, 0.0, parts, counts, special, table, out)
     one(a, dec, table, out)
     nonfinite(a, 0, a.size, dec, np.zeros(3, np.int64))
     if dtype in ("float32", "float64"):                 # reduce_many's widths
@@ -308,4 +446,3 @@ def compile_for(dtype: str, mark: bool = False) -> None:
     if mark:
         with open(cached_mark(dtype), "w"):
             pass
-

@@ -52,7 +52,7 @@ from ._summary import FIELDS, NARROW, VECTOR
 __all__ = ["NumbaEngine"]
 
 PARALLEL_MIN = 1 << 18          # elements from which a tensor is split across threads
-_CHUNK_MAX = 1 << 30            # elements per chunk at most (a lane's int64 counts stay exact)
+_CHUNK_MAX = 1 << 30            # elements per chunk at most (a lane's int32 counts stay exact)
 _NICE = 10                      # the compile apart's niceness (added to this process's)
 
 _pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
@@ -137,6 +137,7 @@ class NumbaEngine(Engine):
     kernels are compiled, the eager torch kernels."""
 
     family = "numba"
+    narrow = True                                  # an 8-bit float: its bits, through a table
 
     @classmethod
     def serves(cls, device_type: str) -> bool:
@@ -235,16 +236,17 @@ class NumbaEngine(Engine):
         a, dec, table = read
         out = torch.empty(VECTOR, dtype=torch.float64)
         threads = torch.get_num_threads()
-        if threads < 2 or a.size < PARALLEL_MIN:
+        if (threads < 2 or a.size < PARALLEL_MIN) and a.size <= _CHUNK_MAX:
             K.one(a, dec, table, out.numpy())
             return out
-        shift = K.shift_of(a, 0, dec)
+        shift = K.shift_of(a, 0, a.size, dec)
         cuts = _splits(a.size, threads)
         parts = np.empty((len(cuts) - 1, 4))
-        hists = np.zeros((len(cuts) - 1, K.LANES, K.SLOTS), np.int64)
-        self._split(lambda p: K.chunk(a, cuts[p], cuts[p + 1], dec, table, shift, hists[p]),
+        counts = np.zeros((len(cuts) - 1, K.LANES, table.size >> 1), np.int32)
+        special = np.zeros((len(cuts) - 1, 4), np.int64)
+        self._split(lambda p: K.chunk(a, cuts[p], cuts[p + 1], dec, shift, counts[p], special[p]),
                     parts, len(cuts) - 1)
-        K.finish(a.size, shift, parts, hists, out.numpy())
+        K.finish(a.size, shift, parts, counts, special, table, out.numpy())
         return out
 
     @staticmethod

@@ -108,10 +108,11 @@ def form(x: torch.Tensor, stats: bool, batched: bool = True) -> tuple[Form, int,
     return (_SMALL if batched and numel < SMALL else _SUMMARY), exp_bits, numel
 
 
-def prepared(x: torch.Tensor) -> torch.Tensor:
-    """A float tensor as the engines take it: widened (``widened``), with its
-    dimensions in memory order (``memory_order``)."""
-    return memory_order(widened(x))
+def prepared(x: torch.Tensor, widen: bool = True) -> torch.Tensor:
+    """A float tensor as the engines take it: widened (``widened``; not for an
+    engine that reads the 8-bit floats as they are), with its dimensions in memory
+    order (``memory_order``)."""
+    return memory_order(widened(x) if widen else x)
 
 
 def empty_summary() -> torch.Tensor:
