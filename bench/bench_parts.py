@@ -22,14 +22,24 @@ import warnings
 import torch
 
 import bench_recorder as br
+from recorder._engine import Engine
+from recorder._summary import VECTOR
 
 
-class _StubEngine:
+class _StubEngine(Engine):
     """An engine that computes nothing (``parts``: the packing without the engine)."""
 
+    def __init__(self):
+        super().__init__("cpu", False)
+
     def reduce_many(self, xs, exp_bits):
-        from recorder._summary import VECTOR
         return torch.zeros((len(xs), VECTOR), dtype=torch.float64)
+
+    def reduce(self, x):
+        return torch.zeros(VECTOR, dtype=torch.float64)
+
+    def count_nonfinite(self, x):
+        return torch.zeros(3, dtype=torch.float64)
 
 
 PARTS = ("torch hooks, doing nothing", "tt hooks, null sink", "+ capture record, clone",

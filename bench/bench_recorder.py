@@ -138,7 +138,8 @@ def run(contenders, rounds, block):
 
 
 def recorder(c, store, layers, **kw):
-    rec = Recorder(c.m, store, layers=layers, **kw).attach()
+    kw.setdefault("max_bytes", None)       # no disk budget: every full tensor is stored, as
+    rec = Recorder(c.m, store, layers=layers, **kw).attach()   # torch.save stores them
     c.before, c.end_block = (lambda i: rec.step()), rec.flush
     return rec
 

@@ -277,17 +277,24 @@ def _codes(b, dec, counts):
 
 
 @njit(nogil=True, cache=True)
-def _sums(a, start, stop, dec, shift, special):
-    """``_moments`` of elements ``start:stop`` of flat ``a``, block after block of
-    ``BLOCK`` (the blocks' sums added in order: a long tensor's sums stay
-    accurate): (sum of d, sum of d * d, min, max) of the finite ones; the special
-    values' counts added to ``special``."""
+def chunk(a, start, stop, dec, shift, counts, special):
+    """Elements ``start:stop`` of flat ``a``, block after block of ``BLOCK``: its
+    codes counted into ``counts`` (LANES x the codes, half ``slot_table``'s length;
+    int32: a chunk holds at most ``2 ** 30`` elements; not when ``counts`` has no
+    rows: a step's tiny tensors count slots themselves), then ``_moments`` of the
+    block, from the cache.  The special values' counts are added to ``special``
+    (+0, -0, +Inf, -Inf; int64); returns (sum of d, sum of d * d, min, max) of the
+    finite elements, the blocks' sums added in order (a long tensor's sums stay
+    accurate)."""
     s_all = q_all = 0.0
     lo, hi = _none(a)
     i = start
     while i < stop:
         end = min(stop, i + BLOCK)
-        s, q, l, h, p0, n0, pi, ni = _moments(a[i:end], dec, shift)
+        b = a[i:end]
+        if counts.shape[0]:
+            _codes(b, dec, counts)
+        s, q, l, h, p0, n0, pi, ni = _moments(b, dec, shift)
         s_all += s
         q_all += q
         lo = min(lo, l)
@@ -298,21 +305,6 @@ def _sums(a, start, stop, dec, shift, special):
         special[3] += ni
         i = end
     return s_all, q_all, _value(lo, a), _value(hi, a)
-
-
-@njit(nogil=True, cache=True)
-def chunk(a, start, stop, dec, shift, counts, special):
-    """Elements ``start:stop`` of flat ``a``: code counts added to ``counts``
-    (LANES x the codes: half ``slot_table``'s length; int32: a chunk holds at most
-    ``2 ** 30`` elements),
-    special values' to ``special`` (+0, -0, +Inf, -Inf; int64), and (sum of d,
-    sum of d * d, min, max) of the finite ones."""
-    i = start
-    while i < stop:                              # the codes, block by block: in cache
-        end = min(stop, i + BLOCK)
-        _codes(a[i:end], dec, counts)
-        i = end
-    return _sums(a, start, stop, dec, shift, special)
 
 
 @njit(nogil=True, cache=True)
@@ -385,13 +377,14 @@ def many(a, offsets, first, last, dec, table, out):
     tiny): the sums as ``one``'s, each element's slot counted straight into its row
     (one lookup by code and "bits below the code are zero", see ``slot_table``)."""
     special = np.zeros(4, np.int64)
+    uncounted = np.zeros((0, 1), np.int32)             # the slots are counted below
     for k in range(first, last):
         start, stop = offsets[k], offsets[k + 1]
         shift = shift_of(a, start, stop, dec)
         row = out[k]
         row[0] = stop - start
         row[1] = shift
-        row[2], row[3], row[4], row[5] = _sums(a, start, stop, dec, shift, special)
+        row[2], row[3], row[4], row[5] = chunk(a, start, stop, dec, shift, uncounted, special)
         row[HEAD:] = 0.0
         for j in range(start, stop):
             x, u, f = _element(a, j, dec)

@@ -4,13 +4,13 @@
 kernels of ``_nbkernels``: the sums, minimum, maximum and histogram slot
 counts of a tensor come from one read of its bits (bfloat16, float16 and the
 8-bit floats too: no widened copy).  Counts, minimum, maximum and histograms
-equal the torch engines' exactly; the float64 sums equal them but for the
-order of additions (as the compiled and eager torch kernels differ).
+equal the torch engines' exactly; the float64 sums equal them but for
+rounding (the order of additions).
 
 - A tensor of ``PARALLEL_MIN`` elements or more is split across
   ``torch.get_num_threads()`` threads (the calling one and a pool's), each
-  counting into a private histogram; the histograms and sums are merged at
-  the end, in chunk order.  The kernels hold no GIL.
+  counting codes into private rows; the counts and sums are merged at the
+  end, in chunk order.  The kernels hold no GIL.
 - A step's tiny tensors go through one kernel call (``reduce_many``).
 
 **Compiled once per machine, never in this process.**  numba caches the kernels
@@ -252,7 +252,12 @@ class NumbaEngine(Engine):
     @staticmethod
     def _split(work, rows: np.ndarray, n: int) -> None:
         """``rows[p] = work(p)`` for each chunk ``p``: the first on this thread, the
-        others on the pool's (the kernels release the GIL)."""
+        others on the pool's (the kernels release the GIL); all on this thread
+        when torch is given one thread (a tensor of more than ``_CHUNK_MAX``)."""
+        if torch.get_num_threads() < 2:
+            for p in range(n):
+                rows[p] = work(p)
+            return
         pool = _pool("stats", max(1, (os.cpu_count() or 2) - 1))
         futures = [pool.submit(work, p) for p in range(1, n)]
         rows[0] = work(0)

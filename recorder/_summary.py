@@ -35,7 +35,7 @@ from . import histogram
 __all__ = ["COUNTS", "FIELDS", "LANES", "NARROW", "SMALL", "VECTOR", "Form", "Holds", "Summaries",
            "codes", "combine", "empty_summary", "exp_bits_of", "finalize", "form", "lane_codes",
            "memory_order", "moments", "nonfinite_counts", "prepared", "reductions",
-           "segment_reductions", "widened"]
+           "segment_reductions", "shift_of", "widened"]
 
 FIELDS = ("count", "shift", "dsum", "dsq", "min", "max")
 COUNTS = ("nan", "posinf", "neginf")     # the vector of ``nonfinite_counts``
@@ -146,13 +146,27 @@ def memory_order(x: torch.Tensor) -> torch.Tensor:
     return y if y.is_contiguous() else x
 
 
+SHIFT_WINDOW = 1024   # elements in which ``shift_of`` looks for a finite one
+
+
+def shift_of(x: torch.Tensor) -> torch.Tensor:
+    """The sums' shift of ``x`` (float64, 0-dim, on its device, no sync): the first
+    finite element of its first ``SHIFT_WINDOW`` (of its first row: a view, never
+    a copy), else 0.  Not simply the first element: summed around 0, a tensor
+    whose first element is NaN and whose mean is large next to its spread would
+    lose its variance."""
+    head = x.reshape(1) if x.dim() == 0 else x[(0,) * (x.dim() - 1)][:SHIFT_WINDOW]
+    fin = torch.isfinite(head)
+    first = fin & (fin.cumsum(0) == 1)        # the first finite one: no index, so no host read
+    return torch.where(first, head.to(torch.float64), 0.0).sum()
+
+
 def reductions(x: torch.Tensor) -> torch.Tensor:
     """The NaN-safe reductions of ``x`` (see ``FIELDS``), in float64."""
     inf = float("inf")
     fin = torch.isfinite(x)
     xd = x.to(torch.float64)
-    first = (0,) * x.dim()            # no reshape: a transposed tensor is read in place
-    c = torch.where(fin[first], xd[first], 0)
+    c = shift_of(x)
     d = torch.where(fin, xd - c, 0)
     return torch.stack([
         torch.full((), x.numel(), dtype=torch.float64, device=x.device),
@@ -195,7 +209,11 @@ def segment_reductions(flat: torch.Tensor, seg: torch.Tensor, starts: torch.Tens
     k = len(lengths)
     fin = torch.isfinite(flat)
     xd = flat.to(torch.float64)
-    c = torch.where(fin[starts], xd[starts], 0)
+    n = flat.numel()                  # each segment's shift: its first finite element (else 0)
+    index = torch.where(fin, torch.arange(n, device=flat.device), n)
+    first = torch.full((k,), n, dtype=index.dtype, device=flat.device)
+    first = first.scatter_reduce_(0, seg, index, "amin")
+    c = torch.where(first < n, xd[first.clamp(max=max(n - 1, 0))], 0)
     d = torch.where(fin, xd - c[seg], 0)
     # sums by segment_reduce; min and max by scatter_reduce (the faster of the two for them)
     lo = torch.full((k,), inf, dtype=flat.dtype, device=flat.device)

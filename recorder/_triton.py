@@ -44,6 +44,7 @@ import triton.language as tl
 from . import histogram
 from ._engine import Engine
 from ._quiet import quiet
+from ._summary import shift_of
 
 __all__ = ["TritonEngine"]
 
@@ -76,15 +77,13 @@ def _as_float32(raw, BF16: tl.constexpr):
 
 
 @triton.jit
-def _summary_kernel(x_ptr, n, parts_ptr, hist_ptr, BLOCK: tl.constexpr, RAW: tl.constexpr,
+def _summary_kernel(x_ptr, n, shift_ptr, parts_ptr, hist_ptr, BLOCK: tl.constexpr, RAW: tl.constexpr,
                     WIDTH: tl.constexpr, SHIFT: tl.constexpr, BF16: tl.constexpr,
                     SLICES: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)       # 64-bit offsets: n may pass 2**31
     programs = tl.num_programs(0).to(tl.int64)
     inf = float("inf")
-    first = _as_float32(tl.load(x_ptr), BF16)
-    shift = tl.where((first == first) & (tl.abs(first) != inf), first, 0.0)
-    shift64 = shift.to(tl.float64)
+    shift64 = tl.load(shift_ptr)                      # ``_summary.shift_of``: float64
     acc_s = tl.zeros([BLOCK], dtype=tl.float64)       # float64 lanes: x - shift is exact there
     acc_q = tl.zeros([BLOCK], dtype=tl.float64)
     acc_lo = tl.full([BLOCK], inf, dtype=tl.float32)
@@ -177,14 +176,13 @@ class TritonEngine(Engine):
         n, grid = x.numel(), self._grid(x)
         parts, hist = self._buffers(x, grid)
         bf16 = x.dtype == torch.bfloat16
+        shift = shift_of(x)
         where = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
         with where, quiet():            # on the tensor's device; Triton's own warnings (its
             # compile, at the first launch) never fail the kernel (``_quiet``)
-            _summary_kernel[(grid,)](x.view(torch.int16) if bf16 else x, n, parts, hist,
+            _summary_kernel[(grid,)](x.view(torch.int16) if bf16 else x, n, shift.reshape(1), parts, hist,
                                      BLOCK=self.BLOCK, RAW=_RAW, WIDTH=_WIDTH, SHIFT=_SHIFT,
                                      BF16=bf16, SLICES=self.SLICES)
-        first = x.reshape(-1)[0].to(torch.float64)
-        shift = torch.where(torch.isfinite(first), first, 0.0)
         head = torch.stack([torch.full((), n, dtype=torch.float64, device=x.device), shift,
                             parts[:, 0].sum(), parts[:, 1].sum(), parts[:, 2].min(),
                             parts[:, 3].max()])

@@ -32,7 +32,8 @@ RECORD = textwrap.dedent("""
         tiny = torch.randn(n, generator=g) * 1e-40  # subnormal in float32
         out = {"normal": normal, "relu": normal.relu(), "zeros": torch.zeros(n),
                "special": special, "subnormal": tiny, "wide": torch.randn(n, generator=g) * 1e30,
-               "matrix": torch.randn(97, 131, generator=g).t()}
+               "matrix": torch.randn(97, 131, generator=g).t(),
+               "nan first": torch.cat([torch.full((3,), float("nan")), torch.randn(n, generator=g) * 1e-3 + 1e4])}
         return [t.to(d) for d in (torch.float32, torch.float16, torch.bfloat16)
                 for t in out.values()] + [torch.zeros(0), torch.arange(9000)]
 
@@ -64,7 +65,7 @@ def test_triton_engine_equals_the_cpu_engine(tmp_path):
     a = open_run(str(tmp_path / "triton.zarr"))
     b = open_run(str(tmp_path / "torch.zarr"))
     sa, sb = a.stats().compute(), b.stats().compute()
-    assert sa.sizes["layer"] == 3 * 7 + 2
+    assert sa.sizes["layer"] == 3 * 8 + 2
     for s in ("count", "nan", "posinf", "neginf", "zero_frac", "min", "max", "abs_max"):
         np.testing.assert_array_equal(sa[s].values, sb[s].values, err_msg=s)
     for s in ("mean", "std", "norm"):
