@@ -32,7 +32,7 @@ import torch
 from . import histogram
 from ._quiet import quiet, warn
 from ._summary import (FIELDS, LANES, codes, exp_bits_of, lane_codes, nonfinite_counts,
-                       reductions, segment_reductions, widened)
+                       reductions, segment_reductions, shift_of, widened)
 
 __all__ = ["Engine", "registered"]
 
@@ -111,7 +111,8 @@ class Engine:
         x = widened(x)                         # an unwidened 8-bit float (a ``narrow`` engine's)
         exp_bits = exp_bits_of(x)              # its code width: 11 (float64) or 8
         counts = self._bincount(self._run(lane_codes, x), LANES * histogram.code_width(exp_bits))
-        return torch.cat([self._run(reductions, x), self.to_slots(counts, exp_bits)])
+        sums = self._run(reductions, x, shift_of(x))
+        return torch.cat([sums, self.to_slots(counts, exp_bits)])
 
     def to_slots(self, code_counts: torch.Tensor, exp_bits: int) -> torch.Tensor:
         """Counts of codes (any number of lanes of ``code_width``, on a device) -> the
@@ -160,8 +161,8 @@ class Engine:
     def _parallel(self, x: torch.Tensor) -> bool:
         return False
 
-    def _run(self, fn, x: torch.Tensor) -> torch.Tensor:
-        """``fn(x)`` as one fused kernel, compiled once per (kernel, dtype, threading).
+    def _run(self, fn, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        """``fn(x, *args)`` as one fused kernel, compiled once per (kernel, dtype, threading).
 
         A kernel compiles on the thread of its first use, the training thread:
         a ``torch.compile`` session sets the process-wide ``is_compiling()`` flag,
@@ -171,23 +172,23 @@ class Engine:
         rank); a tensor that is not contiguous runs the eager kernel (no
         recompile per stride pattern)."""
         if not self.compile or not x.is_contiguous():
-            return fn(x)
+            return fn(x, *args)
         x = x.reshape(-1)
         key = (fn, x.dtype, self._parallel(x))
         compiled = self._compiled.get(key)
         if compiled is None:
             with self._lock:
                 if key not in self._compiled:
-                    self._compile(key, x.device)
+                    self._compile(key, x.device, args)
                 compiled = self._compiled[key]
         if compiled is not False:
             try:   # one grad mode: no recompiles between forward and backward; a recompile's
                 with torch.no_grad(), quiet():   # warnings are the compiler's (``_quiet``)
-                    return compiled(x)
+                    return compiled(x, *args)
             except Exception as e:   # a compiled kernel must never break training
                 self._compiled[key] = False
                 self._warn(fn, e)
-        return fn(x)
+        return fn(x, *args)
 
     def later(self, dtype: torch.dtype) -> bool:
         """Whether a tensor of ``dtype`` is better summarised later, on the writer
@@ -199,9 +200,9 @@ class Engine:
         step (the Triton engine compiles its kernel in the background; the torch
         kernels compile at their first use, see ``_run``)."""
 
-    def _compile(self, key: tuple, device: torch.device) -> None:
-        """Compile one key and check it on a probe; a failure leaves that key to
-        the eager kernel, with one warning."""
+    def _compile(self, key: tuple, device: torch.device, args: tuple) -> None:
+        """Compile one key and check it on a probe (with the first call's other
+        ``args``); a failure leaves that key to the eager kernel, with one warning."""
         fn, dtype, parallel = key
         try:      # the compiler's warnings never fail the kernel (``_quiet``)
             with quiet(), _told_after(1.0, "tensortape: compiling the statistics kernels, once "
@@ -215,7 +216,8 @@ class Engine:
                                          fn.__defaults__, fn.__closure__)
                 compiled = torch.compile(own, dynamic=True, options=options)
                 with torch.no_grad():
-                    torch.testing.assert_close(compiled(probe), fn(probe), equal_nan=True)
+                    torch.testing.assert_close(compiled(probe, *args), fn(probe, *args),
+                                               equal_nan=True)
             self._compiled[key] = compiled
         except Exception as e:
             self._compiled[key] = False

@@ -146,27 +146,36 @@ def memory_order(x: torch.Tensor) -> torch.Tensor:
     return y if y.is_contiguous() else x
 
 
-SHIFT_WINDOW = 1024   # elements in which ``shift_of`` looks for a finite one
+SHIFT_WINDOW = 1024   # elements, spread over the tensor, in which ``shift_of`` looks
 
 
 def shift_of(x: torch.Tensor) -> torch.Tensor:
     """The sums' shift of ``x`` (float64, 0-dim, on its device, no sync): the first
-    finite element of its first ``SHIFT_WINDOW`` (of its first row: a view, never
-    a copy), else 0.  Not simply the first element: summed around 0, a tensor
-    whose first element is NaN and whose mean is large next to its spread would
-    lose its variance."""
-    head = x.reshape(1) if x.dim() == 0 else x[(0,) * (x.dim() - 1)][:SHIFT_WINDOW]
+    finite one of ``SHIFT_WINDOW`` elements spread evenly over it (element 0 first;
+    if it is not contiguous, spread along its first dimension: views, never a
+    copy), else 0.  Not
+    simply the first element: summed around 0, a tensor that starts with NaN and
+    whose mean is large next to its spread would lose its variance.  Eager, apart
+    from the compiled ``reductions``: a slice inside would make the compiler
+    specialise on sizes."""
+    if x.dim() == 0:
+        line = x.reshape(1)
+    elif x.is_contiguous():
+        line = x.reshape(-1)
+    else:
+        line = x[(slice(None),) + (0,) * (x.dim() - 1)]
+    head = line[::max(1, line.numel() // SHIFT_WINDOW)][:SHIFT_WINDOW]
     fin = torch.isfinite(head)
     first = fin & (fin.cumsum(0) == 1)        # the first finite one: no index, so no host read
     return torch.where(first, head.to(torch.float64), 0.0).sum()
 
 
-def reductions(x: torch.Tensor) -> torch.Tensor:
-    """The NaN-safe reductions of ``x`` (see ``FIELDS``), in float64."""
+def reductions(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The NaN-safe reductions of ``x`` (see ``FIELDS``), in float64, summed around
+    the shift ``c`` (``shift_of``)."""
     inf = float("inf")
     fin = torch.isfinite(x)
     xd = x.to(torch.float64)
-    c = shift_of(x)
     d = torch.where(fin, xd - c, 0)
     return torch.stack([
         torch.full((), x.numel(), dtype=torch.float64, device=x.device),
