@@ -59,11 +59,16 @@ def model():
 CONFIGS = [dict(),                                            # statistics and full tensors
            dict(tensors_every=None),
            dict(stats_every=2, tensors_every=3, ring=2, on_nonfinite="dump"),
-           dict(capture=("activations", "gradients", "inputs", "weights", "weight_grads"))]
+           dict(capture=("activations", "gradients", "inputs", "weights", "weight_grads")),
+           dict(engine="torch")]     # the torch kernels (and their shift), not numba's
 
 
-@pytest.mark.parametrize("kw", CONFIGS, ids=["default", "stats", "ring-dump", "every-kind"])
-def test_no_step_reads_back_from_the_device(tmp_path, patched, kw):
+@pytest.mark.parametrize("kw", CONFIGS, ids=["default", "stats", "ring-dump", "every-kind",
+                                             "torch-engine"])
+def test_no_step_reads_back_from_the_device(tmp_path, patched, kw, monkeypatch):
+    kw = dict(kw)
+    if "engine" in kw:
+        monkeypatch.setenv("TENSORTAPE_ENGINE", kw.pop("engine"))
     m = model()
     with Recorder(m, str(tmp_path / "r.zarr"), layers="*", **kw) as rec:
         for i in range(7):
