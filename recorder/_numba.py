@@ -3,9 +3,11 @@
 ``NumbaEngine`` gives the summary vectors of ``_summary``'s layout from the
 kernels of ``_nbkernels``: the sums, minimum, maximum and histogram slot
 counts of a tensor come from one read of its bits (bfloat16, float16 and the
-8-bit floats too: no widened copy).  Counts, minimum, maximum and histograms
-equal the torch engines' exactly; the float64 sums equal them but for
-rounding (the order of additions).
+8-bit floats too: no widened copy).  Counts and histograms equal the torch
+engines' exactly, and so do the minimum and maximum but for the sign of a
+zero (-0 orders below +0 here); the float64 sums are taken around the first
+finite element (the torch kernels' shift is another finite element) and
+equal theirs but for rounding.
 
 - A tensor of ``PARALLEL_MIN`` elements or more is split across
   ``torch.get_num_threads()`` threads (the calling one and a pool's), each
