@@ -195,6 +195,10 @@ class Engine:
         thread (``_numba``: while its kernels compile); here never."""
         return False
 
+    def fail(self, dtype: torch.dtype, error: BaseException) -> None:
+        """A kernel of ``dtype`` failed on the writer thread, on a capture left to it
+        (``later``); here nothing is left to it."""
+
     def warm(self, dtype: torch.dtype, device: torch.device) -> None:
         """Prepare what a tensor of ``dtype`` on ``device`` takes, before the first
         step (the Triton engine compiles its kernel in the background; the torch

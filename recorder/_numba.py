@@ -163,9 +163,11 @@ class NumbaEngine(Engine):
     def ready(self, dtype: torch.dtype, wait: bool = False) -> bool:
         """Whether ``dtype``'s kernels are loaded.  If not: their compile apart is
         started (``_compile_apart``), and once it has ended (``wait``: until it
-        has) they are loaded on this thread, a Python-heavy half second that a
-        background thread would stretch into seconds of the training thread's
-        waits for the GIL.  Raises what the load raised (the fault path demotes)."""
+        has) they are loaded on this thread: the training thread's, or the writer's
+        (``settle``), never a background thread of their own (a Python-heavy half
+        second it would stretch into seconds of the training thread's waits for the
+        GIL).  Raises what the load, or a kernel off the training thread (``fail``),
+        raised: the fault path demotes."""
         state = self._state(dtype)
         if state is True:
             return True
@@ -203,9 +205,19 @@ class NumbaEngine(Engine):
         training thread (``_summarizer.Later``): its kernels are on their way (their
         compile apart started here if not yet), not loaded and not failed.  Never
         loads, never waits."""
-        if self._ready.get(dtype) is True or dtype not in _BITS or dtype in self._failed:
+        if dtype not in _BITS or dtype in self._failed:
             return False
         return self._state(dtype) is not True
+
+    def fail(self, dtype: torch.dtype, error: BaseException) -> None:
+        """A kernel of ``dtype`` failed on the writer thread (``_summarizer.Later``):
+        kept, so that ``ready`` raises it on the training thread too, where the
+        fault path demotes the dtype (warned once, that capture counted)."""
+        done = concurrent.futures.Future()
+        done.set_result(None)
+        with self._lock:
+            self._failed.setdefault(dtype, error)
+            self._ready[dtype] = done
 
     def settle(self, dtype: torch.dtype, timeout: float) -> bool:
         """On the writer thread: wait up to ``timeout`` seconds for ``dtype``'s

@@ -307,12 +307,12 @@ class Later(Deferred):
         if job.form is _SMALL:
             engine, xs = job.items[0][0], [x for _, x in job.items]
             self._settle(engine, _BATCHED[job.exp_bits], hurry)
-            return _either(engine, "reduce_many", xs, job.exp_bits)
+            return _either(engine, "reduce_many", _BATCHED[job.exp_bits], xs, job.exp_bits)
         name = "reduce" if job.form is _SUMMARY else "count_nonfinite"
         rows = []
         for engine, x in job.items:
             self._settle(engine, x.dtype, hurry)
-            rows.append(_either(engine, name, x))
+            rows.append(_either(engine, name, x.dtype, x))
         return torch.stack(rows)
 
     def _settle(self, engine: Engine, dtype: torch.dtype, hurry) -> None:
@@ -324,9 +324,12 @@ class Later(Deferred):
                 return
 
 
-def _either(engine: Engine, name: str, *args) -> torch.Tensor:
-    """``engine``'s kernel ``name`` on ``args``; if it fails, the eager torch kernel."""
+def _either(engine: Engine, name: str, dtype: torch.dtype, *args) -> torch.Tensor:
+    """``engine``'s kernel ``name`` on ``args`` (of ``dtype``); if it fails, the eager
+    torch kernel, and the engine is told (``Engine.fail``): the training thread
+    demotes the dtype at its next capture, warned, as if it had failed there."""
     try:
         return getattr(engine, name)(*args)
-    except Exception:
+    except Exception as e:
+        engine.fail(dtype, e)
         return getattr(Engine, name)(engine, *args)

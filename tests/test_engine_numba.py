@@ -177,6 +177,73 @@ def test_a_failing_kernel_is_demoted_to_the_torch_engine(tmp_store, monkeypatch)
     check({k: row[k].item() for k in oracle.STATS}, run.histogram("(root):0", step=1).values, x)
 
 
+def _left_to_the_writer(monkeypatch, later):
+    """Fresh engines (a failure must not outlive the test), every capture of a dtype
+    for which ``later(engine, dtype)`` holds left to the writer; the copies it got."""
+    from recorder import _engines, _numba, _summarizer
+    monkeypatch.setenv("TENSORTAPE_ENGINE", "numba")
+    monkeypatch.setattr(_engines, "_instances", {})
+    monkeypatch.setattr(_numba.NumbaEngine, "later", later)
+    copies, copy = [], _summarizer._Held.copy
+
+    def counted(self, x):
+        c = copy(self, x)
+        copies.append(c is not None)
+        return c
+    monkeypatch.setattr(_summarizer._Held, "copy", counted)
+    return copies
+
+
+def _record_cases(store, xs, **kw):
+    model = Emit(xs)
+    with Recorder(model, store, layers="", capture="activations", tensors_every=None, **kw) as rec:
+        for i in range(2):
+            with rec.step():
+                model()
+            rec.flush()                      # step 0 resolved by the writer before step 1
+    return open_run(store)
+
+
+def test_captures_left_to_the_writer_store_the_oracles_statistics(tmp_path, monkeypatch):
+    copies = _left_to_the_writer(monkeypatch, lambda self, dtype: True)
+    xs = _cases()
+    run = _record_cases(str(tmp_path / "later.zarr"), xs)
+    assert any(copies) and run.dropped == 0
+    ds = run.stats().compute()
+    for step in (0, 1):
+        for i, x in enumerate(xs):
+            row = ds.sel(layer=f"(root):{i}").isel(step=step)
+            check({k: row[k].item() for k in oracle.STATS},
+                  run.histogram(f"(root):{i}", step=step).values, x)
+    copies.clear()                            # the policies that resolve on the training thread
+    _record_cases(str(tmp_path / "raise.zarr"), [torch.randn(20000), torch.randn(9000).half()],
+                  on_nonfinite="raise")
+    assert copies == []
+
+
+def test_a_kernel_failing_on_the_writer_is_demoted_and_nothing_is_lost(tmp_path, monkeypatch):
+    """The writer summarises that capture eagerly (exact); the training thread
+    demotes the dtype at its next capture, warned once, that capture counted."""
+    import threading
+    from recorder import _numba
+    _left_to_the_writer(monkeypatch, lambda self, dtype: dtype not in self._failed)
+    reduce = _numba.NumbaEngine.reduce
+
+    def broken_off_the_training_thread(self, x):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("kernel broken on the writer")
+        return reduce(self, x)
+    monkeypatch.setattr(_numba.NumbaEngine, "reduce", broken_off_the_training_thread)
+    x = torch.randn(50000)
+    x[::97] = float("nan")
+    with pytest.warns(Warning, match="kernel broken on the writer"):
+        run = _record_cases(str(tmp_path / "run.zarr"), [x])
+    assert run.dropped == 1                   # step 1's capture, met by the demotion
+    ds = run.stats().compute()
+    row = ds.sel(layer="(root):0", step=0)    # summarised by the writer, eagerly
+    check({k: row[k].item() for k in oracle.STATS}, run.histogram("(root):0", step=0).values, x)
+
+
 class _nothing:
     def __enter__(self):
         return self
