@@ -31,8 +31,8 @@ import torch
 
 from . import histogram
 from ._quiet import quiet, warn
-from ._summary import (FIELDS, LANES, codes, exp_bits_of, lane_codes, nonfinite_counts,
-                       reductions, segment_reductions, shift_of, widened)
+from ._summary import (FIELDS, LANES, batched_dtype, codes, exp_bits_of, lane_codes,
+                       nonfinite_counts, reductions, segment_reductions, shift_of, widened)
 
 __all__ = ["Engine", "registered"]
 
@@ -138,7 +138,7 @@ class Engine:
         would give."""
         device = xs[0].device
         flat = torch.cat([x.reshape(-1) for x in xs])        # 16-bit floats promote to float32
-        flat = flat.to(torch.float64 if exp_bits == 11 else torch.float32)
+        flat = flat.to(batched_dtype(exp_bits))
         sizes = [x.numel() for x in xs]
         lengths = torch.tensor(sizes)
         if device.type == "cuda":                  # from pinned memory: no host wait

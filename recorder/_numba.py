@@ -49,7 +49,7 @@ import torch
 from . import _nbkernels as K
 from ._engine import Engine
 from ._quiet import quiet
-from ._summary import FIELDS, NARROW, VECTOR
+from ._summary import FIELDS, NARROW, VECTOR, batched_dtype
 
 __all__ = ["NumbaEngine"]
 
@@ -294,7 +294,7 @@ class NumbaEngine(Engine):
 
     @torch.compiler.disable
     def reduce_many(self, xs: list[torch.Tensor], exp_bits: int) -> torch.Tensor:
-        dtype = torch.float64 if exp_bits == 11 else torch.float32
+        dtype = batched_dtype(exp_bits)
         if xs[0].device.type != "cpu" or not self.ready(dtype):
             return super().reduce_many(xs, exp_bits)
         flat = torch.cat([x.reshape(-1) for x in xs]).to(dtype)   # 16-bit floats: float32

@@ -53,7 +53,8 @@ from ._engine import Engine
 from ._engines import Engines
 from ._record import Block, Deferred, Meta, Packed, Plan
 from ._snapshot import Snapshot, Stager, unstorable
-from ._summary import COUNTS, VECTOR, Form, Holds, empty_summary, form, prepared, widened
+from ._summary import (COUNTS, VECTOR, Form, Holds, batched_dtype, empty_summary, form, prepared,
+                       widened)
 from .errors import TensortapeWarning
 
 __all__ = ["Capture", "EngineFailed", "Later", "Summarizer"]
@@ -88,7 +89,6 @@ _HOLDS = {Form.SUMMARY: Holds.SUMMARY, Form.NONFINITE: Holds.NONFINITE}
 _COUNT, _EMPTY, _SMALL, _SUMMARY = Form.COUNT, Form.EMPTY, Form.SMALL, Form.SUMMARY
 _LATER = "later"                 # ``pack``'s place for the blocks left to the writer
 _LATER_MAX = 1 << 29             # bytes of copies left to the writer, at most (``_Held``)
-_BATCHED = {8: torch.float32, 11: torch.float64}     # the dtype a tiny tensors' batch is read as
 
 
 class Summarizer:
@@ -181,7 +181,7 @@ class Summarizer:
                 continue
             if f is Form.SMALL:
                 engine = self.engines.for_tensor(vecs[0])
-                if self._held is not None and engine.later(_BATCHED[e]):   # copies already
+                if self._held is not None and engine.later(batched_dtype(e)):   # copies already
                     made.append((_LATER, _Job(f, e, [(engine, v) for v in vecs]), Holds.SUMMARY,
                                  idx))
                     continue
@@ -306,8 +306,8 @@ class Later(Deferred):
     def _summarise(self, job: _Job, hurry) -> torch.Tensor:
         if job.form is _SMALL:
             engine, xs = job.items[0][0], [x for _, x in job.items]
-            self._settle(engine, _BATCHED[job.exp_bits], hurry)
-            return _either(engine, "reduce_many", _BATCHED[job.exp_bits], xs, job.exp_bits)
+            self._settle(engine, batched_dtype(job.exp_bits), hurry)
+            return _either(engine, "reduce_many", batched_dtype(job.exp_bits), xs, job.exp_bits)
         name = "reduce" if job.form is _SUMMARY else "count_nonfinite"
         rows = []
         for engine, x in job.items:

@@ -33,8 +33,8 @@ import torch
 from . import histogram
 
 __all__ = ["COUNTS", "FIELDS", "LANES", "NARROW", "SMALL", "VECTOR", "Form", "Holds", "Summaries",
-           "codes", "combine", "empty_summary", "exp_bits_of", "finalize", "form", "lane_codes",
-           "memory_order", "moments", "nonfinite_counts", "prepared", "reductions",
+           "batched_dtype", "codes", "combine", "empty_summary", "exp_bits_of", "finalize", "form",
+           "lane_codes", "memory_order", "moments", "nonfinite_counts", "prepared", "reductions",
            "segment_reductions", "shift_of", "widened"]
 
 FIELDS = ("count", "shift", "dsum", "dsq", "min", "max")
@@ -106,6 +106,12 @@ def form(x: torch.Tensor, stats: bool, batched: bool = True) -> tuple[Form, int,
     if not stats:
         return _NONFINITE, exp_bits, numel
     return (_SMALL if batched and numel < SMALL else _SUMMARY), exp_bits, numel
+
+
+def batched_dtype(exp_bits: int) -> torch.dtype:
+    """The dtype a batch of tiny tensors of code width ``exp_bits`` is read as
+    (``Engine.reduce_many``): float64's 11-bit codes, or float32 for the rest."""
+    return torch.float64 if exp_bits == 11 else torch.float32
 
 
 def prepared(x: torch.Tensor, widen: bool = True) -> torch.Tensor:
