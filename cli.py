@@ -20,8 +20,8 @@ import sys
 
 import click
 
-from recorder.errors import ConfigError, RecorderError, command_line
-from recorder.format import COUNT_STATS, KINDS, STATS
+from tensortape.recorder.errors import ConfigError, RecorderError, command_line
+from tensortape.recorder.format import COUNT_STATS, KINDS, STATS
 
 INTEGERS = COUNT_STATS + ("delta_count", "delta_nan", "delta_posinf", "delta_neginf",
                           "worst_step", "rel_l2_step")
@@ -150,7 +150,7 @@ def cli(debug):
 
 # --- arguments -------------------------------------------------------------------------
 def _open(path):
-    from analysis import open_run
+    from tensortape.analysis import open_run
     return open_run(path)
 
 
@@ -185,7 +185,7 @@ def _span(text):
 
 def _check_step(step, have) -> None:
     """``--step N`` must be one of ``have``; else one line naming the run's steps."""
-    from analysis._select import steps_text
+    from tensortape.analysis._select import steps_text
     if step is not None and step not in have:
         raise click.BadParameter(f"step {step} has no statistics; the run has "
                                  f"{steps_text(have)}", param_hint="--step")
@@ -246,7 +246,7 @@ format_option = click.option("--format", "fmt", type=click.Choice(["table", "jso
 @click.option("--diverge", is_flag=True, help="use a learning rate that diverges to NaN")
 def demo(out, steps, diverge):
     """Record a sample training run (a transformer learning to sort digits) into OUT."""
-    from sample_runs.task import record
+    from tensortape.sample_runs.task import record
     if os.path.exists(out):
         raise click.BadParameter(f"{out!r} already exists; choose a new OUT", param_hint="OUT")
     record(out, steps=steps, diverge=diverge, log=lambda s: click.echo(s, err=True))
@@ -320,7 +320,7 @@ def record(ctx, out, mode, layers, capture, tensors_every, stats_every, ring, on
     The model is found at its first forward with grad enabled; a step is one optimizer
     step. Exits with the script's exit status (130 after Ctrl-C), or 2 with one line
     when it cannot record."""
-    from recorder.script import run_script
+    from tensortape.recorder.script import run_script
     if _given(ctx, "ring") and ring and on_nonfinite == "record":
         raise TensortapeError("--ring keeps steps for a dump; with --on-nonfinite record "
                                "nothing is dumped: add --on-nonfinite dump (or raise, replay)")
@@ -345,7 +345,7 @@ def record(ctx, out, mode, layers, capture, tensors_every, stats_every, ring, on
 def watch(run, interval, pattern, kind):
     """Follow RUN while it is recorded: latest statistics per layer, non-finite alerts,
     steps per second. Ends when the run is closed."""
-    from analysis._watch import render, snapshots
+    from tensortape.analysis._watch import render, snapshots
     live = sys.stdout.isatty()
     view = None
     for view in snapshots(run, interval, pattern, kind):
@@ -438,7 +438,7 @@ def _status_words(s: dict) -> str:
 @click.pass_context
 def stats(ctx, run, kind, pattern, step, steps, fmt, scalars):
     """Per-step statistics of RUN: a row per (step, layer); counts are integers."""
-    from analysis._select import within
+    from tensortape.analysis._select import within
     _refuse(ctx, conflicts=[("step", "steps")])
     if scalars:
         default = click.core.ParameterSource.DEFAULT
@@ -461,7 +461,7 @@ def stats(ctx, run, kind, pattern, step, steps, fmt, scalars):
         df[c] = df[c].astype("Int64")
     if fmt == "json":
         numbers = ds.data_vars if scalars else STATS
-        from analysis._numbers import statistics_row
+        from tensortape.analysis._numbers import statistics_row
         _json([statistics_row({k: int(v) if k in ("step", "rank") else v for k, v in row.items()},
                               numbers, () if scalars else INTEGERS)
                for row in df.to_dict(orient="records")])
@@ -616,9 +616,9 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
     (model classes, recorded layers, shapes): a warning, and only the shared layers
     whose shapes agree are compared (--strict: exit 2)."""
     import warnings
-    from analysis import compare_runs, first_divergence, plot_comparison
-    from analysis._compare import summarize
-    from recorder.errors import TensortapeWarning
+    from tensortape.analysis import compare_runs, first_divergence, plot_comparison
+    from tensortape.analysis._compare import summarize
+    from tensortape.recorder.errors import TensortapeWarning
     a, b = _open(run_a), _open(run_b)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TensortapeWarning)
@@ -636,7 +636,7 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
         by = "full tensors" if "rel_l2" in ds and not math.isnan(
             float(ds["rel_l2"].sel(step=first[0], layer=first[1]))) else "statistics"
     if fmt == "json":
-        from analysis._numbers import number as json_number
+        from tensortape.analysis._numbers import number as json_number
         _json({"first_divergence": None if first is None else {"step": first[0],
                                                                 "layer": first[1], "kind": kind,
                                                                 "by": by},
@@ -685,7 +685,7 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
 def serve(run, run_b, host, port, no_browser):
     """Serve a browser view of RUN (or of RUN and RUN_B side by side), read-only."""
     import ipaddress
-    from analysis._serve import make_server     # here: --help and the other commands skip it
+    from tensortape.analysis._serve import make_server     # here: --help and the other commands skip it
     paths = [run] + ([run_b] if run_b else [])
     try:
         server = make_server(paths, host, port)
@@ -728,7 +728,7 @@ def export(run, out, force, to):
     """Export RUN to one HDF5 file OUT (open_run reads it back with the same API), or
     with --format tensorboard to TensorBoard event files in the folder OUT."""
     if to == "tensorboard":
-        from analysis._tensorboard import existing_events, to_tensorboard
+        from tensortape.analysis._tensorboard import existing_events, to_tensorboard
         if os.path.exists(out) and not os.path.isdir(out):
             raise click.BadParameter(f"{out!r} is a file; give a folder for the event files",
                                      param_hint="OUT")
@@ -758,7 +758,7 @@ def export(run, out, force, to):
 def migrate(old, new, mode):
     """Convert OLD, a store of an older tensortape format (or an HDF5 export), into NEW
     in the current one (OLD is not changed; a failed copy leaves nothing behind)."""
-    from analysis._migrate import migrate as convert
+    from tensortape.analysis._migrate import migrate as convert
     with command_line():
         _out(convert(old, new, progress=_progress("converting"), mode=mode))
 

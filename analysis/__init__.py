@@ -24,7 +24,7 @@ def __getattr__(name: str):
         from ._inspector import Inspector
         globals()["Inspector"] = Inspector
         return Inspector
-    raise AttributeError(f"module 'analysis' has no attribute {name!r}")
+    raise AttributeError(f"module 'tensortape.analysis' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-from recorder.errors import ConfigError
+from tensortape.recorder.errors import ConfigError
 
 from ._plot_histogram import SCALES
 from ._select import within

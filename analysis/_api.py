@@ -18,9 +18,9 @@ import fnmatch
 
 import numpy as np
 
-from recorder import format as fmt, pyramid
-from recorder.histogram import ZERO_BIN
-from recorder.errors import RecorderError
+from tensortape.recorder import format as fmt, pyramid
+from tensortape.recorder.histogram import ZERO_BIN
+from tensortape.recorder.errors import RecorderError
 
 from ._numbers import number
 from ._stats import Statistics

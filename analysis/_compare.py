@@ -7,8 +7,8 @@ import fnmatch
 import numpy as np
 import xarray as xr
 
-from recorder import format as fmt
-from recorder.errors import ConfigError
+from tensortape.recorder import format as fmt
+from tensortape.recorder.errors import ConfigError
 
 from ._run import Run, open_run
 from ._select import steps_text
@@ -127,7 +127,7 @@ def _say(text: str | None) -> None:
     """What makes two runs unlike, once, where something is still compared."""
     if text:
         import warnings
-        from recorder.errors import TensortapeWarning
+        from tensortape.recorder.errors import TensortapeWarning
         warnings.warn(f"tensortape: {text}; comparing only the shared layers whose shapes "
                       f"agree", TensortapeWarning, stacklevel=3)
 

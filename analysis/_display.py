@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 
-from recorder import format as fmt
+from tensortape.recorder import format as fmt
 
 from ._events import events_of
 from ._index import RunIndex
@@ -68,7 +68,7 @@ def _liveness(index: RunIndex, status) -> dict:
         when = None
     alive = None
     if status == fmt.STATUS_RECORDING:
-        from recorder.liveness import recording_job
+        from tensortape.recorder.liveness import recording_job
         job = recording_job(index.path)
         alive = bool(job and job["alive"])
     return {"last_commit": None if when is None else datetime.datetime.fromtimestamp(

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import xarray as xr
 
-from recorder import format as fmt
-from recorder.errors import ConfigError, StoreFormatError
-from recorder.format import NonFiniteEvent
+from tensortape.recorder import format as fmt
+from tensortape.recorder.errors import ConfigError, StoreFormatError
+from tensortape.recorder.format import NonFiniteEvent
 
 from ._numbers import statistics_row
 from ._index import RunIndex

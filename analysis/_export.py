@@ -24,8 +24,8 @@ import os
 
 import numpy as np
 
-from recorder import format as fmt
-from recorder import histogram
+from tensortape.recorder import format as fmt
+from tensortape.recorder import histogram
 
 from ._source import JSON_ATTR
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recorder import format as fmt, pyramid
+from tensortape.recorder import format as fmt, pyramid
 
 from ._tables import as_slice
 

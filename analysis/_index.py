@@ -15,8 +15,8 @@ import itertools
 
 import numpy as np
 
-from recorder import format as fmt
-from recorder.errors import ConfigError, RecorderError, StoreFormatError
+from tensortape.recorder import format as fmt
+from tensortape.recorder.errors import ConfigError, RecorderError, StoreFormatError
 
 from ._source import open_source
 from ._tables import Tables, for_version

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import xarray as xr
 
-from recorder.errors import ConfigError, LayerNotFoundError
-from recorder.histogram import bin_centers, bin_edges
-from recorder.patterns import closest
+from tensortape.recorder.errors import ConfigError, LayerNotFoundError
+from tensortape.recorder.histogram import bin_centers, bin_edges
+from tensortape.recorder.patterns import closest
 
 __all__ = ["Inspector"]
 
@@ -43,8 +43,8 @@ class Inspector:
         ``inputs``, ``weights``, ``weight_grads`` (``capture=`` is a synonym, as in
         ``Recorder``).  A pattern that matches no layer raises
         ``LayerNotFoundError`` naming the closest."""
-        from recorder import select_layers
-        from recorder.inspection import watched_kinds
+        from tensortape.recorder import select_layers
+        from tensortape.recorder.inspection import watched_kinds
         if capture is not None:
             what = capture
         kinds = watched_kinds(what)
@@ -66,7 +66,7 @@ class Inspector:
         if not self._watched:
             raise ConfigError("nothing is watched; call inspector.watch(pattern) before "
                               "run_inspection")
-        from recorder.inspection import inspect_batch
+        from tensortape.recorder.inspection import inspect_batch
         self._captures = {}
         try:
             out, _ = inspect_batch(self.model, self._watched, data, target, loss_fn,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recorder import format as fmt
+from tensortape.recorder import format as fmt
 
 from ._run import open_run
 
@@ -28,8 +28,8 @@ def migrate(old, new, progress=None, mode: str = "w-") -> str:
     refuses an existing ``new``, ``"w"`` overwrites a tensortape run there (and
     nothing else).  A Zarr store already in the current format is refused (there
     is nothing to convert)."""
-    from recorder.errors import ConfigError
-    from recorder.migrate import TableRows, write_run
+    from tensortape.recorder.errors import ConfigError
+    from tensortape.recorder.migrate import TableRows, write_run
     run = open_run(old)
     if run.attrs.get("tensortape_format") == fmt.FORMAT_VERSION and not _is_hdf5(run):
         raise ConfigError(f"{old!r} is already in format {fmt.FORMAT_VERSION}, the current "

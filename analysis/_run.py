@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from recorder import format as fmt
-from recorder.format import NonFiniteEvent
+from tensortape.recorder import format as fmt
+from tensortape.recorder.format import NonFiniteEvent
 
 from . import _events
 from ._accessor import RunPlotAccessor, UncachedAccessor
@@ -213,7 +213,7 @@ class Run:
         ``replay``.  Step through ``model`` in a debugger to see it happen.
         (The torch side: ``recorder.replay.replay_bundle``.)"""
         attrs, read = _events.bundle(self._index, rank)
-        from recorder.replay import replay_bundle
+        from tensortape.recorder.replay import replay_bundle
         return replay_bundle(attrs, read, model)
 
     # --- plots (``run.plot``) and export ----------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from recorder import format as fmt
+from tensortape.recorder import format as fmt
 
 from ._index import RunIndex
 

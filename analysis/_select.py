@@ -7,9 +7,9 @@ import fnmatch
 
 import numpy as np
 
-from recorder.errors import ConfigError
-from recorder.format import KINDS
-from recorder.patterns import closest, match_layers
+from tensortape.recorder.errors import ConfigError
+from tensortape.recorder.format import KINDS
+from tensortape.recorder.patterns import closest, match_layers
 
 __all__ = ["columns_of", "missing", "steps_text", "within"]
 

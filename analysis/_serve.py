@@ -23,8 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
-from recorder import format as fmt
-from recorder.errors import RecorderError
+from tensortape.recorder import format as fmt
+from tensortape.recorder.errors import RecorderError
 
 from . import _api
 from ._run import open_run
@@ -193,7 +193,7 @@ def make_server(paths: list[str], host: str = "127.0.0.1", port: int = 8765, war
     maps' cache in a background thread from the start."""
     served = Served(paths)
     _api.runs(served.all())
-    folder = resources.files("analysis") / "static"
+    folder = resources.files(__package__) / "static"
     static = {name: (folder / name).read_bytes() for name, _ in STATIC.values()}
     handler = type("ServeHandler", (Handler,), {"served": served, "static": static})
     server = ThreadingHTTPServer((host, port), handler)

@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 
-from recorder import format as fmt
-from recorder.quiet import quiet
-from recorder.errors import StoreFormatError, StoreNotFoundError
+from tensortape.recorder import format as fmt
+from tensortape.recorder.quiet import quiet
+from tensortape.recorder.errors import StoreFormatError, StoreNotFoundError
 
 __all__ = ["open_source", "ZarrSource", "H5Source"]
 

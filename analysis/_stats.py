@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from recorder import format as fmt
-from recorder.errors import ConfigError, LayerNotFoundError
-from recorder.histogram import bin_centers, bin_edges
-from recorder.patterns import match_layers
+from tensortape.recorder import format as fmt
+from tensortape.recorder.errors import ConfigError, LayerNotFoundError
+from tensortape.recorder.histogram import bin_centers, bin_edges
+from tensortape.recorder.patterns import match_layers
 
 from ._index import RunIndex
 from ._select import columns_of, missing, steps_text

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from recorder import format as fmt
+from tensortape.recorder import format as fmt
 
 __all__ = ["Tables", "TablesV1", "TablesV2", "as_slice", "for_version"]
 

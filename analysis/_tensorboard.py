@@ -26,8 +26,8 @@ import time
 
 import numpy as np
 
-from recorder import format as fmt
-from recorder.errors import ConfigError
+from tensortape.recorder import format as fmt
+from tensortape.recorder.errors import ConfigError
 
 from ._scalars import logged
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from recorder import format as fmt
-from recorder.dtypes import decode_bits
-from recorder.errors import ConfigError, LayerNotFoundError
+from tensortape.recorder import format as fmt
+from tensortape.recorder.dtypes import decode_bits
+from tensortape.recorder.errors import ConfigError, LayerNotFoundError
 
 from ._index import RunIndex
 from ._select import missing

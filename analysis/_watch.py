@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from recorder import format as fmt
-from recorder.errors import StoreFormatError, StoreNotFoundError
+from tensortape.recorder import format as fmt
+from tensortape.recorder.errors import StoreFormatError, StoreNotFoundError
 
 from ._run import open_run
 

@@ -36,7 +36,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recorder import Recorder  # noqa: E402
+from tensortape.recorder import Recorder  # noqa: E402
 
 WIDE, BATCH, NAN_LAYER = 1024, 256, 120
 
@@ -85,7 +85,7 @@ def dir_bytes(path):
 
 SCAN = """
 import sys, time, tracemalloc, numpy as np, dask.array as da
-from analysis import open_run
+from tensortape.analysis import open_run
 path, frac = sys.argv[1], float(sys.argv[2])
 x = open_run(path).tensor("wide").data
 x = x[: max(1, int(x.shape[0] * frac))]
@@ -144,7 +144,7 @@ def tensorboard_side(path, run, layers50, steps):
         return {n: np.array([e.value for e in acc.Scalars(f"std/{n}")]) for n in layers50}
 
     def tt_load():
-        from analysis import open_run
+        from tensortape.analysis import open_run
         r = open_run(path)
         return r.stats("activations", layers50)["std"].values
 
@@ -173,7 +173,7 @@ def main():
             secs = record(path, args.steps, args.layers)
             print(f"recorded {args.steps} steps x {args.layers} layers in {secs:.0f} s "
                   f"({dir_bytes(path) / 1e9:.2f} GB on disk)")
-        from analysis import open_run
+        from tensortape.analysis import open_run
         run = open_run(path)
         steps = run.steps("activations")
         layers50 = run.layers[:50]

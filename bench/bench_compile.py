@@ -24,7 +24,7 @@ import torch
 import torch._dynamo
 
 from bench_recorder import LAYERS, Contender, run, transformer
-from recorder import Recorder
+from tensortape.recorder import Recorder
 
 
 def main():

@@ -31,10 +31,10 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from recorder import _nbkernels as K
-from recorder._engines import CpuEngine
-from recorder._numba import NumbaEngine, bits, _splits
-from recorder._summary import VECTOR, prepared
+from tensortape.recorder import _nbkernels as K
+from tensortape.recorder._engines import CpuEngine
+from tensortape.recorder._numba import NumbaEngine, bits, _splits
+from tensortape.recorder._summary import VECTOR, prepared
 
 
 @njit(parallel=True, nogil=True, cache=True)

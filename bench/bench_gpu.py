@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from recorder import Recorder
+from tensortape.recorder import Recorder
 
 STATS_LAYERS = ["transformer.h.*.attn.c_attn", "transformer.h.*.attn.c_proj",
                 "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj"]
@@ -111,8 +111,8 @@ def hand_hooks(m, patterns, sink):
 
 def checks(base, ids, args, tmp):
     """What only a GPU can show: no host sync in forward/backward; Triton == torch."""
-    from recorder._engines import Engines
-    from recorder._triton import TritonEngine
+    from tensortape.recorder._engines import Engines
+    from tensortape.recorder._triton import TritonEngine
     m = copy.deepcopy(base)
     rec = Recorder(m, os.path.join(tmp, "check.zarr"), layers=STATS_LAYERS, tensors_every=None,
                    ring=2).attach()
@@ -143,7 +143,7 @@ def checks(base, ids, args, tmp):
 
 
 def kernel_table(base, ids, args):
-    from recorder._engines import Engines
+    from tensortape.recorder._engines import Engines
     seen = []
     m = copy.deepcopy(base)
     hand_hooks(m, STATS_LAYERS, lambda k, t: seen.append(t.detach()))

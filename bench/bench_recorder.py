@@ -62,7 +62,7 @@ import time
 import torch
 from torch import nn
 
-from recorder import Recorder
+from tensortape.recorder import Recorder
 
 LAYERS = ["layers.*.self_attn", "layers.*.linear*"]
 
@@ -177,7 +177,7 @@ def bench_full(tmp, rounds, block):
     res = run(c, rounds, block)
     for rec in recs.values():
         rec.close()
-    from analysis import open_run
+    from tensortape.analysis import open_run
     store = next(iter(recs))
     sizes = (open_run(store).summary()["bytes_raw"], dir_bytes(store), dir_bytes(save_dir))
     return res, sizes
@@ -235,7 +235,7 @@ def bench_many(tmp, rounds, block):
         for rec in recs:
             rec.close()
         w.close()
-        from analysis import open_run
+        from tensortape.analysis import open_run
         return res, 2 * len(open_run(os.path.join(tmp, "many-stats.zarr")).layers)
 
 
@@ -247,7 +247,7 @@ def bench_parts(tmp, rounds, block):
 
 def bench_kernel(tmp, rounds, block):
     """Per-tensor time of the statistics engine against one read of the tensor."""
-    from recorder._engines import Engines
+    from tensortape.recorder._engines import Engines
     base, x, layers = transformer()
     seen = []
     m = copy.deepcopy(base)

@@ -45,11 +45,11 @@ def _rows(rng, layers: int, nbins: int, base: np.ndarray, step: int) -> np.ndarr
 
 def write_rank(loc: str, rank: int, steps: int, layers: int, nan_rank: int,
                out: mp.Queue) -> None:
-    from recorder import format as fmt
-    from recorder._root import open_root
-    from recorder._store import RunStore
+    from tensortape.recorder import format as fmt
+    from tensortape.recorder._root import open_root
+    from tensortape.recorder._store import RunStore
     try:
-        from recorder.histogram import NBINS
+        from tensortape.recorder.histogram import NBINS
     except ImportError:                    # a tree before format.py's split (bench/against.py)
         NBINS = fmt.NBINS
     root = open_root(loc, "a", rank)
@@ -96,8 +96,8 @@ def main():
     ap.add_argument("--layers", type=int, default=200)
     ap.add_argument("--out", default=None, help="folder for the store (default: a temporary one)")
     args = ap.parse_args()
-    from recorder import format as fmt
-    from recorder._root import open_root
+    from tensortape.recorder import format as fmt
+    from tensortape.recorder._root import open_root
     tmp = args.out or tempfile.mkdtemp(prefix="tt-scale-")
     loc = os.path.join(tmp, "run.zarr")
     shutil.rmtree(loc, ignore_errors=True)
@@ -121,7 +121,7 @@ def main():
                  for f in fs)
     stats_bytes = sum(os.path.getsize(os.path.join(d, f))
                       for d, _, fs in os.walk(os.path.join(loc, "rank0", "stats")) for f in fs)
-    from analysis import open_run
+    from tensortape.analysis import open_run
     t = time.perf_counter()
     run = open_run(loc)
     t_open = time.perf_counter() - t

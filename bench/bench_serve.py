@@ -55,7 +55,7 @@ def names_of(layers: int) -> list[str]:
 
 def rows(step: int, layers: int, rng) -> tuple[dict, np.ndarray]:
     """One step's statistics and histogram rows."""
-    from recorder import histogram
+    from tensortape.recorder import histogram
     base = 1.0 + 0.5 * np.sin(step / 5000 + np.arange(layers)) + 0.01 * rng.random(layers)
     st = {"count": np.full(layers, 4096.0), "mean": base * 0.01, "std": base,
           "min": -3 * base, "max": 3 * base, "abs_max": 3 * base, "norm": 64 * base,
@@ -72,9 +72,9 @@ def rows(step: int, layers: int, rng) -> tuple[dict, np.ndarray]:
 
 
 def write(loc: str, steps: int, layers: int) -> float:
-    from recorder import format as fmt
-    from recorder._root import open_root
-    from recorder._store import RunStore
+    from tensortape.recorder import format as fmt
+    from tensortape.recorder._root import open_root
+    from tensortape.recorder._store import RunStore
     names = names_of(layers)
     root = open_root(loc, "w", 0, attributes={"tensortape_format": fmt.FORMAT_VERSION,
                                               "status": "recording", "layers": names,
@@ -118,7 +118,7 @@ def timed(url: str, n: int = 5) -> tuple[float, dict]:
 
 
 def serve(loc: str, warm: bool = False):
-    from analysis._serve import make_server
+    from tensortape.analysis._serve import make_server
     server = make_server([loc], "127.0.0.1", 0, warm=warm)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
@@ -133,7 +133,7 @@ def shows(m: dict, step: int, layer: str, nonfinite: bool) -> bool:
 
 
 def bench_server(loc: str, steps: int, layers: int) -> None:
-    from analysis._api import GRAIN
+    from tensortape.analysis._api import GRAIN
     names = names_of(layers)
     t = time.perf_counter()
     server, url = serve(loc)
@@ -166,7 +166,7 @@ def bench_server(loc: str, steps: int, layers: int) -> None:
         print(f"  the one-step spike (step {SPIKE}) is its row's peak: "
               f"{shows(m, SPIKE, names[SPIKE_LAYER], False)}; the NaN at step {NAN_STEP} "
               f"is marked: {shows(m, NAN_STEP, names[NAN_LAYER], True)}")
-    from analysis._serve import answer
+    from tensortape.analysis._serve import answer
     served = server.RequestHandlerClass.served
     zooms = [("all steps", {})] + [
         (f"a zoom to {span:,} steps", {"start": [str(a)], "stop": [str(a + span)]})
@@ -190,7 +190,7 @@ def bench_server(loc: str, steps: int, layers: int) -> None:
     print(f"  one layer's evolution (every statistic, 280 columns): {t * 1e3:.0f} ms")
     server.shutdown()
     server.server_close()
-    from analysis import _api, open_run
+    from tensortape.analysis import _api, open_run
     run = open_run(loc)
     _, rows, _ = run._statistics.rows("activations", 0)
     for span in sorted({min(steps, s) for s in (10_000, 50_000, steps)}):
@@ -213,7 +213,7 @@ def bench_tensorboard(loc: str, tb_steps: int, layers: int) -> None:
     except ImportError as e:
         print(f"tensorboard: skipped ({e})")
         return
-    from recorder import histogram
+    from tensortape.recorder import histogram
     _, hi = histogram.bin_edges()
     names = names_of(layers)
     tmp = tempfile.mkdtemp(prefix="tt-tb-")
@@ -262,7 +262,7 @@ def bench_paint(loc: str, times: int) -> None:
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium")
         for _ in range(times):
-            proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", loc, "--port", "0",
+            proc = subprocess.Popen([sys.executable, "-m", "tensortape", "serve", loc, "--port", "0",
                                      "--no-browser"], cwd=root, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env=dict(os.environ, PYTHONPATH=root))

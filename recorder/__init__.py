@@ -33,7 +33,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'recorder' has no attribute {name!r}")
+    raise AttributeError(f"module 'tensortape.recorder' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

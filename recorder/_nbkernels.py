@@ -42,7 +42,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from recorder import histogram as fmt
+from tensortape.recorder import histogram as fmt
 
 __all__ = ["BLOCK", "HEAD", "LANES", "NO_TABLE", "READS", "cached_mark", "chunk", "compile_for",
            "finish", "many", "nonfinite", "one", "shift_of", "slot_table"]

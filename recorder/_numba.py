@@ -121,15 +121,13 @@ def _compile_apart(reads: str) -> None:
     if os.path.exists(K.cached_mark(reads)):
         return
     try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(K.__file__)))
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         # at a low priority: on a machine that training keeps busy, the first steps
         # keep their cores (the compile takes longer, the eager kernels meanwhile)
         code = (f"import os\nif hasattr(os, 'nice'): os.nice({_NICE})\n"
                 f"from {K.__name__} import compile_for; compile_for({reads!r}, mark=True)")
-        subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=path),
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=600, check=False)
+        subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600,
+                       check=False)
     except Exception:
         pass
 

@@ -2,10 +2,10 @@
 
 ::
 
-    from recorder.integrations import TrainerCallback      # transformers.Trainer
+    from tensortape.recorder.integrations import TrainerCallback      # transformers.Trainer
     Trainer(..., callbacks=[TrainerCallback("runs/exp.zarr", layers="*.mlp.*")])
 
-    from recorder.integrations import LightningCallback    # lightning.pytorch
+    from tensortape.recorder.integrations import LightningCallback    # lightning.pytorch
     L.Trainer(callbacks=[LightningCallback("runs/exp.zarr", layers="*.mlp.*")])
 
 Each takes the store and any ``Recorder`` keyword.  A step is one optimizer
@@ -218,4 +218,4 @@ def __getattr__(name: str):
         cls = _MAKERS[name]()
         globals()[name] = cls
         return cls
-    raise AttributeError(f"module 'recorder.integrations' has no attribute {name!r}")
+    raise AttributeError(f"module 'tensortape.recorder.integrations' has no attribute {name!r}")

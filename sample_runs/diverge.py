@@ -3,7 +3,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sample_runs.task import record  # noqa: E402
+from tensortape.sample_runs.task import record  # noqa: E402
 
 if __name__ == "__main__":
     record(sys.argv[1], diverge=True)

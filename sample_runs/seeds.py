@@ -4,7 +4,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sample_runs.task import record  # noqa: E402
+from tensortape.sample_runs.task import record  # noqa: E402
 
 if __name__ == "__main__":
     os.makedirs(sys.argv[1], exist_ok=True)

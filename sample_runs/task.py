@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from recorder import Recorder
+from tensortape.recorder import Recorder
 
 VOCAB, LENGTH = 10, 12
 

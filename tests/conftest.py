@@ -167,7 +167,7 @@ def s3_server(_s3_endpoint, monkeypatch):
 def record_shapes(store, shapes=((4, 6), (2, 3))):
     """A run of ``layers.0.linear1`` of a transformer fed batches of changing
     (batch, sequence) shapes, one step each."""
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     model = transformer()
     with Recorder(model, store, layers="layers.0.linear1") as rec:
         for b, t in shapes:

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from click.testing import CliRunner
 from torch import nn
 
-import cli
-from analysis import compare_runs, first_divergence, open_run, plot_comparison
+from tensortape import cli
+from tensortape.analysis import compare_runs, first_divergence, open_run, plot_comparison
 from oracle import STATS, histogram, statistics
-from recorder import Recorder
+from tensortape.recorder import Recorder
 
 pytestmark = pytest.mark.filterwarnings("error")
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from analysis import Inspector, compare_runs, first_divergence, open_run, plot_comparison
-from recorder import LayerNotFoundError, Recorder, RecorderError
+from tensortape.analysis import Inspector, compare_runs, first_divergence, open_run, plot_comparison
+from tensortape.recorder import LayerNotFoundError, Recorder, RecorderError
 from conftest import has_hooks, record_shapes, transformer
 
 

@@ -13,9 +13,9 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-import cli
-from analysis import Inspector, compare_runs, first_divergence, open_run, plot_comparison
-from recorder import ConfigError, Recorder
+from tensortape import cli
+from tensortape.analysis import Inspector, compare_runs, first_divergence, open_run, plot_comparison
+from tensortape.recorder import ConfigError, Recorder
 
 STATS = ("mean", "std", "min", "max", "abs_max", "norm")
 
@@ -200,7 +200,7 @@ def test_evolution_past_six_layers_is_small_multiples_naming_the_run(tmp_path):
 WRITER = textwrap.dedent("""
     import sys, time, torch
     from torch import nn
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with Recorder(model, sys.argv[1], flush_interval=0.3, tensors_every=None) as rec:
         time.sleep(1.0)                                  # nothing committed yet
@@ -215,7 +215,7 @@ WRITER = textwrap.dedent("""
 
 
 def test_watch_alerts_once_per_layer_and_kind_and_keeps_a_steady_rate(tmp_path):
-    from analysis._watch import render, snapshots
+    from tensortape.analysis._watch import render, snapshots
     store = str(tmp_path / "live.zarr")
     script = tmp_path / "writer.py"
     script.write_text(WRITER)

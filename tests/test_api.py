@@ -10,10 +10,10 @@ import textwrap
 import pytest
 import torch
 
-import analysis
-import recorder
-from analysis import open_run
-from recorder import Recorder
+import tensortape.analysis
+import tensortape.recorder
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder
 from conftest import InplaceMLP, has_hooks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +43,7 @@ def test_exported_names_are_exactly_the_documented_ones():
 
 
 def test_every_error_is_also_the_matching_builtin():
-    from recorder import errors
+    from tensortape.recorder import errors
     assert issubclass(errors.LayerNotFoundError, LookupError)
     assert issubclass(errors.StoreExistsError, FileExistsError)
     assert issubclass(errors.StoreNotFoundError, FileNotFoundError)
@@ -55,7 +55,7 @@ def test_every_error_is_also_the_matching_builtin():
 
 DRIVER = textwrap.dedent("""
     import sys
-    import cli
+    from tensortape import cli
     try:
         cli.main(sys.argv[1:])
     except SystemExit as e:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from analysis import first_divergence, open_run
+from tensortape.analysis import first_divergence, open_run
 
 from test_serve import ROOT, XSS, record_spiky
 
@@ -38,7 +38,7 @@ def debian_chromium():
 
 class Server:
     def __init__(self, *runs):
-        self.proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", *runs, "--port", "0",
+        self.proc = subprocess.Popen([sys.executable, "-m", "tensortape", "serve", *runs, "--port", "0",
                                       "--no-browser"], cwd=ROOT, text=True,
                                      env=dict(os.environ, PYTHONPATH=ROOT),
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -89,7 +89,7 @@ def pixel(pg, x, y, canvas="map"):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from sample_runs.task import record
+    from tensortape.sample_runs.task import record
     d = tmp_path_factory.mktemp("browser")
     return {"nan": record(str(d / "nan.zarr"), steps=16, diverge=True, log=lambda s: None),
             "ok": record(str(d / "ok.zarr"), steps=16, log=lambda s: None),
@@ -144,7 +144,7 @@ def test_a_live_runs_new_steps_appear_within_2_s(page, tmp_path):
     script = textwrap.dedent(f"""
         import os, sys, time, torch
         sys.path.insert(0, {ROOT!r})
-        from recorder import Recorder
+        from tensortape.recorder import Recorder
         from tests.test_serve import Spiky
         model, gate = Spiky(), {str(gate)!r}
         with Recorder(model, {store!r}, tensors_every=None, capture=("activations",),

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import open_run
-from recorder import Recorder, TensortapeWarning
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder, TensortapeWarning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDE = 256                                       # a Linear(16, 256) output at batch 32
@@ -118,7 +118,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "pl
 
 def _record(tmp_path, *flags):
     store = str(tmp_path / "run.zarr")
-    p = subprocess.run([sys.executable, "-m", "cli", "record", "-o", store, "--layers", "0",
+    p = subprocess.run([sys.executable, "-m", "tensortape", "record", "-o", store, "--layers", "0",
                         "--capture", "activations", *flags, "--", "python", SCRIPT, "4"],
                        capture_output=True, text=True, cwd=ROOT)
     return store, p

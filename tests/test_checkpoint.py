@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from analysis import open_run
+from tensortape.analysis import open_run
 from oracle import statistics
-from recorder import Recorder
+from tensortape.recorder import Recorder
 
 KINDS = ("inputs", "activations", "gradients")
 CHECKPOINTS = ("non-reentrant", "no-early-stop", "reentrant")
@@ -424,7 +424,7 @@ def test_hugging_face_gradient_checkpointing(tmp_path, reentrant):
 def test_hugging_face_trainer_with_gradient_checkpointing(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from recorder.integrations import TrainerCallback
+    from tensortape.recorder.integrations import TrainerCallback
     model = llama()
     ref = copy.deepcopy(model)
     seen = []

@@ -9,9 +9,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-import cli
-from analysis import open_run
-from sample_runs.task import record
+from tensortape import cli
+from tensortape.analysis import open_run
+from tensortape.sample_runs.task import record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,7 +106,7 @@ def test_compare_exit_codes_json_and_aggregation(runs, tmp_path):
     assert j["first_divergence"]["layer"].startswith("encoder.layers.1.")
     assert set(j["layers"]) == {n for n in open_run(runs["stable"]).stats("gradients").layer.values
                                if n.startswith("encoder.layers.1.")}
-    from analysis import compare_runs
+    from tensortape.analysis import compare_runs
     ds = compare_runs(runs["stable"], runs["other"], kind="gradients", layers="encoder.layers.1.*")
     for layer, m in j["layers"].items():        # worst step of each: max rel_l2, min cosine
         assert m["rel_l2"] == float(ds["rel_l2"].sel(layer=layer).max())
@@ -253,7 +253,7 @@ def test_the_cli_imports_no_torch_unless_a_command_needs_it(runs):
     p = subprocess.run([sys.executable, "-c", code, runs["stable"], runs["diverge"]], cwd=ROOT,
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
-    from recorder import format as fmt
+    from tensortape.recorder import format as fmt
     assert (cli.KINDS, cli.STATS) == (fmt.KINDS, fmt.STATS)
     assert set(fmt.COUNT_STATS) <= set(cli.INTEGERS)
 

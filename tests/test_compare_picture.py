@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from analysis import open_run, plot_comparison
-from recorder import Recorder
+from tensortape.analysis import open_run, plot_comparison
+from tensortape.recorder import Recorder
 
 
 class MLP(nn.Module):

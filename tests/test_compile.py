@@ -7,9 +7,9 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from analysis import open_run
-from recorder import Recorder
-from recorder.errors import ConfigError
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder
+from tensortape.recorder.errors import ConfigError
 from conftest import InplaceMLP, has_hooks, transformer
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from analysis import Inspector
-from recorder import Recorder
+from tensortape.analysis import Inspector
+from tensortape.recorder import Recorder
 from conftest import InplaceMLP
 
 

@@ -8,7 +8,7 @@ import textwrap
 import numpy as np
 import zarr
 
-from analysis import open_run
+from tensortape.analysis import open_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,7 +16,7 @@ WORKER = textwrap.dedent("""
     import os, sys, time
     import numpy as np, torch, torch.distributed as dist
     from torch import nn
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     store, out, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
     dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()
@@ -75,7 +75,7 @@ PREAMBLE = textwrap.dedent("""
     import os, sys, json
     import numpy as np, torch, torch.distributed as dist
     from torch import nn
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     store, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()
@@ -156,7 +156,7 @@ def test_four_ranks_are_one_run_and_the_first_nan_names_its_rank(tmp_path, monke
 
     from click.testing import CliRunner
 
-    from cli import cli
+    from tensortape.cli import cli
     monkeypatch.setenv("NAN_RANK", "2")
     monkeypatch.setenv("NAN_STEP", "3")
     store = str(tmp_path / "run.zarr")

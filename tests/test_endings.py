@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from analysis import open_run
+from tensortape.analysis import open_run
 from conftest import has_hooks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -20,10 +20,10 @@ from torch import nn
 pytest.importorskip("numba")
 
 import oracle                                      # noqa: E402
-from analysis import open_run                     # noqa: E402
-from recorder import Recorder                      # noqa: E402
-from recorder._engines import Engines              # noqa: E402
-from recorder._summary import finalize, prepared   # noqa: E402
+from tensortape.analysis import open_run                     # noqa: E402
+from tensortape.recorder import Recorder                      # noqa: E402
+from tensortape.recorder._engines import Engines              # noqa: E402
+from tensortape.recorder._summary import finalize, prepared   # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16] + [
@@ -157,7 +157,7 @@ def test_the_recorder_stores_the_oracles_statistics(tmp_store, monkeypatch):
 
 
 def test_a_failing_kernel_is_demoted_to_the_torch_engine(tmp_store, monkeypatch):
-    from recorder import _nbkernels
+    from tensortape.recorder import _nbkernels
     monkeypatch.setenv("TENSORTAPE_ENGINE", "numba")
     engine()
 
@@ -180,7 +180,7 @@ def test_a_failing_kernel_is_demoted_to_the_torch_engine(tmp_store, monkeypatch)
 def _left_to_the_writer(monkeypatch, later):
     """Fresh engines (a failure must not outlive the test), every capture of a dtype
     for which ``later(engine, dtype)`` holds left to the writer; the copies it got."""
-    from recorder import _engines, _numba, _summarizer
+    from tensortape.recorder import _engines, _numba, _summarizer
     monkeypatch.setenv("TENSORTAPE_ENGINE", "numba")
     monkeypatch.setattr(_engines, "_instances", {})
     monkeypatch.setattr(_numba.NumbaEngine, "later", later)
@@ -225,7 +225,7 @@ def test_a_kernel_failing_on_the_writer_is_demoted_and_nothing_is_lost(tmp_path,
     """The writer summarises that capture eagerly (exact); the training thread
     demotes the dtype at its next capture, warned once, that capture counted."""
     import threading
-    from recorder import _numba
+    from tensortape.recorder import _numba
     _left_to_the_writer(monkeypatch, lambda self, dtype: dtype not in self._failed)
     reduce = _numba.NumbaEngine.reduce
 
@@ -253,7 +253,7 @@ class _nothing:
 
 
 def test_the_training_thread_never_compiles():
-    from recorder import _nbkernels as K
+    from tensortape.recorder import _nbkernels as K
     e = engine()
     kernels = (K.one, K.chunk, K.finish, K.many, K.nonfinite, K.shift_of, K._moments, K._codes)
     before = [len(k.signatures) for k in kernels]
@@ -298,7 +298,7 @@ def test_an_empty_cache_is_filled_by_a_child_process(tmp_path):
 COLD = r'''
 import json, sys, threading, torch
 from torch import nn
-from recorder import Recorder, _engine, _nbkernels
+from tensortape.recorder import Recorder, _engine, _nbkernels
 out, mode = sys.argv[1], sys.argv[2]
 on_training = []
 for kernel in ("reduce", "reduce_many", "count_nonfinite"):
@@ -308,7 +308,7 @@ for kernel in ("reduce", "reduce_many", "count_nonfinite"):
         return _orig(self, *a)
     setattr(_engine.Engine, kernel, spy)
 if mode == "broken":                                # no kernels: nothing compiles, loads fail
-    import recorder._numba as N
+    import tensortape.recorder._numba as N
     N._compile_apart = lambda reads: None
     def broken(*a, **k):
         raise RuntimeError("compile broken")

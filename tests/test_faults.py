@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import open_run
-from recorder import Recorder, RecorderError
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder, RecorderError
 
 UNWRITABLE = "store could not be written"
 

@@ -18,11 +18,11 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-import cli
-from analysis import compare_runs, open_run
-from recorder import Recorder
-from recorder.errors import StoreExistsError
-from sample_runs.task import Sorter, record as record_demo
+from tensortape import cli
+from tensortape.analysis import compare_runs, open_run
+from tensortape.recorder import Recorder
+from tensortape.recorder.errors import StoreExistsError
+from tensortape.sample_runs.task import Sorter, record as record_demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,7 +160,7 @@ def test_migrate_protects_its_output_and_refuses_a_current_store(tmp_path, monke
     assert again.exit_code == 2 and "pass --mode w" in again.output
     assert invoke("migrate", h5, tmp_path / "back.zarr", "--mode", "w").exit_code == 0
     # a copy that fails half way leaves nothing: no folder it made, nothing in one it found
-    import analysis._migrate as m
+    import tensortape.analysis._migrate as m
     real, calls = m._table, []
 
     def failing(*a, **k):
@@ -233,7 +233,7 @@ def test_info_and_nan_wording(tmp_path):
 KILLED = textwrap.dedent("""
     import sys, time, torch
     from torch import nn
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     model = nn.Linear(3, 3)
     rec = Recorder(model, sys.argv[1], flush_interval=0.2).attach()
     for i in range(10 ** 6):
@@ -315,7 +315,7 @@ def test_budget_warnings_state_the_unit_and_spell_none_as_the_cli_does(tmp_path)
     script = os.path.join(ROOT, "tests", "scripts", "plain_train.py")
     store = str(tmp_path / "run.zarr")
     row = 16 * 4                                   # one sample of Linear(8, 16)'s output
-    p = subprocess.run([sys.executable, "-m", "cli", "record", "-o", store, "--layers", "0",
+    p = subprocess.run([sys.executable, "-m", "tensortape", "record", "-o", store, "--layers", "0",
                         "--capture", "activations", "--max-bytes", f"{row * 4}B", "--", "python",
                         script, "4"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 3, p.stderr

@@ -21,12 +21,12 @@ from click.testing import CliRunner
 from torch import nn
 from zarr.codecs import ZstdCodec
 
-from analysis import open_run
-from cli import cli
+from tensortape.analysis import open_run
+from tensortape.cli import cli
 from oracle import STATS, histogram, statistics
-from recorder import ConfigError, Recorder
-from recorder import format as fmt
-from recorder.histogram import NBINS
+from tensortape.recorder import ConfigError, Recorder
+from tensortape.recorder import format as fmt
+from tensortape.recorder.histogram import NBINS
 
 
 def old_format(src: str, dst: str, version: int) -> str:
@@ -224,7 +224,7 @@ def test_a_shard_replaced_while_it_is_read_is_read_again(tmp_path, monkeypatch):
     read is made again (here the first chunk read returns the wrong bytes)."""
     import zarr
 
-    from analysis import _source
+    from tensortape.analysis import _source
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     path = str(tmp_path / "run.zarr")

@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-from analysis import open_run
-from recorder import ConfigError, InspectionError, NonFiniteError, Recorder
-from recorder import _engines, _hooks, _snapshot
+from tensortape.analysis import open_run
+from tensortape.recorder import ConfigError, InspectionError, NonFiniteError, Recorder
+from tensortape.recorder import _engines, _hooks, _snapshot
 
 try:                                   # the numba engine, when numba is installed
-    from recorder import _numba
+    from tensortape.recorder import _numba
 except ImportError:
     _numba = None
 
@@ -102,7 +102,7 @@ def test_a_failure_inside_tensortape_never_reaches_training(tmp_store, monkeypat
 
 
 def test_a_failing_triton_engine_gives_way_to_the_torch_kernels(tmp_store, monkeypatch):
-    triton_engine = pytest.importorskip("recorder._triton").TritonEngine
+    triton_engine = pytest.importorskip("tensortape.recorder._triton").TritonEngine
     monkeypatch.setenv("TENSORTAPE_ENGINE", "triton")       # Triton for CPU tensors: it fails,
     calls = []                                               # as a launch on a bad device would
     monkeypatch.setattr(triton_engine, "reduce", failing(lambda self, x: (_ for _ in ()).throw(

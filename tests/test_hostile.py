@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from analysis import open_run
-from recorder import Recorder, RecorderError
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder, RecorderError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,7 +121,7 @@ HOSTILE = {
 DRIVER = """
 import contextlib, io, json, sys
 sys.path.insert(0, sys.argv[1])
-import cli
+from tensortape import cli
 out = {}
 for case, commands in json.loads(sys.argv[2]).items():
     out[case] = []

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import open_run
-from recorder import Recorder
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder
 
 transformers = pytest.importorskip("transformers")
 
@@ -73,7 +73,7 @@ def check_against_hand_loop(run, batches, model0, tmp_path, weights, prefix="", 
 
 def test_hugging_face_trainer_records_optimizer_steps_and_no_evaluation(tmp_path):
     pytest.importorskip("accelerate")
-    from recorder.integrations import TrainerCallback
+    from tensortape.recorder.integrations import TrainerCallback
     model = gpt2()
     model0 = copy.deepcopy(model)
     seen = TrainingBatches(model)
@@ -123,7 +123,7 @@ def test_lightning_records_optimizer_steps_and_skips_validation(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=1e-2)
 
-    from recorder.integrations import LightningCallback
+    from tensortape.recorder.integrations import LightningCallback
     model = gpt2()
     model0 = copy.deepcopy(model)
     seen = TrainingBatches(model)
@@ -152,7 +152,7 @@ def test_a_trainer_subclass_that_raises_closes_its_run(tmp_path):
     subclass reaches through ``super()``: an exception in its ``train`` closes the run as
     ``interrupted``, with the steps trained before it, while the trainer lives on."""
     pytest.importorskip("accelerate")
-    from recorder.integrations import TrainerCallback
+    from tensortape.recorder.integrations import TrainerCallback
 
     class Breaks(torch.utils.data.Dataset):
         def __init__(self):

@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 
-from analysis import open_run
-from recorder import StoreNotFoundError
+from tensortape.analysis import open_run
+from tensortape.recorder import StoreNotFoundError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # and prints "closed" or "killed" when it ends: the sweep's kills cost no interpreter start.
 ZYGOTE = textwrap.dedent("""
     import os, signal, sys, time, torch
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     print("ready", flush=True)
     for line in sys.stdin:
         store, delay = line.split()
@@ -96,8 +96,8 @@ def test_a_run_killed_while_writing_its_root_is_no_run_yet_and_can_start_again(t
     """SIGKILL between the folder and the root's zarr.json leaves the folder with
     zarr's temporary file at most (the sweep met it): no run yet, and a new run
     may start there."""
-    from recorder import Recorder
-    from recorder.errors import StoreNotFoundError
+    from tensortape.recorder import Recorder
+    from tensortape.recorder.errors import StoreNotFoundError
     store = tmp_path / "k.zarr"
     store.mkdir()
     (store / ("zarr." + "0123456789abcdef" * 2 + ".partial")).write_bytes(b'{"zarr_fo')

@@ -46,7 +46,7 @@ def imports(relpath: str, module_level: bool = False) -> list[tuple[int, str]]:
 
 def private_recorder(name: str) -> bool:
     parts = name.split(".")
-    return parts[0] == "recorder" and any(p.startswith("_") for p in parts[1:])
+    return parts[:2] == ["tensortape", "recorder"] and any(p.startswith("_") for p in parts[2:])
 
 
 def _where(relpath, hits):
@@ -72,7 +72,8 @@ def test_the_reader_imports_no_torch_at_module_level(relpath):
 
 
 def test_importing_every_reader_module_imports_no_torch():
-    modules = [p[:-3].replace("/", ".").removesuffix(".__init__") for p in ANALYSIS]
+    modules = ["tensortape." + p[:-3].replace("/", ".").removesuffix(".__init__")
+               for p in ANALYSIS]
     code = (f"import sys\nfor m in {modules!r}:\n    __import__(m)\n"
             "print([m for m in ('torch', 'matplotlib') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
@@ -84,7 +85,8 @@ def test_importing_every_reader_module_imports_no_torch():
 @pytest.mark.parametrize("relpath", RECORDER)
 def test_the_recorder_never_imports_the_reader(relpath):
     bad = [(line, n) for line, n in imports(relpath)
-           if n.split(".")[0] in ("analysis", "xarray", "matplotlib")]
+           if n.split(".")[0] in ("xarray", "matplotlib")
+           or n.split(".")[:2] == ["tensortape", "analysis"]]
     assert not bad, _where(relpath, bad)
 
 
@@ -149,7 +151,7 @@ def foreign_privates(relpath: str) -> list[tuple[int, str]]:
             hits.append((node.lineno, f"{ast.unparse(base)}.{node.attr}"))
         elif isinstance(node, ast.ImportFrom):
             folder = package if node.level == 1 else ROOT
-            sub = (node.module or "").replace(".", os.sep)
+            sub = (node.module or "").removeprefix("tensortape.").replace(".", os.sep)
             for a in node.names:
                 if not _private(a.name) or a.name in FOREIGN_PRIVATES:
                     continue
@@ -164,3 +166,20 @@ def foreign_privates(relpath: str) -> list[tuple[int, str]]:
 def test_no_module_reads_another_module_s_private_names(relpath):
     hits = foreign_privates(relpath)
     assert not hits, _where(relpath, hits)
+
+
+# --- one installed name -----------------------------------------------------------------
+SOURCES = sorted(os.path.relpath(os.path.join(d, n), ROOT)
+                 for top in ("recorder", "analysis", "sample_runs", "tests", "bench")
+                 for d, _, names in os.walk(os.path.join(ROOT, top)) for n in names
+                 if n.endswith(".py")) + ["cli.py", "__init__.py", "__main__.py"]
+
+
+@pytest.mark.parametrize("relpath", SOURCES)
+def test_every_import_of_tensortape_names_the_one_installed_package(relpath):
+    """Installed, the repository's folders are ``tensortape.recorder``,
+    ``tensortape.analysis``, ``tensortape.cli`` and ``tensortape.sample_runs``: a
+    bare ``import analysis`` would find a user's own ``analysis.py`` instead."""
+    bare = [(line, n) for line, n in imports(relpath)
+            if n.split(".")[0] in ("recorder", "analysis", "cli", "sample_runs")]
+    assert not bare, _where(relpath, bare)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from analysis import open_run
-from recorder import Recorder
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder
 from oracle import Oracle
 
 
@@ -254,7 +254,7 @@ def test_compiled_leaf_outputs_and_evaluation_passes(tmp_store):
 
 def test_the_inspector_leaves_no_hook_on_a_leaf_output():
     """The Inspector's sink says nothing of steps: detach removes the leaf's hook."""
-    from analysis import Inspector
+    from tensortape.analysis import Inspector
     model = WithPE()
     ins = Inspector(model)
     ins.watch("pos")

@@ -10,11 +10,11 @@ import torch
 import zarr
 from torch import nn
 
-from analysis import _source, open_run
-from analysis._watch import render, snapshots
-from recorder import Recorder
-from recorder import format as fmt
-from recorder.errors import StoreFormatError
+from tensortape.analysis import _source, open_run
+from tensortape.analysis._watch import render, snapshots
+from tensortape.recorder import Recorder
+from tensortape.recorder import format as fmt
+from tensortape.recorder.errors import StoreFormatError
 
 
 def _steps(rec, model, steps, scale=1.0):

@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch import nn
 
-from analysis import open_run
-from recorder import Recorder
-from recorder import _snapshot
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder
+from tensortape.recorder import _snapshot
 
 KIB = 1 << 10
 

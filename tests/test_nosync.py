@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from recorder import NonFiniteError, Recorder
+from tensortape.recorder import NonFiniteError, Recorder
 
 
 class Watch(TorchDispatchMode):

@@ -19,8 +19,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.text import Text
 from torch import nn
 
-from analysis import open_run
-from recorder import Recorder
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder
 
 N = 100_000
 RNG = np.random.default_rng(32)
@@ -154,7 +154,7 @@ def test_nonfinite_values_are_counted_beside_never_as_values(run):
 
 
 def test_plot_command_takes_the_scale(run, tmp_path):
-    from cli import cli
+    from tensortape.cli import cli
     out = tmp_path / "h.png"
     for args in (["--scale", "symlog"], ["--step", "4"], ["--counts"]):
         with warnings.catch_warnings():

@@ -31,8 +31,8 @@ import zarr
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
-from analysis import open_run
-from recorder import Recorder
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATS = ("abs_max", "std", "norm", "rms", "nonfinite")
@@ -106,7 +106,7 @@ def stores(tmp_path_factory):
 
 class Server:
     def __init__(self, path):
-        from analysis._serve import make_server
+        from tensortape.analysis._serve import make_server
         self.server = make_server([path], "127.0.0.1", 0)
         self.url = "http://127.0.0.1:%d" % self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -227,7 +227,7 @@ def test_the_stored_pyramid_is_the_grains_of_the_stored_rows(stores, name, grain
 
 def test_a_store_migrated_from_its_export_has_its_pyramid(stores, tmp_path):
     from click.testing import CliRunner
-    from cli import cli
+    from tensortape.cli import cli
     h5 = open_run(stores["plain"]).to_hdf5(str(tmp_path / "plain.h5"))
     new = str(tmp_path / "back.zarr")
     assert CliRunner().invoke(cli, ["migrate", h5, new]).exit_code == 0
@@ -303,7 +303,7 @@ def test_a_table_widened_by_a_writer_without_pyramids_is_read_from_its_rows(tmp_
     pyramid entry (attributes are merged) but widens only ``stats`` when a layer is
     added: the narrower levels must not be read, or the new layer would show another
     layer's grains (or the map would fail)."""
-    from recorder import _store
+    from tensortape.recorder import _store
     path = str(tmp_path / "mixed.zarr")
     model, data = Net(), torch.Generator().manual_seed(5)
 
@@ -328,7 +328,7 @@ CHILD = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, sys.argv[2])
     from tests.test_pyramid import Net
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     model = Net()
     g = torch.Generator().manual_seed(0)
     with Recorder(model, sys.argv[1], tensors_every=None, capture=("activations",),

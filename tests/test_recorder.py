@@ -17,8 +17,8 @@ import torch
 import zarr
 from torch import nn
 
-from analysis import open_run
-from recorder import (InspectionError, LayerNotFoundError, Recorder, RecorderError,
+from tensortape.analysis import open_run
+from tensortape.recorder import (InspectionError, LayerNotFoundError, Recorder, RecorderError,
                       StoreExistsError, TensortapeWarning, select_layers)
 from conftest import InplaceMLP, has_hooks, reference_capture, train, transformer
 
@@ -342,7 +342,7 @@ def test_reading_a_store_never_unpickles(tmp_path, monkeypatch):
 
 CHILD = textwrap.dedent("""
     import sys, time, torch
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     lin = torch.nn.Linear(4, 3)
     with torch.no_grad():
         lin.weight.copy_(torch.arange(12.).reshape(3, 4)); lin.bias.fill_(0.5)
@@ -391,7 +391,7 @@ def test_recorder_stays_lean():
     side: not xarray, matplotlib, dask or ``analysis``."""
     code = textwrap.dedent("""
         import sys, tempfile, os, torch
-        from recorder import Recorder
+        from tensortape.recorder import Recorder
         m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
         d = tempfile.mkdtemp()
         with Recorder(m, os.path.join(d, "r.zarr"), ring=1, on_nonfinite="dump",

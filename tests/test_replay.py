@@ -23,10 +23,10 @@ import zarr
 from click.testing import CliRunner
 from torch import nn
 
-from analysis import open_run
-from cli import cli
+from tensortape.analysis import open_run
+from tensortape.cli import cli
 from conftest import train
-from recorder import Recorder
+from tensortape.recorder import Recorder
 
 HERE = __file__
 
@@ -494,7 +494,7 @@ def test_an_output_cleaned_in_place_after_the_call_is_judged_by_its_capture(tmp_
 
 
 def test_the_cap_counts_outputs_and_output_gradients(tmp_path):
-    from recorder._keeper import Keeper
+    from tensortape.recorder._keeper import Keeper
     k = Keeper(1 << 20)
     x, y, g = torch.zeros(10), torch.zeros(20), torch.zeros(30)
     k.enter("m", "m", 0, nn.Identity(), (x,), {})
@@ -521,7 +521,7 @@ FSDP_REPLAY_WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     store, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()
@@ -648,7 +648,7 @@ DDP_REPLAY_WORKER = textwrap.dedent("""
     import os, sys, json
     import torch, torch.distributed as dist
     from torch import nn
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     store, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()
@@ -709,7 +709,7 @@ def test_ddp_a_producer_with_a_collective_in_its_forward_is_stopped_before_it(tm
 
 
 def test_a_forward_hook_of_torch_distributed_on_a_descendant_rules_out_a_replay():
-    from recorder._collectives import collectives
+    from tensortape.recorder._collectives import collectives
 
     def gather(module, args):                   # stands for FSDP's or TP's pre-forward hook
         return None

@@ -19,9 +19,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import cli
-from analysis import open_run
-from recorder import ConfigError, Recorder
+from tensortape import cli
+from tensortape.analysis import open_run
+from tensortape.recorder import ConfigError, Recorder
 
 LAYERS = ("a", "b", "c")
 KINDS = ("activations", "gradients")
@@ -319,7 +319,7 @@ def test_steps_lost_in_an_outage_of_the_store_still_hide_the_old_recording(tmp_s
     steps into one record (their statistics counted, not kept); the old recording of
     those steps is not read either, and its NaN there is not reported."""
     from faultstore import faulty
-    from recorder import TensortapeWarning, _journal
+    from tensortape.recorder import TensortapeWarning, _journal
     model = Net()
     oracle = Oracle(model)
     record(tmp_store, model, oracle, 0, [(s, [(True, s == 4)]) for s in range(8)])
@@ -413,7 +413,7 @@ def test_a_resume_killed_while_it_gave_a_table_its_recording_column_reads_and_re
 
 
 def test_a_resumed_run_migrates_and_exports_as_it_reads(tmp_path):
-    from analysis._migrate import migrate
+    from tensortape.analysis._migrate import migrate
     path = str(tmp_path / "run.zarr")
     model = Net()
     oracle = Oracle(model)

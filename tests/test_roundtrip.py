@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analysis import open_run
-from recorder import Recorder
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
           torch.uint8, torch.bool, torch.complex64, torch.complex128]

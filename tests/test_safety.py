@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from analysis import open_run
-from recorder import Recorder, StoreExistsError, StoreFormatError, StoreNotFoundError
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder, StoreExistsError, StoreFormatError, StoreNotFoundError
 from conftest import InplaceMLP, has_hooks
 
 

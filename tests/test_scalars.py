@@ -13,10 +13,10 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-import cli
-from analysis import open_run
-from recorder import Recorder
-from recorder.errors import ConfigError
+from tensortape import cli
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder
+from tensortape.recorder.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "plain_train.py")
@@ -183,7 +183,7 @@ def test_tensortape_record_stores_the_loss_backward_was_called_on(tmp_path):
 def test_hugging_face_trainer_stores_its_logged_loss(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from recorder.integrations import TrainerCallback
+    from tensortape.recorder.integrations import TrainerCallback
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
     torch.manual_seed(0)
     gpt = transformers.GPT2LMHeadModel(cfg)
@@ -228,7 +228,7 @@ def test_lightning_stores_what_self_log_logged(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=1e-2)
 
-    from recorder.integrations import LightningCallback
+    from tensortape.recorder.integrations import LightningCallback
     store = str(tmp_path / "pl.zarr")
     data = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
     trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,

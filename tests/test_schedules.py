@@ -55,9 +55,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from analysis import open_run
+from tensortape.analysis import open_run
 from oracle import STATS, Oracle, bin_edges
-from recorder import ConfigError, Recorder
+from tensortape.recorder import ConfigError, Recorder
 
 HALF = [torch.float32, torch.float16, torch.bfloat16]
 SPECIALS = [float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, 3e38, 3e4]   # 3e4: a float16

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from analysis import open_run
+from tensortape.analysis import open_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "plain_train.py")
@@ -204,7 +204,7 @@ def test_watch_follows_a_live_run_until_it_closes(tmp_path):
 LIVE = """
 import sys, time, torch
 from torch import nn
-from recorder import Recorder
+from tensortape.recorder import Recorder
 torch.manual_seed(0)
 model = nn.Sequential()
 model.add_module("fc1", nn.Linear(4, 4)); model.add_module("fc2", nn.Linear(4, 2))

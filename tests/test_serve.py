@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from analysis import open_run
-from recorder import Recorder
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 XSS = "<img src=x onerror=alert(1)>"
@@ -73,14 +73,14 @@ def spiky(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def diverged(tmp_path_factory):
-    from sample_runs.task import record
+    from tensortape.sample_runs.task import record
     out = str(tmp_path_factory.mktemp("serve") / "nan.zarr")
     return record(out, steps=16, diverge=True, log=lambda s: None)
 
 
 @pytest.fixture(scope="module")
 def stable(tmp_path_factory):
-    from sample_runs.task import record
+    from tensortape.sample_runs.task import record
     out = str(tmp_path_factory.mktemp("serve") / "ok.zarr")
     return record(out, steps=16, log=lambda s: None)
 
@@ -90,7 +90,7 @@ class Served:
     (status, JSON body)."""
 
     def __init__(self, *paths):
-        from analysis._serve import make_server
+        from tensortape.analysis._serve import make_server
         self.server = make_server(list(paths), "127.0.0.1", 0)
         self.url = "http://127.0.0.1:%d" % self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -263,7 +263,7 @@ def test_scalars_are_the_runs_logged_values(spiky, serve):
 
 
 def test_compare_map_marks_the_first_divergence(diverged, stable, serve):
-    from analysis import compare_runs, first_divergence
+    from tensortape.analysis import compare_runs, first_divergence
     s = serve(stable, diverged)
     _, c = s.get("compare-map", kind="activations", width=1000)
     assert c["first_divergence"] is not None
@@ -345,7 +345,7 @@ def test_a_full_tensor_metric_leaves_steps_without_tensors_uncompared(tmp_path, 
     """Two identical runs, full tensors every 3rd step: those steps are 0 apart, the
     others not compared ("nan", as a map's cell with no value), never different."""
     import torch
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     paths = []
     for name in ("a", "b"):
         torch.manual_seed(0)
@@ -366,7 +366,7 @@ def test_a_full_tensor_metric_leaves_steps_without_tensors_uncompared(tmp_path, 
 def test_the_run_counts_every_event_not_only_those_kept(tmp_path, serve):
     """More non-finite events than the attributes keep (1,000): the count is them all."""
     import torch
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     path = str(tmp_path / "many.zarr")
     model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(20)])
     with Recorder(model, path, tensors_every=None, capture=("activations",)) as rec:
@@ -432,7 +432,7 @@ def _ctrl_c_as_on_a_terminal():
 
 def _cli(*args, **kw):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=ROOT, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "tensortape", *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=_ctrl_c_as_on_a_terminal, **kw)
 
@@ -477,7 +477,7 @@ def test_a_host_other_than_loopback_warns_of_no_authentication(spiky):
 def test_help_and_analysis_do_not_import_the_server_or_torch():
     code = ("import sys, analysis, cli\n"
             "try:\n    cli.main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
-            "assert 'analysis._serve' not in sys.modules and 'http.server' not in sys.modules\n"
+            "assert 'tensortape.analysis._serve' not in sys.modules and 'http.server' not in sys.modules\n"
             "assert 'torch' not in sys.modules\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
                        capture_output=True, text=True, timeout=120)

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from analysis import Inspector, open_run
-from recorder import NonFiniteError, Recorder
-from recorder.histogram import ZERO_BIN
+from tensortape.analysis import Inspector, open_run
+from tensortape.recorder import NonFiniteError, Recorder
+from tensortape.recorder.histogram import ZERO_BIN
 from conftest import record_shapes, transformer
 
 

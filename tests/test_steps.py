@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import open_run
-from recorder import InspectionError, Recorder, TensortapeWarning
+from tensortape.analysis import open_run
+from tensortape.recorder import InspectionError, Recorder, TensortapeWarning
 from conftest import InplaceMLP, transformer
 
 

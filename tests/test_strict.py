@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 import pytest
 
-from analysis import open_run
+from tensortape.analysis import open_run
 from oracle import STATS, bin_edges
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,7 +119,7 @@ def test_tensortape_record_under_W_error_records_what_the_oracle_sees(tmp_path):
 OUTSIDE = textwrap.dedent("""
     import sys, warnings
     import torch
-    from recorder import Recorder, TensortapeWarning
+    from tensortape.recorder import Recorder, TensortapeWarning
     {setup}
     model = torch.nn.Linear(4, 4)
     with Recorder(model, sys.argv[1], tensors_every=None, mode="w") as rec:
@@ -175,7 +175,7 @@ def test_tensortape_warnings_are_their_own_class_to_raise_or_silence(tmp_path):
 @pytest.mark.filterwarnings("error::recorder.TensortapeWarning")
 def test_pytest_filterwarnings_can_name_the_class(tmp_path):
     import torch
-    from recorder import Recorder, TensortapeWarning
+    from tensortape.recorder import Recorder, TensortapeWarning
     model = torch.nn.Linear(4, 4)
     with Recorder(model, str(tmp_path / "r.zarr"), tensors_every=None) as rec:
         with pytest.raises(TensortapeWarning, match="outside a step"):
@@ -190,7 +190,7 @@ def test_a_tensortape_warning_made_an_error_never_loses_the_step(tmp_path, monke
     tensortape's warnings errors, the warning is raised once, where the loop
     called tensortape, and every step still reaches the store, the failure counted."""
     import torch
-    from recorder import Recorder, TensortapeWarning, _engines
+    from tensortape.recorder import Recorder, TensortapeWarning, _engines
 
     def broken(self, xs, exp_bits):
         raise RuntimeError("injected failure")
@@ -225,7 +225,7 @@ def test_a_layer_absent_at_a_step_reads_under_a_strict_filter(tmp_path):
     """Counts of a layer that did not run at a step read as -1, not as a cast of
     NaN (which numpy warns of: an error here)."""
     import torch
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
 
     class Skips(torch.nn.Module):
         def __init__(self):
@@ -252,7 +252,7 @@ def test_a_killed_writers_temporary_file_never_stops_reading(tmp_path):
     """zarr warns of a file it does not know in a store (a killed writer's
     temporary file); under a strict filter ``open_run`` reads the run all the same."""
     import torch
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     model, store = torch.nn.Linear(4, 4), str(tmp_path / "r.zarr")
     with Recorder(model, store, tensors_every=None) as rec:
         with rec.step(0):

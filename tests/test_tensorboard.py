@@ -11,11 +11,11 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-import cli
-from analysis import open_run
-from recorder import Recorder
-from recorder import format as fmt
-from recorder import histogram
+from tensortape import cli
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder
+from tensortape.recorder import format as fmt
+from tensortape.recorder import histogram
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402

@@ -13,14 +13,14 @@ import textwrap
 import numpy as np
 import pytest
 
-from analysis import open_run
+from tensortape.analysis import open_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RECORD = textwrap.dedent("""
     import sys, torch
     from torch import nn
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
 
     g = torch.Generator().manual_seed(0)
     n = 12289                                   # odd, and past the batched tiny tensors
@@ -45,7 +45,7 @@ RECORD = textwrap.dedent("""
     with Recorder(model, sys.argv[1], layers="", capture="activations", tensors_every=None) as rec:
         with rec.step():
             model()
-    from recorder._engines import Engines
+    from tensortape.recorder._engines import Engines
     print(type(Engines().for_tensor(torch.zeros(1))).__name__)
 """)
 

@@ -15,7 +15,7 @@ NAN_FROM = 4                  # the training below feeds NaN into fc1 from this 
 TRAIN = textwrap.dedent(f"""
     import sys, time, torch
     from torch import nn
-    from recorder import Recorder
+    from tensortape.recorder import Recorder
     torch.manual_seed(0)
     model = nn.Sequential()
     model.add_module("fc1", nn.Linear(4, 8))
@@ -40,7 +40,7 @@ def _watch_on_a_terminal(store, timeout=240):
     trainer = subprocess.Popen([sys.executable, "-c", TRAIN, store], env=env,
                                stderr=subprocess.DEVNULL)
     leader, follower = pty.openpty()
-    watcher = subprocess.Popen([sys.executable, "-m", "cli", "watch", store, "--interval", "0.3"],
+    watcher = subprocess.Popen([sys.executable, "-m", "tensortape", "watch", store, "--interval", "0.3"],
                                stdout=follower, stderr=follower, stdin=follower, env=env, cwd=ROOT)
     os.close(follower)
     out, end = b"", time.monotonic() + timeout

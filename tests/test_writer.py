@@ -20,10 +20,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analysis import open_run
+from tensortape.analysis import open_run
 from faultstore import faulty
 from oracle import STATS, Oracle
-from recorder import Recorder, RecorderError, TensortapeWarning
+from tensortape.recorder import Recorder, RecorderError, TensortapeWarning
 
 UNWRITABLE = "store could not be written"
 STEPS = 36
@@ -250,7 +250,7 @@ def test_a_hung_store_never_hangs_training_nor_close(tmp_path):
 def test_a_dead_writer_never_hangs_training(tmp_path, monkeypatch):
     """The writer thread dies (a bug in its loop): each later step's captures are
     dropped and counted, the training thread is told once, and close returns."""
-    from recorder import _worker
+    from tensortape.recorder import _worker
     store = str(tmp_path / "run.zarr")
     model = _model()
     real_take = _worker.Worker._take
@@ -276,7 +276,7 @@ def test_a_dead_writer_never_hangs_training(tmp_path, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_writer_raises_once_under_on_error_raise(tmp_path, monkeypatch):
-    from recorder import _worker
+    from tensortape.recorder import _worker
     monkeypatch.setattr(_worker.Worker, "_take", lambda self: (_ for _ in ()).throw(SystemExit()))
     model = _model()
     rec = Recorder(model, str(tmp_path / "run.zarr"), layers="*", on_error="raise",
@@ -346,7 +346,7 @@ def test_a_forgotten_recorder_is_ended_without_a_lock_or_a_wait(tmp_path):
 def test_close_always_reaches_the_writer(tmp_path, monkeypatch):
     """The last record's hand-over raises (on_error='raise'): close still ends the
     writer, and the run is not left 'recording'."""
-    from recorder import _writer
+    from tensortape.recorder import _writer
     store = str(tmp_path / "run.zarr")
     model = _model()
     rec = Recorder(model, store, layers="*", outside_step="ignore").attach()
@@ -369,7 +369,7 @@ def test_close_always_reaches_the_writer(tmp_path, monkeypatch):
 def test_the_backlog_of_an_outage_is_bounded_in_records(tmp_path, monkeypatch):
     """While the store cannot be written, at most BACKLOG_RECORDS steps keep their
     statistics; those past it are counted with their reason, never silently lost."""
-    from recorder import _journal
+    from tensortape.recorder import _journal
     monkeypatch.setattr(_journal, "BACKLOG_RECORDS", 5)
     store = str(tmp_path / "run.zarr")
     model = _model()
@@ -396,7 +396,7 @@ HUNG_EXIT = """
 import sys, threading, torch
 sys.path.insert(0, sys.argv[2])
 from faultstore import faulty
-from recorder import Recorder
+from tensortape.recorder import Recorder
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
 hang = faulty(hang=lambda key: "/c" in key and "/data/" in key, release=threading.Event())
 hang.__enter__()                                   # never released
@@ -432,8 +432,8 @@ def test_a_hung_store_never_hangs_the_interpreter_s_exit(tmp_path, threads):
 def test_the_journal_is_bounded_in_records(monkeypatch):
     """Past BACKLOG_RECORDS steps, the journal holds one record for all the others:
     their counts add up, their statistics are counted, memory stays flat."""
-    from recorder import _journal
-    from recorder.format import RankState
+    from tensortape.recorder import _journal
+    from tensortape.recorder.format import RankState
     monkeypatch.setattr(_journal, "BACKLOG_RECORDS", 5)
     journal = _journal.Journal(RankState())
     for step in range(1000):
@@ -448,7 +448,7 @@ def test_the_journal_is_bounded_in_records(monkeypatch):
 
 
 def test_a_bad_write_threads_setting_is_one_line_before_anything_is_written(tmp_path, monkeypatch):
-    from recorder import ConfigError
+    from tensortape.recorder import ConfigError
     monkeypatch.setenv("TENSORTAPE_WRITE_THREADS", "abc")
     with pytest.raises(ConfigError, match="TENSORTAPE_WRITE_THREADS='abc' is not valid"):
         Recorder(_model(), str(tmp_path / "run.zarr"))
@@ -482,8 +482,8 @@ def test_statistics_shards_are_written_byte_for_byte_as_zarr_writes_them(tmp_pat
     other bands kept, a band written again, several shards across the layers, the
     edge padded), and zarr reads back what was written."""
     import zarr
-    from recorder._layout import stats_columns
-    from recorder._shards import Shards
+    from tensortape.recorder._layout import stats_columns
+    from tensortape.recorder._shards import Shards
     rng = np.random.default_rng(layers)
     made = {}
     for side in ("zarr", "ours"):

@@ -75,12 +75,12 @@ def main(framework, how, k, store, log, models=None):
         if framework == "none":
             train()
         else:
-            from recorder import Recorder
+            from tensortape.recorder import Recorder
             with Recorder(model, store, **kw) as rec:
                 train(rec)
     elif framework == "hf":
         import transformers
-        from recorder.integrations import TrainerCallback
+        from tensortape.recorder.integrations import TrainerCallback
         model = gpt2()
         if models is not None:
             models.append(model)
@@ -95,7 +95,7 @@ def main(framework, how, k, store, log, models=None):
         trainer.train()
     elif framework == "lightning":
         import lightning.pytorch as pl
-        from recorder.integrations import LightningCallback
+        from tensortape.recorder.integrations import LightningCallback
         model = gpt2()
         if models is not None:
             models.append(model)

@@ -91,7 +91,7 @@ def token_rows(n, seed):
 
 def hugging_face(store, out_dir):
     import transformers
-    from recorder.integrations import TrainerCallback
+    from tensortape.recorder.integrations import TrainerCallback
     model = gpt2()
     oracle = Oracle(model, GPT2_LAYERS, CAPTURE)
 
@@ -124,7 +124,7 @@ def hugging_face(store, out_dir):
 
 def lightning(store, out_dir):
     import lightning.pytorch as pl
-    from recorder.integrations import LightningCallback
+    from tensortape.recorder.integrations import LightningCallback
 
     class Module(pl.LightningModule):
         def __init__(self, model):
@@ -168,7 +168,7 @@ def lightning(store, out_dir):
 def compiled_kept() -> bool | None:
     """Whether every compiled statistics kernel this process made is still
     compiled (None: tensortape compiled nothing here)."""
-    engines = sys.modules.get("recorder._engines")
+    engines = sys.modules.get("tensortape.recorder._engines")
     if engines is None:
         return None
     numba = [e for e in engines._instances.values() if type(e).__name__ == "NumbaEngine"]
@@ -196,7 +196,7 @@ def expected(oracle, prefix=""):
 def main(mode, out, store=None):
     prefix = ""
     if mode == "plain":
-        from recorder import Recorder
+        from tensortape.recorder import Recorder
         model = mlp()
         oracle = Oracle(model, "*", ("activations", "gradients"), tensors_every=2)
         with Recorder(model, store, tensors_every=2, on_nonfinite="replay") as rec:
