@@ -252,8 +252,12 @@ def test_info_after_a_kill_says_recording_or_died_with_the_last_commit(tmp_path)
                          stderr=subprocess.DEVNULL, text=True)
     try:
         assert p.stdout.readline().strip() == "ready"
-        time.sleep(1.0)                                      # a few commits
-        live = invoke("info", path)
+        deadline = time.monotonic() + 300                    # a commit, however busy the machine
+        while time.monotonic() < deadline:
+            live = invoke("info", path)
+            if "last commit" in live.output:
+                break
+            time.sleep(0.1)
         assert "status   recording (last commit " in live.output, live.output
     finally:
         os.kill(p.pid, signal.SIGKILL)
