@@ -1,5 +1,6 @@
 """The HDF5 export (`tensortape export RUN OUT.h5`, `run.to_hdf5`): what a user reads from
-it, through open_run, h5py or xarray, is what the Zarr run holds and what the test logged.
+it, through open_run, h5py or xarray (or from the Zarr run `tensortape migrate` makes of it),
+is what the Zarr run holds and what the test logged.
 
 Names are read as docs/REFERENCE.md tells an h5py or xarray user to read them (``decode``)."""
 import json
@@ -72,6 +73,10 @@ def test_a_run_that_logged_scalars_exports_them(tmp_path):
     g.close()
     with h5py.File(h5) as f:
         assert [d.label for d in f["rank0/scalars/value"].dims] == ["row"]
+    # and a Zarr run again (tensortape migrate), the scalars with it
+    again = str(tmp_path / "again.zarr")
+    assert CliRunner().invoke(cli.cli, ["migrate", h5, again]).exit_code == 0
+    same_run(again, store)
 
 
 # names from any Unicode text (NUL, "/", lone surrogates included); "." makes a module
