@@ -145,25 +145,29 @@ def _describe(group, table, run, h5py) -> None:
             group[name].attrs["long_name"] = _LONG[name]
     state = run.state(table.rank)
     if table.section == "stats":
-        _names(group, "layer", state.stats_layers.get(table.kind, []), h5py, "layer (module name)")
-        _names(group, "stat", list(fmt.STATS), h5py, "statistic")
-        _describe_stats(group)
+        _describe_stats(group, state.stats_layers.get(table.kind, []), h5py)
     elif table.section == "scalars":
-        _names(group, "scalar", state.scalar_names, h5py, "logged scalar's name")
-        _rows(group, ("step", "name", "value"), "row: one per step and logged name")
-        group["value"].attrs["coordinates"] = "step name"
+        _describe_scalars(group, state.scalar_names, h5py)
     else:
         _describe_tensor(group, table)
 
 
-def _describe_stats(group) -> None:
+def _describe_stats(group, layers: list[str], h5py) -> None:
     group["step"].make_scale("step")
+    _names(group, "layer", layers, h5py, "layer (module name)")
+    _names(group, "stat", list(fmt.STATS), h5py, "statistic")
     _scale(group, "bin", histogram.bin_centers(), "bin centre")
     group["stats"].attrs["coordinates"] = "step layer stat"
     for name, dims in (("stats", ("step", "layer", "stat")), ("hist", ("step", "layer", "bin")),
                        ("bin_lo", ("bin",)), ("bin_hi", ("bin",)),
                        *((("recording", ("step",)),) if "recording" in group else ())):
         _attach(group, name, dims)
+
+
+def _describe_scalars(group, names: list[str], h5py) -> None:
+    _names(group, "scalar", names, h5py, "logged scalar's name")
+    _rows(group, fmt.SCALAR_COLUMNS, "row: one per step and logged name")
+    group["value"].attrs["coordinates"] = "step name"
 
 
 def _describe_tensor(group, table) -> None:
