@@ -106,6 +106,12 @@ class RunStore:
         return self._open(path, committed, recording, lambda g: tensor_columns(
             g, fmt.parse_path(path).kind, layer, sample, logical, self._level(sample)))
 
+    def scalars_table(self, committed: int = 0, recording: int = 0) -> Table:
+        """The open table of the rank's logged scalars (``format.scalars_table``).
+        ``recording``: as ``_open``."""
+        from ._scalars import columns
+        return self._open(fmt.scalars_table(self.rank), committed, recording, columns)
+
     def _open(self, path: str, committed: int, recording: int,
               create: Callable[[zarr.Group], dict[str, zarr.Array]], cls=Table) -> Table:
         """The open table at ``path``: the store's arrays when it has committed
@@ -166,8 +172,7 @@ class RunStore:
                        recording: int = 0) -> None:
         """One step's logged scalars (``rec.log``), a row each: the name's index in the
         rank state's ``scalar_names``, and its value."""
-        from ._scalars import columns
-        table = self._open(fmt.scalars_table(self.rank), committed, recording, columns)
+        table = self.scalars_table(committed, recording)
         for i, v in zip(ids, values):
             table.append(_tagged({"step": np.int64(step), "name": np.int64(i),
                                   "value": np.float64(v)}, table, recording))

@@ -315,18 +315,23 @@ def join(base: str, path: str) -> str:
 def node_name(layer: str) -> str:
     """A store node name for a layer name that can never escape its folder.
 
-    Characters outside ``[A-Za-z0-9_.-]`` are percent-encoded, a leading dot
-    too (so ``.`` and ``..`` are impossible), and overlong names are cut and
-    suffixed with a hash.  Readers never invert this: the true name is kept
-    in the node's ``name`` attribute.
+    Characters outside ``[A-Za-z0-9_.-]`` are percent-encoded (their UTF-8
+    bytes; a lone surrogate's as UTF-8 would encode it), a leading dot too (so
+    ``.`` and ``..`` are impossible), and overlong names are cut and suffixed
+    with a hash.  Readers never invert this: the true name is kept in the
+    node's ``name`` attribute.
     """
-    out = "".join(c if c in _SAFE and c not in "%~" else "".join(f"%{b:02X}" for b in c.encode())
+    out = "".join(c if c in _SAFE and c not in "%~" else "".join(f"%{b:02X}" for b in _utf8(c))
                   for c in layer)
     if not out or out.startswith(".") or out.startswith("__"):
         out = "%2E" + out[1:] if out.startswith(".") else "%5F" + out[1:] if out else "%00"
     if len(out) > 180:
-        out = out[:160] + "~" + hashlib.sha1(layer.encode()).hexdigest()[:16]
+        out = out[:160] + "~" + hashlib.sha1(_utf8(layer)).hexdigest()[:16]
     return out
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")        # any str, a lone surrogate too
 
 
 def node_name_safe(node: str) -> str:

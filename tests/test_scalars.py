@@ -178,6 +178,9 @@ def test_tensortape_record_stores_the_loss_backward_was_called_on(tmp_path):
     assert ds.step.values.tolist() == [0, 1, 2, 3]
     assert ds["loss"].values.tolist() == losses
     assert torch.Tensor.backward.__module__ == "torch._tensor"     # put back
+    h5 = str(tmp_path / "run.h5")                                  # and the HDF5 export holds it
+    assert CliRunner().invoke(cli.cli, ["export", store, h5]).exit_code == 0
+    assert open_run(h5).scalars().identical(ds)
 
 
 def test_hugging_face_trainer_stores_its_logged_loss(tmp_path):
