@@ -12,7 +12,9 @@ The root holds the run's layers (``layer``, in execution order); a stats group
 ``rankR/stats/KIND`` has ``stats`` (step, layer, stat), ``hist`` (step, layer,
 bin) with the coordinates ``step``, ``layer``, ``stat`` and ``bin`` (its edges in
 ``bin_lo``, ``bin_hi``); a tensor group has ``data`` (row, dim_0, ...), one row
-per step and micro-batch, named by ``step`` and ``micro`` (row).
+per step and micro-batch, named by ``step`` and ``micro`` (row); a group
+``rankR/nonfinite/KIND`` has ``counts`` (step, layer, count_stat): the NaN/Inf
+counts of the steps without statistics that held any.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def to_hdf5(run, path, progress=None) -> str:
     import h5py
     tables = []
     for r in run.ranks:
-        tables += [(p, run.checked_rows(p, r)) for p, n in run.state(r).committed.items() if n]
+        st = run.state(r)
+        tables += [(p, run.checked_rows(p, r))
+                   for p, n in {**st.committed, **(st.nonfinite or {})}.items() if n]
     path = os.fspath(path)
     partial = f"{path}.partial-{os.getpid()}"      # the file appears whole, or not at all
     try:
@@ -75,13 +79,16 @@ def _write(run, h5py, path: str, tables, progress) -> None:
                     dst.attrs[k] = v
                 for block in _blocks(shape, src.chunks, np.dtype(src.dtype).itemsize):
                     dst[block] = np.asarray(src[block])
-            _describe(group, table, run.state(table.rank).stats_layers.get(table.kind, []), h5py)
+            st = run.state(table.rank)
+            _describe(group, table, st.layers if table.section == "nonfinite"
+                      else st.stats_layers.get(table.kind, []), h5py)
 
 
 _LONG = {"stats": "per-step statistics of each layer (counts as whole numbers; NaN: not run)",
          "hist": "element counts per bin of the shared histogram bins",
          "bin_lo": "lower edge of the bin", "bin_hi": "upper edge of the bin",
          "step": "training step", "micro": "micro-batch within the step (0: the first)",
+         "counts": "NaN, +Inf and -Inf elements at a step without statistics",
          "extent": "true extent of the row along each axis (the rest is NaN padding)",
          "data": "full tensor, NaN-padded to the largest shape",
          "recording": "which recording of the run wrote the row (a resumed run: 1, 2, ...)"}
@@ -130,6 +137,15 @@ def _describe(group, table, layers: list[str], h5py) -> None:
         group["stats"].attrs["coordinates"] = "step layer stat"
         for name, dims in (("stats", ("step", "layer", "stat")), ("hist", ("step", "layer", "bin")),
                            ("bin_lo", ("bin",)), ("bin_hi", ("bin",)),
+                           *((("recording", ("step",)),) if "recording" in group else ())):
+            _attach(group, name, dims)
+        return
+    if table.section == "nonfinite":
+        group["step"].make_scale("step")
+        _scale(group, "layer", np.array(layers[:group["counts"].shape[1]], dtype=str), h5py,
+               "layer (module name)")
+        _scale(group, "count_stat", np.array(fmt.COUNT_STATS[1:], dtype=str), h5py, "count")
+        for name, dims in (("counts", ("step", "layer", "count_stat")),
                            *((("recording", ("step",)),) if "recording" in group else ())):
             _attach(group, name, dims)
         return
