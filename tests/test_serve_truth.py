@@ -30,7 +30,7 @@ from tensortape import Recorder
 from tensortape.analysis import _serve
 from tensortape.recorder.errors import StoreFormatError
 
-from test_serve import Served, as_float
+from test_serve import as_float, serve  # noqa: F401  (serve: the fixture of a server)
 
 LAYERS = ("a", "b", "c")
 
@@ -104,18 +104,6 @@ def check_map(m, truth, stats_every, stat, start=None, stop=None):
                 want = max(vals) if vals else math.nan
             got = as_float(m["values"][row][c])
             assert got == want or (math.isnan(got) and math.isnan(want)), (name, cols[c], got, want)
-
-
-@pytest.fixture
-def serve():
-    made = []
-
-    def start(*paths):
-        made.append(Served(*paths))
-        return made[-1]
-    yield start
-    for s in made:
-        s.close()
 
 
 def _map(s, **query):
