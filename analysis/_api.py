@@ -28,8 +28,8 @@ from ._stats import Statistics
 from ._grains import BLOCK, GRAIN, Grains, MapColumns, read as _read, reduce as _reduce
 from ._tables import as_slice
 
-__all__ = ["BadRequest", "GRAIN", "Grains", "MAP_STATS", "NotFound", "compare_map", "histogram", "map_", "runs", "scalars",
-           "stats"]
+__all__ = ["BadRequest", "GRAIN", "Grains", "MAP_STATS", "NotFound", "compare_map", "histogram",
+           "map_", "runs", "scalars", "stats"]
 
 MAP_STATS = fmt.MAP_STATS
 NONFINITE = fmt.COUNT_STATS[1:]          # nan, posinf, neginf

@@ -189,10 +189,10 @@ class Handler(BaseHTTPRequestHandler):
                 out = answer(self.served, url.path, parse_qs(url.query))
         except _api.BadRequest as e:
             return self._json(400, {"error": _line(e)})
-        except (_api.NotFound, RecorderError) as e:
-            if not isinstance(e, StoreFormatError):
-                return self._json(404, {"error": _line(e)})
+        except StoreFormatError as e:   # a store damaged, or changed under a read: not the asker's
             return self._json(500, {"error": _line(e)})
+        except RecorderError as e:      # NotFound, and an unknown layer, kind or rank of the run
+            return self._json(404, {"error": _line(e)})
         except Exception as e:          # a store that changed under a read: say so, keep serving
             return self._json(500, {"error": f"{type(e).__name__}: {_line(e)}"})
         self._json(HTTPStatus.OK, out)

@@ -4,9 +4,10 @@ new start after a fault.  Runs on the writer thread only.
 The store's commit protocol (data first, counters after) makes the last commit
 a safe place to start again from.  The journal keeps that commit's state and,
 since it, every step's rows but its full tensors (``Unsaved``: statistics,
-events, NaN/Inf counts of a step without statistics, new names and counters), bounded in bytes and in records: past either
-bound a step's statistics, and events beyond the stored maximum, are counted
-instead of kept.
+events, the NaN/Inf counts of a step without statistics, new names and
+counters), bounded in bytes and in records: past either bound a step's
+statistics and NaN/Inf counts, and events beyond the stored maximum, are
+counted instead of kept.
 """
 
 from __future__ import annotations

@@ -225,8 +225,8 @@ class _Rows:
             path = fmt.stats_group(st.rank, kind)
             self.store.append_stats(kind, u.step, names, rows.layers, rows.stats, rows.hist,
                                     st.committed.get(path, 0), st.recording)
-        if st.nonfinite is not None:         # a store made by a tensortape without the table:
-            for kind, counts in u.counts.items():     # the events alone say
+        if st.nonfinite is not None:     # None: a run begun by a tensortape without the tables
+            for kind, counts in u.counts.items():
                 path = fmt.nonfinite_table(st.rank, kind)
                 self.store.append_nonfinite(kind, u.step, st.layers, counts,
                                             st.nonfinite.get(path, 0), st.recording)

@@ -202,6 +202,22 @@ def test_a_store_without_complete_counts_says_what_it_cannot_place(many_events, 
     assert all(all(row[:6]) for row in m["nonfinite"])             # 0..59: in statistics rows
 
 
+def test_an_export_keeps_the_counts_and_a_copy_without_them_says_so(many_events, serve, tmp_path):
+    from click.testing import CliRunner
+    from tensortape import open_run
+    from tensortape import cli
+    h5 = open_run(many_events).to_hdf5(tmp_path / "run.h5")
+    m = _map(serve(h5), stat="nonfinite", width=1000)
+    col = m["step_lo"].index(170)
+    assert m["step_hi"][col] == 173 and all(row[col] for row in m["nonfinite"])
+    assert m["unplaced_events"] == 0
+    copy = str(tmp_path / "copy.zarr")                 # tensortape migrate copies no counts table
+    assert CliRunner().invoke(cli.cli, ["migrate", h5, copy]).exit_code == 0
+    m = _map(serve(copy), stat="nonfinite", width=1000)
+    assert m["unplaced_events"] == 61 * 21 - 1000
+    assert m["step_hi"][m["step_lo"].index(170)] == 170
+
+
 # --- a served run is read again when the store changed ---------------------------------------
 def _settle():
     time.sleep(_serve.REOPEN_S * 1.5)       # past the interval at which a run is opened again
