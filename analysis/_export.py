@@ -14,7 +14,9 @@ bin) with the coordinates ``step``, ``layer``, ``stat`` and ``bin`` (its edges i
 ``bin_lo``, ``bin_hi``); a tensor group has ``data`` (row, dim_0, ...), one row
 per step and micro-batch, named by ``step`` and ``micro`` (row); the scalars
 group ``rankR/scalars`` has ``step``, ``name`` and ``value`` (row), ``name``
-an index into the coordinate ``scalar`` (the logged names).
+an index into the coordinate ``scalar`` (the logged names); a group
+``rankR/nonfinite/KIND`` has ``counts`` (step, layer, count_stat): the NaN/Inf
+counts of the steps without statistics that held any.
 
 Names are user data (any string: NUL, ``/``, lone surrogates), and HDF5 text
 holds neither NUL nor a lone surrogate: a name is stored as itself, or, where
@@ -45,7 +47,9 @@ def to_hdf5(run, path, progress=None) -> str:
     import h5py
     tables = []
     for r in run.ranks:
-        tables += [(p, run.checked_rows(p, r)) for p, n in run.state(r).committed.items() if n]
+        st = run.state(r)
+        tables += [(p, run.checked_rows(p, r))
+                   for p, n in {**st.committed, **(st.nonfinite or {})}.items() if n]
     path = os.fspath(path)
     partial = f"{path}.partial-{os.getpid()}"      # the file appears whole, or not at all
     try:
@@ -89,6 +93,7 @@ _LONG = {"stats": "per-step statistics of each layer (counts as whole numbers; N
          "hist": "element counts per bin of the shared histogram bins",
          "bin_lo": "lower edge of the bin", "bin_hi": "upper edge of the bin",
          "step": "training step", "micro": "micro-batch within the step (0: the first)",
+         "counts": "NaN, +Inf and -Inf elements at a step without statistics",
          "extent": "true extent of the row along each axis (the rest is NaN padding)",
          "data": "full tensor, NaN-padded to the largest shape",
          "name": "the logged scalar's name: an index into scalar", "value": "the logged value",
@@ -146,6 +151,8 @@ def _describe(group, table, run, h5py) -> None:
     state = run.state(table.rank)
     if table.section == "stats":
         _describe_stats(group, state.stats_layers.get(table.kind, []), h5py)
+    elif table.section == "nonfinite":
+        _describe_nonfinite(group, state.layers, h5py)
     elif table.section == "scalars":
         _describe_scalars(group, state.scalar_names, h5py)
     else:
@@ -160,6 +167,15 @@ def _describe_stats(group, layers: list[str], h5py) -> None:
     group["stats"].attrs["coordinates"] = "step layer stat"
     for name, dims in (("stats", ("step", "layer", "stat")), ("hist", ("step", "layer", "bin")),
                        ("bin_lo", ("bin",)), ("bin_hi", ("bin",)),
+                       *((("recording", ("step",)),) if "recording" in group else ())):
+        _attach(group, name, dims)
+
+
+def _describe_nonfinite(group, layers: list[str], h5py) -> None:
+    group["step"].make_scale("step")
+    _names(group, "layer", layers[:group["counts"].shape[1]], h5py, "layer (module name)")
+    _names(group, "count_stat", list(fmt.COUNT_STATS[1:]), h5py, "count")
+    for name, dims in (("counts", ("step", "layer", "count_stat")),
                        *((("recording", ("step",)),) if "recording" in group else ())):
         _attach(group, name, dims)
 

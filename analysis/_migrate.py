@@ -11,6 +11,8 @@ never changed, and ``NEW`` must not exist.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from tensortape.recorder import format as fmt
@@ -40,8 +42,10 @@ def migrate(old, new, progress=None, mode: str = "w-") -> str:
     def tables():
         for rank, path, n in (progress(listed) if progress else listed):
             yield _table(run, path, n, TableRows)
-    return write_run(new, run.attrs, {r: run.state(r) for r in run.ranks}, tables(), mode=mode,
-                     source=run.path)
+    # the NaN/Inf counts of steps without statistics are not copied: the copy says so (its
+    # map is placed from the kept events, ``format``), never that it holds them
+    states = {r: dataclasses.replace(run.state(r), nonfinite=None) for r in run.ranks}
+    return write_run(new, run.attrs, states, tables(), mode=mode, source=run.path)
 
 
 def _is_hdf5(run) -> bool:

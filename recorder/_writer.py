@@ -112,7 +112,7 @@ class _Rows:
         scalars = _scalars.resolve(record.scalars, record.drops)
         return Unsaved(record.step, record.layers, record.drops, record.outside, resolved.events,
                        resolved.stats, record.bundle, choice.rows, choice.over,
-                       scalars=scalars), choice.tensors
+                       scalars=scalars, counts=resolved.counts), choice.tensors
 
     def barrier(self, msg: Barrier) -> None:
         if self._fault is not None:
@@ -225,6 +225,11 @@ class _Rows:
             path = fmt.stats_group(st.rank, kind)
             self.store.append_stats(kind, u.step, names, rows.layers, rows.stats, rows.hist,
                                     st.committed.get(path, 0), st.recording)
+        if st.nonfinite is not None:     # None: a run begun by a tensortape without the tables
+            for kind, counts in u.counts.items():
+                path = fmt.nonfinite_table(st.rank, kind)
+                self.store.append_nonfinite(kind, u.step, st.layers, counts,
+                                            st.nonfinite.get(path, 0), st.recording)
         for step, names, values in u.scalars:
             self.store.append_scalars(step, _scalars.ids(st, names), values,
                                       st.committed.get(fmt.scalars_table(st.rank), 0), st.recording)
