@@ -1,11 +1,23 @@
-"""How a recording ends when the user does not end it: at interpreter exit, or
-when its Recorder is collected without ``close()``.
+"""How a recording ends when the user does not end it: at interpreter exit, at
+SIGTERM, or when its Recorder is collected without ``close()``.
 
 - ``opened``/``closed``: the Recorders open now (a weak set), each closed
   ``interrupted`` at exit (``close_at_exit``) within its ``close_timeout``.
 - ``forgotten``: a Recorder's finaliser (it was collected unclosed): its hooks
-  go, its open step and its close are posted to the writer without waiting,
-  and the exit waits for that writer too.
+  go, its open step and its close are posted to the writer without waiting
+  (``abandon``), and the exit waits for that writer too.
+- SIGTERM (a scheduler's preemption): while a Recorder is open, a handler is
+  installed (from the main thread only, and only over the default action or a
+  Python handler, which it chains to; put back when the last Recorder closes,
+  if it is still ours).  A handler of the user's, installed before, runs
+  instead and decides: what it raises unwinds training as any exception does
+  (the run then closes ``interrupted``), and if it returns, training and the
+  recording go on (a "stop after this step" flag).  Without one, every open
+  Recorder is closed ``interrupted``, and the default action is delivered
+  again: the process ends by SIGTERM, as it would have.  The handler runs on
+  the main thread between two bytecodes; if that thread was inside tensortape's
+  own code (it may hold one of its locks), the Recorders are ended as a
+  finaliser ends one, without a lock, and the handler waits for their writers.
 
 The exit call must run before the thread pools refuse new work: zarr writes
 through a ``concurrent.futures`` pool (asyncio's default executor), and
@@ -24,6 +36,8 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401  its exit call registered first: ours runs before
+import os
+import signal
 import sys
 import threading
 import warnings
@@ -31,20 +45,28 @@ import weakref
 
 from . import format as fmt
 
-__all__ = ["closed", "forgotten", "opened"]
+__all__ = ["abandon", "closed", "forgotten", "opened"]
 
 _open_recorders: weakref.WeakSet = weakref.WeakSet()
 _ending: set = set()                    # writers a finaliser asked to end the run
+_previous = signal.SIG_DFL              # SIGTERM's handler before ours
+_terminating = False                    # our handler is closing the Recorders
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# tensortape's modules that run the user's training and hold no lock while it runs
+_RUNNERS = {"script.py", "_script.py", "integrations.py"}
 
 
 def opened(rec) -> None:
-    """``rec`` is recording: close it at exit if the user does not."""
+    """``rec`` is recording: close it at exit (or SIGTERM) if the user does not."""
     _open_recorders.add(rec)
+    _install()
 
 
 def closed(rec) -> None:
     """``rec`` closed itself."""
     _open_recorders.discard(rec)
+    if not _open_recorders and not _terminating:
+        _uninstall()
 
 
 def close_at_exit() -> None:
@@ -52,27 +74,98 @@ def close_at_exit() -> None:
     script that raised or was interrupted keeps every step it captured.  It runs
     among threading's exit calls, before thread pools (zarr's among them) refuse
     new work, and waits at most each Recorder's ``close_timeout``."""
+    _close_all("at exit", nowait=False)
+
+
+def _close_all(when: str, nowait: bool) -> None:
+    """Close every open Recorder ``interrupted`` (``nowait``: as a finaliser
+    would), then wait for the writers asked to end."""
     for rec in list(_open_recorders):
         try:
-            rec.close(fmt.STATUS_INTERRUPTED)
-        except BaseException as e:   # never raise at exit; say it in one line
-            print(f"tensortape: closing {rec.store_location!r} at exit failed: "
-                  f"{type(e).__name__}: {e}", file=sys.stderr)
+            rec._close_nowait() if nowait else rec.close(fmt.STATUS_INTERRUPTED)
+        except BaseException as e:   # never raise here; say it in one line
+            _say(f"tensortape: closing {rec.store_location!r} {when} failed: "
+                 f"{type(e).__name__}: {e}")
     for writer in list(_ending):
         writer.worker.thread.join(writer.config.close_timeout)
 
 
-def forgotten(writer, hooks, buffer, location: str) -> None:
-    """A Recorder collected without ``close()``: remove its hooks, end its open step
-    (unless a thread is inside the step buffer now), and ask its writer to end the
-    run ``interrupted``.  A finaliser may run in the middle of any code, even code
-    holding one of tensortape's locks, so this takes no lock it could wait for and
-    waits for nothing."""
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr)
+    except Exception:                 # no stderr to say it on
+        pass
+
+
+# --- SIGTERM (see the module) ------------------------------------------------------------
+def _install() -> None:
+    global _previous
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        current = signal.getsignal(signal.SIGTERM)
+        if current is _on_sigterm or current in (signal.SIG_IGN, None):
+            return                    # ours already; ignored; or not Python's to chain to
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _previous = current
+    except (ValueError, OSError):     # not the main interpreter, or no SIGTERM here
+        pass
+
+
+def _uninstall() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:   # else the user's since
+            signal.signal(signal.SIGTERM, _previous)
+    except (ValueError, OSError):
+        pass
+
+
+def _on_sigterm(signum, frame) -> None:
+    global _terminating
+    if callable(_previous):           # the user's handler decides
+        _previous(signum, frame)
+        return
+    if _terminating:                  # again, while closing: the first ends the process
+        return
+    _terminating = True
+    if _open_recorders:
+        _say("tensortape: terminated (SIGTERM); the run is closed as 'interrupted'")
+        _close_all("at SIGTERM", nowait=_inside(frame))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)    # the default action, delivered again
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _inside(frame) -> bool:
+    """Whether the interrupted code (``frame`` and its callers) is tensortape's own,
+    which may hold one of its locks."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if os.path.dirname(path) == _HERE and os.path.basename(path) not in _RUNNERS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+# --- a Recorder not closed ---------------------------------------------------------------
+def abandon(writer, hooks, buffer) -> None:
+    """Remove the hooks, end the open step (unless a thread is inside the step
+    buffer now), and ask the writer to end the run ``interrupted``; the exit (or
+    the SIGTERM handler) waits for it.  This may run in the middle of any code,
+    even code holding one of tensortape's locks, so it takes no lock it could
+    wait for and waits for nothing."""
     hooks.detach(wait=False)
     if buffer.state.step is not None and buffer.idle():
         writer.post_nowait(buffer.end())
     writer.close_nowait()
     _ending.add(writer)
+
+
+def forgotten(writer, hooks, buffer, location: str) -> None:
+    """A Recorder collected without ``close()``: ``abandon`` it, from its finaliser,
+    and say so."""
+    abandon(writer, hooks, buffer)
     try:
         warnings.warn(f"tensortape: a Recorder of {location!r} was never closed; it is closed "
                       f"now with status 'interrupted' (use `with Recorder(...)` or call close())",

@@ -77,7 +77,7 @@ class Recorder:
     stats_every: statistics and histograms at steps where ``step % stats_every == 0``
         (other steps still count NaN/Inf exactly).
     tensors_every: full tensors at steps where ``step % tensors_every == 0``;
-        ``None`` for statistics only.
+        ``None`` or 0 for statistics only (``--tensors-every 0``).
     ring: keep the full tensors of this many steps before the current one in
         memory, for ``on_nonfinite="dump"``.
     on_nonfinite: ``"record"`` (an event), ``"dump"`` (also store the ring and
@@ -231,6 +231,19 @@ class Recorder:
                     self._buffer.clear()
                     self._writer.close(status)
                     self._buffer.tell()
+
+    def _close_nowait(self) -> None:
+        """Close ``interrupted`` from code that may have interrupted this Recorder's own
+        (a signal handler): ``_exit.abandon``, no lock and no wait; the caller waits
+        for the writer."""
+        if self._closed:
+            return
+        self._closed = True
+        _exit.closed(self)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._writer is not None:
+            _exit.abandon(self._writer, self._hooks, self._buffer)
 
     def __enter__(self) -> "Recorder":
         return self.attach()
