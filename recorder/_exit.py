@@ -1,11 +1,11 @@
 """How a recording ends when the user does not end it: at interpreter exit, at
 SIGTERM, or when its Recorder is collected without ``close()``.
 
-- ``opened``/``closed``: the Recorders open now (a weak set), each closed
+- ``opened``/``closed``: the Recorders open now (weak keys), each closed
   ``interrupted`` at exit (``close_at_exit``) within its ``close_timeout``.
-- ``forgotten``: a Recorder's finaliser (it was collected unclosed): its hooks
-  go, its open step and its close are posted to the writer without waiting
-  (``abandon``), and the exit waits for that writer too.
+- ``_forgotten``: a Recorder's finaliser, made by ``opened`` (it was collected
+  unclosed): its hooks go, its open step and its close are posted to the writer
+  without waiting (``_abandon``), and the exit waits for that writer too.
 - SIGTERM (a scheduler's preemption): while a Recorder is open, a handler is
   installed (from the main thread only, and only over the default action or a
   Python handler, which it chains to; put back when the last Recorder closes,
@@ -29,7 +29,7 @@ write its last step and status.  No public API runs a call earlier, so
 ``_at_thread_exit`` uses threading's private ``_register_atexit`` (the one
 place that does), falling back to ``atexit.register`` where it is missing.
 
-Main thread, at exit; ``forgotten`` on whatever thread the collector runs.
+Main thread, at exit and SIGTERM; ``_forgotten`` on whatever thread the collector runs.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ import weakref
 
 from . import format as fmt
 
-__all__ = ["abandon", "closed", "forgotten", "opened"]
+__all__ = ["closed", "opened"]
 
-_open_recorders: weakref.WeakSet = weakref.WeakSet()
+_open: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Recorder -> its finaliser
 _ending: set = set()                    # writers a finaliser asked to end the run
 _previous = signal.SIG_DFL              # SIGTERM's handler before ours
 _terminating = False                    # our handler is closing the Recorders
@@ -56,16 +56,21 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _RUNNERS = {"script.py", "_script.py", "integrations.py"}
 
 
-def opened(rec) -> None:
-    """``rec`` is recording: close it at exit (or SIGTERM) if the user does not."""
-    _open_recorders.add(rec)
+def opened(rec, writer, hooks, buffer) -> None:
+    """``rec`` is recording into ``writer`` through ``hooks`` and ``buffer``: end it
+    at exit, at SIGTERM or when it is collected, if the user does not."""
+    end = weakref.finalize(rec, _forgotten, writer, hooks, buffer, rec.store_location)
+    end.atexit = False                           # close_at_exit closes it, bounded
+    _open[rec] = end
     _install()
 
 
 def closed(rec) -> None:
     """``rec`` closed itself."""
-    _open_recorders.discard(rec)
-    if not _open_recorders and not _terminating:
+    end = _open.pop(rec, None)
+    if end is not None:
+        end.detach()
+    if not _open and not _terminating:
         _uninstall()
 
 
@@ -80,9 +85,9 @@ def close_at_exit() -> None:
 def _close_all(when: str, nowait: bool) -> None:
     """Close every open Recorder ``interrupted`` (``nowait``: as a finaliser
     would), then wait for the writers asked to end."""
-    for rec in list(_open_recorders):
+    for rec in list(_open):
         try:
-            rec._close_nowait() if nowait else rec.close(fmt.STATUS_INTERRUPTED)
+            _end_nowait(rec) if nowait else rec.close(fmt.STATUS_INTERRUPTED)
         except BaseException as e:   # never raise here; say it in one line
             _say(f"tensortape: closing {rec.store_location!r} {when} failed: "
                  f"{type(e).__name__}: {e}")
@@ -130,7 +135,7 @@ def _on_sigterm(signum, frame) -> None:
     if _terminating:                  # again, while closing: the first ends the process
         return
     _terminating = True
-    if _open_recorders:
+    if _open:
         _say("tensortape: terminated (SIGTERM); the run is closed as 'interrupted'")
         _close_all("at SIGTERM", nowait=_inside(frame))
     signal.signal(signal.SIGTERM, signal.SIG_DFL)    # the default action, delivered again
@@ -149,7 +154,16 @@ def _inside(frame) -> bool:
 
 
 # --- a Recorder not closed ---------------------------------------------------------------
-def abandon(writer, hooks, buffer) -> None:
+def _end_nowait(rec) -> None:
+    """End ``rec`` now as its finaliser would (``_abandon``), without a word."""
+    end = _open.pop(rec, None)
+    parts = end.detach() if end is not None else None     # (rec, func, args, kwargs)
+    if parts is not None:
+        writer, hooks, buffer, _ = parts[2]
+        _abandon(writer, hooks, buffer)
+
+
+def _abandon(writer, hooks, buffer) -> None:
     """Remove the hooks, end the open step (unless a thread is inside the step
     buffer now), and ask the writer to end the run ``interrupted``; the exit (or
     the SIGTERM handler) waits for it.  This may run in the middle of any code,
@@ -162,10 +176,10 @@ def abandon(writer, hooks, buffer) -> None:
     _ending.add(writer)
 
 
-def forgotten(writer, hooks, buffer, location: str) -> None:
-    """A Recorder collected without ``close()``: ``abandon`` it, from its finaliser,
+def _forgotten(writer, hooks, buffer, location: str) -> None:
+    """A Recorder collected without ``close()``: ``_abandon`` it, from its finaliser,
     and say so."""
-    abandon(writer, hooks, buffer)
+    _abandon(writer, hooks, buffer)
     try:
         warnings.warn(f"tensortape: a Recorder of {location!r} was never closed; it is closed "
                       f"now with status 'interrupted' (use `with Recorder(...)` or call close())",

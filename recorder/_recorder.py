@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import os
 import sys
-import weakref
 
 import numpy as np
 import torch
@@ -155,7 +154,6 @@ class Recorder:
         self._buffer: StepBuffer | None = None
         self._replayer: Replayer | None = None        # on_nonfinite="replay"
         self._closed = False
-        self._finalizer: weakref.finalize | None = None
         self._last_step: int | None = None           # the store's, for numbering steps
         self._own_last: int | None = None            # this Recorder's: steps must increase
         self._dropped_before = self._outside_before = 0
@@ -200,10 +198,7 @@ class Recorder:
                               keeper=self._buffer.keeper)
         self._model = None
         self._hooks.attach()
-        _exit.opened(self)
-        self._finalizer = weakref.finalize(self, _exit.forgotten, self._writer, self._hooks,
-                                           self._buffer, self.store_location)
-        self._finalizer.atexit = False           # _exit closes it, bounded
+        _exit.opened(self, self._writer, self._hooks, self._buffer)
         return self
 
     def close(self, status: str = fmt.STATUS_COMPLETE) -> None:
@@ -213,8 +208,6 @@ class Recorder:
             return
         self._closed = True
         _exit.closed(self)
-        if self._finalizer is not None:
-            self._finalizer.detach()
         try:
             if self._buffer is not None and self._buffer.state.step is not None:
                 self._end_step(raise_nonfinite=False)
@@ -231,19 +224,6 @@ class Recorder:
                     self._buffer.clear()
                     self._writer.close(status)
                     self._buffer.tell()
-
-    def _close_nowait(self) -> None:
-        """Close ``interrupted`` from code that may have interrupted this Recorder's own
-        (a signal handler): ``_exit.abandon``, no lock and no wait; the caller waits
-        for the writer."""
-        if self._closed:
-            return
-        self._closed = True
-        _exit.closed(self)
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        if self._writer is not None:
-            _exit.abandon(self._writer, self._hooks, self._buffer)
 
     def __enter__(self) -> "Recorder":
         return self.attach()
