@@ -105,26 +105,22 @@ def _say(line: str) -> None:
 # --- SIGTERM (see the module) ------------------------------------------------------------
 def _install() -> None:
     global _previous
-    if threading.current_thread() is not threading.main_thread():
-        return
     try:
         current = signal.getsignal(signal.SIGTERM)
         if current is _on_sigterm or current in (signal.SIG_IGN, None):
             return                    # ours already; ignored; or not Python's to chain to
         signal.signal(signal.SIGTERM, _on_sigterm)
         _previous = current
-    except (ValueError, OSError):     # not the main interpreter, or no SIGTERM here
+    except ValueError:                # not the main thread (Python allows only it)
         pass
 
 
 def _uninstall() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
     try:
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:   # else the user's since
             signal.signal(signal.SIGTERM, _previous)
-    except (ValueError, OSError):
-        pass
+    except ValueError:                # not the main thread: it stays, and passes the
+        pass                          # signal on as the previous handler would
 
 
 def _on_sigterm(signum, frame) -> None:

@@ -284,3 +284,40 @@ def test_record_closes_the_run_at_sigterm(tmp_path, how, status):
     assert ("handler ran" in lines) == (how == "own handler")
     assert done(lines) == [0, 1, 2, 3]
     closed_by_sigterm(store, [0, 1, 2, 3])
+
+
+def test_the_sigterm_handler_is_tensortapes_only_while_it_may_be(tmp_path):
+    """Installed by a Recorder attached on the main thread (not from another thread, not
+    over SIG_IGN), put back at close, and a handler the user installs after attach is
+    left in place."""
+    import threading
+    import torch
+    from tensortape import Recorder
+    model = torch.nn.Linear(2, 2)
+
+    def mine(signum, frame):
+        pass
+
+    def later(signum, frame):
+        pass
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        rec = Recorder(model, tmp_path / "thread.zarr", max_bytes=None)
+        worker = threading.Thread(target=rec.attach)
+        worker.start()
+        worker.join()
+        assert signal.getsignal(signal.SIGTERM) is mine     # not from another thread
+        rec.close()
+        with Recorder(model, tmp_path / "main.zarr", max_bytes=None):
+            assert signal.getsignal(signal.SIGTERM) not in (mine, signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGTERM) is mine     # put back
+        with Recorder(model, tmp_path / "later.zarr", max_bytes=None):
+            signal.signal(signal.SIGTERM, later)
+        assert signal.getsignal(signal.SIGTERM) is later    # the user's, left in place
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with Recorder(model, tmp_path / "ignored.zarr", max_bytes=None):
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert [open_run(tmp_path / f"{n}.zarr").status for n in ("thread", "main", "later")] \
+        == ["complete"] * 3
