@@ -29,11 +29,11 @@ def _choice(name: str, value, valid) -> None:
         raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(map(repr, valid))}")
 
 
-def _every(name: str, value, allow_none: bool) -> None:
+def _every(name: str, value, allow_none: bool, none: str = " or None") -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        extra = " or None" if allow_none else ""
+        extra = none if allow_none else ""
         raise ConfigError(f"{name}={value!r} is not valid; use a positive integer{extra}")
 
 
@@ -72,7 +72,10 @@ class RecorderConfig:
             _choice("capture", c, KINDS)
         if not capture:
             raise ConfigError(f"capture=() records nothing; use some of {', '.join(map(repr, KINDS))}")
-        _every("tensors_every", tensors_every, allow_none=True)
+        if type(tensors_every) is int and tensors_every == 0:
+            tensors_every = None                # 0 is None, as on the command line
+        _every("tensors_every", tensors_every, allow_none=True,
+               none=" or None (or 0) for statistics only")
         _every("stats_every", stats_every, allow_none=False)
         if not isinstance(ring, int) or ring < 0:
             raise ConfigError(f"ring={ring!r} is not valid; use an integer >= 0")

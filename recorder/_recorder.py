@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import os
 import sys
-import weakref
 
 import numpy as np
 import torch
@@ -77,7 +76,7 @@ class Recorder:
     stats_every: statistics and histograms at steps where ``step % stats_every == 0``
         (other steps still count NaN/Inf exactly).
     tensors_every: full tensors at steps where ``step % tensors_every == 0``;
-        ``None`` for statistics only.
+        ``None`` or 0 for statistics only (``--tensors-every 0``).
     ring: keep the full tensors of this many steps before the current one in
         memory, for ``on_nonfinite="dump"``.
     on_nonfinite: ``"record"`` (an event), ``"dump"`` (also store the ring and
@@ -155,7 +154,6 @@ class Recorder:
         self._buffer: StepBuffer | None = None
         self._replayer: Replayer | None = None        # on_nonfinite="replay"
         self._closed = False
-        self._finalizer: weakref.finalize | None = None
         self._last_step: int | None = None           # the store's, for numbering steps
         self._own_last: int | None = None            # this Recorder's: steps must increase
         self._dropped_before = self._outside_before = 0
@@ -200,10 +198,7 @@ class Recorder:
                               keeper=self._buffer.keeper)
         self._model = None
         self._hooks.attach()
-        _exit.opened(self)
-        self._finalizer = weakref.finalize(self, _exit.forgotten, self._writer, self._hooks,
-                                           self._buffer, self.store_location)
-        self._finalizer.atexit = False           # _exit closes it, bounded
+        _exit.opened(self, self._writer, self._hooks, self._buffer)
         return self
 
     def close(self, status: str = fmt.STATUS_COMPLETE) -> None:
@@ -213,8 +208,6 @@ class Recorder:
             return
         self._closed = True
         _exit.closed(self)
-        if self._finalizer is not None:
-            self._finalizer.detach()
         try:
             if self._buffer is not None and self._buffer.state.step is not None:
                 self._end_step(raise_nonfinite=False)

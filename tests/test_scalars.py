@@ -183,6 +183,53 @@ def test_tensortape_record_stores_the_loss_backward_was_called_on(tmp_path):
     assert open_run(h5).scalars().identical(ds)
 
 
+ACCUMULATING = """
+import sys
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+micro = int(sys.argv[1])
+for step in range(3):
+    total = 0.0
+    for _ in range(micro):
+        loss = model(torch.randn(5, 4)).pow(2).mean() / micro     # scaled for accumulation
+        loss.backward()
+        print("micro", repr(loss.item()))
+        total += loss.item()
+    print("step", repr(total))
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("micro", [2, 3])
+def test_tensortape_record_stores_the_sum_of_a_steps_scaled_losses(tmp_path, micro):
+    """Gradient accumulation with a scaled loss: the stored loss is the step's, the sum
+    over its micro-batches of what backward() was called on, as the script prints it
+    (and as exact rational arithmetic sums the values it printed)."""
+    from fractions import Fraction
+    script, store = tmp_path / "train.py", str(tmp_path / "run.zarr")
+    script.write_text(ACCUMULATING)
+    r = CliRunner().invoke(cli.cli, ["record", "-o", store, "--tensors-every", "0", "--",
+                                     "python", str(script), str(micro)], prog_name="tensortape")
+    assert r.exit_code == 0, r.output
+    printed = [line.split() for line in r.stdout.splitlines()]
+    steps, exact = [], Fraction(0)
+    for word, value in printed:
+        if word == "micro":
+            exact += Fraction(float(value))
+        else:
+            assert Fraction(float(value)) == exact       # the script's sum, exact here
+            steps.append(float(value))
+            exact = Fraction(0)
+    assert len(steps) == 3 and len(printed) == 3 * (micro + 1)
+    ds = open_run(store).scalars()
+    assert ds.step.values.tolist() == [0, 1, 2]
+    assert ds["loss"].values.tolist() == steps
+
+
 def test_hugging_face_trainer_stores_its_logged_loss(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
