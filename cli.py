@@ -295,7 +295,8 @@ def _size(text: str, flag: str):
                    "at every step)")
 @click.option("--ring", type=click.IntRange(min=0), default=0, show_default=True,
               help="keep the full tensors of the K steps before the current one in memory, "
-                   "written out when a NaN/Inf appears (with --on-nonfinite dump)")
+                   "written out when a NaN/Inf appears (needs --on-nonfinite dump, raise or "
+                   "replay)")
 @click.option("--on-nonfinite", type=click.Choice(["record", "dump", "raise", "replay"]),
               default="record", show_default=True,
               help="on a NaN/Inf: record the event; dump: also write the ring and the step's "
@@ -312,8 +313,7 @@ def _size(text: str, flag: str):
               help="when the run cannot be recorded (the store exists, a pattern matches "
                    "nothing), let the script train unrecorded instead of stopping it")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-@click.pass_context
-def record(ctx, out, mode, layers, capture, tensors_every, stats_every, ring, on_nonfinite,
+def record(out, mode, layers, capture, tensors_every, stats_every, ring, on_nonfinite,
            max_bytes, max_samples, keep_going, command):
     """Record an unchanged training script: tensortape record -o RUN -- python train.py ARGS.
 
@@ -321,9 +321,6 @@ def record(ctx, out, mode, layers, capture, tensors_every, stats_every, ring, on
     step. Exits with the script's exit status (130 after Ctrl-C), or 2 with one line
     when it cannot record."""
     from tensortape.recorder.script import run_script
-    if _given(ctx, "ring") and ring and on_nonfinite == "record":
-        raise TensortapeError("--ring keeps steps for a dump; with --on-nonfinite record "
-                               "nothing is dumped: add --on-nonfinite dump (or raise, replay)")
     kw = dict(layers=list(layers) or "*", stats_every=stats_every, ring=ring,
               on_nonfinite=on_nonfinite, mode=mode, max_samples=max_samples,
               max_bytes=_size(max_bytes, "--max-bytes"),

@@ -79,7 +79,8 @@ class Recorder:
     tensors_every: full tensors at steps where ``step % tensors_every == 0``;
         ``None`` for statistics only.
     ring: keep the full tensors of this many steps before the current one in
-        memory, for ``on_nonfinite="dump"``.
+        memory, for the non-finite dump: needs ``on_nonfinite`` ``"dump"``,
+        ``"raise"`` or ``"replay"`` (``ConfigError`` under ``"record"``).
     on_nonfinite: ``"record"`` (an event), ``"dump"`` (also store the ring and
         the current step's full tensors), ``"raise"`` (dump, then raise
         ``NonFiniteError`` at the step's end), ``"replay"`` (dump, and name the

@@ -26,6 +26,7 @@ optional extra: ``tensortape[hf]``, ``tensortape[lightning]``).
 from __future__ import annotations
 
 from . import _scalars
+from ._config import RecorderConfig
 from .errors import RecorderError
 
 __all__ = ["LightningCallback", "TrainerCallback"]
@@ -97,7 +98,9 @@ class _Holder:
         ``on_nonfinite``, ``mode``, ...; ``outside_step`` defaults to ``"ignore"``,
         since trainers run evaluation outside the steps).  The Recorder attaches
         when training starts and closes when it ends (``interrupted`` after an
-        exception)."""
+        exception).  Settings that conflict raise ``ConfigError`` here, not when
+        training starts."""
+        RecorderConfig.check(recorder_kwargs)
         self.session = _Session(store, recorder_kwargs)
 
     @property

@@ -37,6 +37,7 @@ import sys
 import traceback
 
 from ._script import Stop, Tracker, find_module, probe
+from ._config import RecorderConfig
 from ._root import check_mode
 from .errors import ConfigError, RecorderError
 
@@ -49,6 +50,7 @@ def run_script(command: list[str], store, keep_going: bool = False, **recorder_k
 
     Raises ``RecorderError`` (one line, in the CLI's words) when the script is
     missing, or when it cannot be recorded and ``keep_going`` is false."""
+    RecorderConfig.check(recorder_kwargs)              # settings that conflict: one line first
     if command and os.path.basename(command[0]).startswith("python"):
         command = command[1:]
     if not command:
