@@ -96,8 +96,9 @@ class Recorder:
     max_bytes: a budget for full tensors on disk, in bytes.  ``"auto"`` (the
         default): a tenth of the free space where the store is, at most 10 GB,
         printed when recording starts; ``None``: no budget.  Past it, the full
-        tensors a step persists are counted in ``over_budget`` instead; statistics,
-        histograms and the non-finite dump go on every step.
+        tensors a step persists are not stored (those no dump stores are counted in
+        ``over_budget``); statistics, histograms and the non-finite dump go on every
+        step.
     flush_interval: seconds between commits (a crash loses at most this much).
     max_pending_bytes: snapshot bytes queued for the writer before the training
         thread waits (nothing is dropped).
