@@ -117,9 +117,8 @@ class _Rows:
                        scalars=scalars), choice.tensors
 
     def barrier(self, msg: Barrier) -> None:
-        lost = _overbudget.runs(self.policy.close()) if msg.final else []
-        if lost:                            # the due rows the ring still held: counted
-            self._keep(Unsaved(None, [], {}, 0, [], {}, over_budget=lost), [])
+        if msg.final and (lost := _overbudget.runs(self.policy.close())):   # the ring's due
+            self._keep(Unsaved(None, [], {}, 0, [], {}, over_budget=lost), [])   # rows: lost
         if self._fault is not None:
             self._start_again(msg.status)
             return
@@ -251,8 +250,7 @@ class _Rows:
         for first, last, stride in spans:
             for step in range(first, last + 1, stride or 1):
                 fmt.note_step(st.rerecorded, st.recording, step)
-                if st.over_budget_at:
-                    _overbudget.take_back(st, step)
+                _overbudget.take_back(st, step)
         kept = [e for e in st.events if not any(
             first <= e.step <= last and (e.step - first) % (stride or 1) == 0
             for first, last, stride in spans)]
