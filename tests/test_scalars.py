@@ -213,40 +213,59 @@ def test_hugging_face_trainer_stores_each_logged_scalar_once_as_its_log_history(
                 want[(max(e["step"] - 1, 0), name)] = float(v)
     assert {name for _, name in want} >= {"loss", "grad_norm", "eval_loss", "train_runtime"}
     assert sorted(s for s, name in want if name == "eval_loss") == [0, 2, 5]
-    ds = open_run(store).scalars()
-    stored = {(int(s), name): float(v) for name in ds.data_vars
-              for s, v in zip(ds.step.values, ds[name].values) if not np.isnan(v)}
+    stored = _stored(store)
     assert stored == want
 
 
-def test_lightning_stores_what_self_log_logged(tmp_path):
-    pl = pytest.importorskip("lightning.pytorch")
-    seen = {}
+def _stored(store) -> dict:
+    """{(step, name): value} of the run's scalars, where one was logged."""
+    ds = open_run(store).scalars()
+    return {(int(s), name): float(v) for name in ds.data_vars
+            for s, v in zip(ds.step.values, ds[name].values) if not np.isnan(v)}
 
+
+def _lightning(pl):
+    """A LightningModule logging a training metric every step (``seen``: its values by
+    step), its epoch mean, and a validation metric."""
     class Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = model()
+            self.net, self.seen = model(), {}
 
         def training_step(self, batch, i):
             loss = self.net(batch).pow(2).mean()
             self.log("train_loss", loss)
-            seen[self.global_step] = float(loss.detach())
+            self.log("train_mean", loss, on_step=False, on_epoch=True)
+            self.seen[self.global_step] = float(loss.detach())
             return loss
+
+        def validation_step(self, batch, i):
+            self.log("val_loss", self.net(batch).pow(2).mean())
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=1e-2)
+    return Module()
 
+
+def _loaders():
+    g = torch.Generator().manual_seed(0)
+    return (torch.utils.data.DataLoader(torch.randn(16, 4, generator=g), batch_size=2),
+            torch.utils.data.DataLoader(torch.randn(6, 4, generator=g), batch_size=2))
+
+
+def test_lightning_stores_what_self_log_logged(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
     from tensortape.recorder.integrations import LightningCallback
     store = str(tmp_path / "pl.zarr")
-    data = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
     trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          log_every_n_steps=1,          # no logger: what Lightning logs all the same
                          callbacks=[LightningCallback(store, layers="net.0")],
                          default_root_dir=str(tmp_path))
-    trainer.fit(Module(), data)
+    module = _lightning(pl)
+    trainer.fit(module, *_loaders())
     ds = open_run(store).scalars()
+    seen = module.seen
     assert ds.step.values.tolist() == sorted(seen)
     np.testing.assert_array_equal(ds["train_loss"].values, [seen[s] for s in sorted(seen)])
 
@@ -260,41 +279,18 @@ def test_lightning_stores_each_logged_scalar_once_at_its_step_as_its_csv_logger_
     import csv
     from lightning.pytorch.loggers import CSVLogger
     from tensortape.recorder.integrations import LightningCallback
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = model()
-
-        def training_step(self, batch, i):
-            loss = self.net(batch).pow(2).mean()
-            self.log("train_loss", loss)
-            self.log("train_mean", loss, on_step=False, on_epoch=True)
-            return loss
-
-        def validation_step(self, batch, i):
-            self.log("val_loss", self.net(batch).pow(2).mean())
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-2)
-
-    g = torch.Generator().manual_seed(0)
-    train = torch.utils.data.DataLoader(torch.randn(16, 4, generator=g), batch_size=2)
-    val = torch.utils.data.DataLoader(torch.randn(6, 4, generator=g), batch_size=2)
     logger = CSVLogger(str(tmp_path), name="csv")
     store = str(tmp_path / "pl.zarr")
     trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=logger, log_every_n_steps=3,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(tmp_path),
                          callbacks=[LightningCallback(store, layers="net.0")])
-    trainer.fit(Module(), train, val)
+    trainer.fit(_lightning(pl), *_loaders())
     with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
         written = {(int(row["step"]), name): float(v) for row in csv.DictReader(f)
                    for name, v in row.items() if v and name not in ("step", "epoch")}
     assert {name for _, name in written} == {"train_loss", "train_mean", "val_loss"}
     assert sorted(s for s, name in written if name == "val_loss") == [7, 15]
-    ds = open_run(store).scalars()
-    stored = {(int(s), name): float(v) for name in ds.data_vars
-              for s, v in zip(ds.step.values, ds[name].values) if not np.isnan(v)}
+    stored = _stored(store)
     assert stored == written
     assert "log_metrics" not in vars(trainer._logger_connector)     # Lightning's own again
