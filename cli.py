@@ -303,7 +303,8 @@ RECORDER_FLAGS = ("mode", "tensors_every", "stats_every", "ring", "on_nonfinite"
                    "at every step)")
 @click.option("--ring", type=click.IntRange(min=0), default=0, show_default=True,
               help="keep the full tensors of the K steps before the current one in memory, "
-                   "written out when a NaN/Inf appears (with --on-nonfinite dump)")
+                   "written out when a NaN/Inf appears (needs --on-nonfinite dump, raise or "
+                   "replay)")
 @click.option("--on-nonfinite", type=click.Choice(["record", "dump", "raise", "replay"]),
               default="record", show_default=True,
               help="on a NaN/Inf: record the event; dump: also write the ring and the step's "
@@ -331,9 +332,6 @@ def record(ctx, out, mode, start_step, layers, capture, tensors_every, stats_eve
     'interrupted', then ends the process by SIGTERM as it would end python (status 143
     in a shell), unless the script's own SIGTERM handler decides otherwise."""
     from tensortape.recorder.script import run_script
-    if _given(ctx, "ring") and ring and on_nonfinite == "record":
-        raise TensortapeError("--ring keeps steps for a dump; with --on-nonfinite record "
-                               "nothing is dumped: add --on-nonfinite dump (or raise, replay)")
     # the flags given, as the Recorder's arguments (the others: the Recorder's defaults)
     kw = {name: ctx.params[name] for name in RECORDER_FLAGS if _given(ctx, name)}
     if layers:

@@ -9,10 +9,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, argument
 from .format import KINDS
 
 NONFINITE_POLICIES = ("record", "dump", "raise", "replay")
+DUMPING = ("dump", "raise", "replay")      # the policies that store the ring and the step
 OUTSIDE_POLICIES = ("warn", "ignore", "raise")
 ERROR_POLICIES = ("warn", "raise")
 MODES = ("w-", "w", "a")
@@ -80,6 +81,12 @@ class RecorderConfig:
         if not isinstance(ring, int) or ring < 0:
             raise ConfigError(f"ring={ring!r} is not valid; use an integer >= 0")
         _choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
+        if ring and on_nonfinite not in DUMPING:     # a ring no dump would ever store
+            dumps = ", ".join(argument("on_nonfinite", p) for p in DUMPING)
+            raise ConfigError(f"{argument('ring', ring)} keeps full tensors for a non-finite "
+                              f"dump, which {argument('on_nonfinite', on_nonfinite)} never makes; "
+                              f"pass one of {dumps} to store them, or "
+                              f"{argument('ring', 0)} to keep none")
         _every("max_samples", max_samples, allow_none=True)
         if isinstance(tensor_dtype, str):
             _choice("tensor_dtype", tensor_dtype, tuple(_DTYPES))
@@ -115,6 +122,17 @@ class RecorderConfig:
                    tensor_dtype, mode, float(flush_interval), max_pending_bytes,
                    max_device_bytes, max_pinned_bytes, max_replay_bytes, compression,
                    outside_step, max_bytes, on_error, float(close_timeout))
+
+    @classmethod
+    def check(cls, recorder_kwargs: dict) -> None:
+        """Validate the settings among a Recorder's keywords now (a callback's, the
+        command line's), before anything runs: ``ConfigError`` as ``build`` says."""
+        cls.build(**{k: v for k, v in recorder_kwargs.items() if k in cls.__dataclass_fields__})
+
+    @property
+    def dumps(self) -> bool:
+        """Whether a NaN/Inf stores the ring and the step's full tensors."""
+        return self.on_nonfinite in DUMPING
 
     def persists(self, step: int) -> bool:
         return self.tensors_every is not None and step % self.tensors_every == 0

@@ -78,7 +78,8 @@ class Recorder:
     tensors_every: full tensors at steps where ``step % tensors_every == 0``;
         ``None`` or 0 for statistics only (``--tensors-every 0``).
     ring: keep the full tensors of this many steps before the current one in
-        memory, for ``on_nonfinite="dump"``.
+        memory, for the non-finite dump: needs ``on_nonfinite`` ``"dump"``,
+        ``"raise"`` or ``"replay"`` (``ConfigError`` under ``"record"``).
     on_nonfinite: ``"record"`` (an event), ``"dump"`` (also store the ring and
         the current step's full tensors), ``"raise"`` (dump, then raise
         ``NonFiniteError`` at the step's end), ``"replay"`` (dump, and name the
@@ -94,8 +95,9 @@ class Recorder:
     max_bytes: a budget for full tensors on disk, in bytes.  ``"auto"`` (the
         default): a tenth of the free space where the store is, at most 10 GB,
         printed when recording starts; ``None``: no budget.  Past it, the full
-        tensors a step persists are counted in ``over_budget`` instead; statistics,
-        histograms and the non-finite dump go on every step.
+        tensors a step persists are not stored (those no dump stores are counted in
+        ``over_budget``); statistics, histograms and the non-finite dump go on every
+        step.
     flush_interval: seconds between commits (a crash loses at most this much).
     max_pending_bytes: snapshot bytes queued for the writer before the training
         thread waits (nothing is dropped).

@@ -42,6 +42,7 @@ import sys
 import traceback
 
 from ._script import Stop, Tracker, find_module, probe
+from ._config import RecorderConfig
 from ._root import check_mode
 from .errors import ConfigError, RecorderError, argument
 
@@ -60,6 +61,7 @@ def run_script(command: list[str], store, keep_going: bool = False,
     if start_step is not None and (type(start_step) is not int or start_step < 0):
         raise ConfigError(f"{argument('start_step', start_step)} is not valid; use an "
                           f"integer >= 0")
+    RecorderConfig.check(recorder_kwargs)              # settings that conflict: one line first
     if command and os.path.basename(command[0]).startswith("python"):
         command = command[1:]
     if not command:

@@ -483,7 +483,8 @@ def test_s3_store_on_a_real_server_matches_a_local_one(s3_server, tmp_store):
     for location in (url, tmp_store):
         model = InplaceMLP()
         torch.manual_seed(5)
-        with Recorder(model, location, layers=["fc1", "fc2"], ring=2) as rec:
+        with Recorder(model, location, layers=["fc1", "fc2"], ring=2,
+                      on_nonfinite="dump") as rec:
             for _ in range(3):
                 with rec.step():
                     model(torch.randn(4, 8)).sum().backward()
