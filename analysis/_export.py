@@ -39,6 +39,7 @@ def to_hdf5(run, path, progress=None) -> str:
     tables = []
     for r in run.ranks:
         tables += [(p, run.checked_rows(p, r)) for p, n in run.state(r).committed.items() if n]
+    run.index.refuse_damage("the HDF5 export")
     path = os.fspath(path)
     partial = f"{path}.partial-{os.getpid()}"      # the file appears whole, or not at all
     try:

@@ -248,6 +248,17 @@ class RunIndex:
         steps = self.current_rows(path, rank)[1]
         return np.unique(steps[self._damage[path][1] & (steps >= 0)])
 
+    def refuse_damage(self, what: str) -> None:
+        """Raise ``StoreFormatError`` where a chunk of the committed rows is missing:
+        ``what`` copies the chunks as stored, and would write the lost rows as the
+        fill values a missing chunk reads as."""
+        notes = self.damage_notes()
+        if notes:
+            more = f" and {len(notes) - 1} more" if len(notes) > 1 else ""
+            raise StoreFormatError(f"{self.path!r} is damaged ({notes[0]}{more}); {what} copies "
+                                   f"the chunks as stored, so it refuses a damaged run (its lost "
+                                   f"rows would read as recorded values in the copy)")
+
     def unreadable(self, path: str, rank: int, columns, rows, col: int) -> np.ndarray:
         """Whether each of a table's ``rows`` is unreadable in layer column ``col``
         of any of ``columns`` (its chunk is missing; ``_damage.STATS``: the

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from torch import nn
 
 from tensortape import Recorder, cli, open_run
@@ -38,12 +38,13 @@ class Net(nn.Module):
         return self.head(torch.relu(self.fc(self.drop(self.wpe(x)))))
 
 
-def train(path, tensors_every, fault=None):
+def train(path, tensors_every, fault=None, samples=None):
     """``STEPS`` optimizer steps of ``MICRO`` micro-batches each, recorded at ``path``;
     ``fault`` = (step, micro-batches, how): the dropout's output there gets
-    ``micro + 1`` Infs (``"inf"``) or is scaled by 1.5 (``"scale"``), by a hook
-    registered before the recorder's.  Returns what plain forward hooks saw:
-    {(module, step, micro): output}."""
+    ``micro + 1`` Infs in its last sample (``"inf"``) or is scaled by 1.5
+    (``"scale"``), by a hook registered before the recorder's; ``samples``: the
+    recorder's ``max_samples`` (full tensors keep only the first).  Returns what
+    plain forward hooks saw: {(module, step, micro): output}."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -53,7 +54,7 @@ def train(path, tensors_every, fault=None):
         if fault and at["step"] == fault[0] and at["micro"] in fault[1]:
             out = out.clone()
             if fault[2] == "inf":
-                out[0, 1, : at["micro"] + 1] = math.inf
+                out[-1, 1, : at["micro"] + 1] = math.inf
             else:
                 out = out * 1.5
             return out
@@ -65,7 +66,7 @@ def train(path, tensors_every, fault=None):
             lambda m, a, out, name=name: seen.__setitem__(
                 (name, at["step"], at["micro"]), out.detach().clone().numpy()))
     with Recorder(model, path, layers=list(ORDER), tensors_every=tensors_every,
-                  max_bytes=None) as rec:
+                  max_samples=samples, max_bytes=None) as rec:
         for step in range(STEPS):
             with rec.step(step):
                 for micro in range(MICRO):
@@ -91,14 +92,14 @@ def truth(seen_a, seen_b):
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    """The run without a fault, per tensors_every, recorded once."""
+    """The run without a fault, per (tensors_every, max_samples), recorded once."""
     made = {}
 
-    def get(every):
-        if every not in made:
+    def get(every, samples):
+        if (every, samples) not in made:
             path = str(tmp_path_factory.mktemp("clean") / "a.zarr")
-            made[every] = path, train(path, every)
-        return made[every]
+            made[(every, samples)] = path, train(path, every, samples=samples)
+        return made[(every, samples)]
     return get
 
 
@@ -110,11 +111,17 @@ def where(tmp_path_factory):
 @settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(step=st.integers(0, STEPS - 2), micro=st.integers(0, MICRO - 1),
-       every=st.sampled_from([1, 2, 3, None]), how=st.sampled_from(["inf", "scale"]))
-def test_the_first_divergence_is_where_the_fault_was_put(clean, where, step, micro, every, how):
-    a, seen_a = clean(every)
+       every=st.sampled_from([1, 2, 3, None]), how=st.sampled_from(["inf", "scale"]),
+       samples=st.sampled_from([None, 1]))
+@example(step=2, micro=1, every=2, how="scale", samples=None)    # a finite change, micro-batch 1
+def test_the_first_divergence_is_where_the_fault_was_put(clean, where, step, micro, every, how,
+                                                         samples):
+    """Full tensors every ``every`` steps, of the first ``samples`` samples: where
+    they hold the fault (any micro-batch) they show it, and where they do not (an
+    Inf past ``max_samples``) the statistics still do."""
+    a, seen_a = clean(every, samples)
     b = str(where.mktemp("faulty") / "b.zarr")
-    seen_b = train(b, every, (step, (micro,), how))
+    seen_b = train(b, every, (step, (micro,), how), samples)
     assert truth(seen_a, seen_b) == (step, "drop")              # plain hooks agree with the fault
     assert first_divergence(a, b) == (step, "drop")
     r = CliRunner().invoke(cli.cli, ["compare", a, b, "--format", "json"])
@@ -132,14 +139,16 @@ def test_the_first_divergence_is_where_the_fault_was_put(clean, where, step, mic
         assert float(ds["stat_rel"].sel(step=s, layer="drop")) == 0
     if every is not None and step % every == 0:                 # full tensors at the fault's step
         x = ds.sel(step=step, layer="drop")
-        if how == "inf":                                        # apart: no angle, no ratio
+        if how == "inf" and samples:                            # past the kept samples
+            assert float(x.rel_l2) == 0 and float(x.stat_rel) > 1e-3
+        elif how == "inf":                                      # apart: no angle, no ratio
             assert float(x.rel_l2) == math.inf and float(x.max_abs) == math.inf
             assert float(x.sqnr_db) == -math.inf and math.isnan(float(x.cosine))
             cosine = json.loads(r.stdout)["layers"]["drop"]["cosine"]
             assert cosine == "nan"                              # the worst step's, not 1
         else:                                                   # every micro-batch, as one batch
-            fa = np.concatenate([seen_a[("drop", step, m)].ravel() for m in range(MICRO)])
-            fb = np.concatenate([seen_b[("drop", step, m)].ravel() for m in range(MICRO)])
+            fa = np.concatenate([seen_a[("drop", step, m)][:samples].ravel() for m in range(MICRO)])
+            fb = np.concatenate([seen_b[("drop", step, m)][:samples].ravel() for m in range(MICRO)])
             fa, fb = fa.astype(np.float64), fb.astype(np.float64)
             want = np.linalg.norm(fb - fa) / np.linalg.norm(fa)
             assert float(x.rel_l2) == pytest.approx(want, rel=1e-12)

@@ -283,3 +283,17 @@ def test_a_chunk_missing_in_a_live_run_is_looked_for_again_first(pristine, tmp_p
     with pytest.warns(TensortapeWarning, match="hist/c/1/0/0 is missing"):
         open_run(damaged).histogram("fc1", "activations")
     assert slept == [0.05, 0.1, 0.2, 0.4, 0.8]  # 1.55 s in all, then damage
+
+
+def test_the_hdf5_export_refuses_a_damaged_run_in_one_line(pristine, tmp_path):
+    """The export copies chunks as stored: it would write the lost rows as fill
+    values that read as recorded, so it refuses, naming the chunk."""
+    damaged = str(tmp_path / "damaged.zarr")
+    shutil.copytree(pristine, damaged)
+    os.remove(os.path.join(damaged, "rank0/stats/activations/hist/c/1/0/0"))
+    r = CliRunner().invoke(cli.cli, ["export", damaged, str(tmp_path / "x.h5")])
+    assert r.exit_code == 2 and not (tmp_path / "x.h5").exists()
+    err = r.stderr.splitlines()
+    assert err[-1].startswith("Error: ") and "hist/c/1/0/0 is missing" in err[-1]
+    assert "refuses a damaged run" in err[-1]
+    assert err[0].startswith("warning: ") and len(err) == 2
