@@ -306,22 +306,31 @@ def _size(text: str, flag: str):
     return n
 
 
+# record's options that are the Recorder's arguments of the same name, passed as they are
+RECORDER_FLAGS = ("mode", "tensors_every", "stats_every", "ring", "on_nonfinite", "max_samples")
+
+
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="the run to write")
 @click.option("--mode", type=click.Choice(["w-", "w", "a"]), default="w-", show_default=True,
               help="w-: create a new run; w: overwrite a tensortape run (never other files); "
-                   "a: append steps to a run (a resumed job)")
+                   "a: continue a run (a resumed job): its steps go on from the step after "
+                   "the run's last, unless --start-step")
+@click.option("--start-step", type=click.IntRange(min=0), default=None,
+              help="the first step's number (default: 0, or with --mode a the step after the "
+                   "run's last); each optimizer step adds 1")
 @click.option("--layers", multiple=True, help="glob pattern of layers (repeatable; default all)")
 @click.option("--capture", multiple=True, type=click.Choice(KINDS),
               help="what to record (repeatable; default activations and gradients)")
-@click.option("--tensors-every", type=click.IntRange(min=0), default=None,
-              help="persist full tensors every N steps (0: statistics only; default 1)")
+@click.option("--tensors-every", type=click.IntRange(min=0), default=1, show_default=True,
+              help="persist full tensors every N steps (0: statistics only)")
 @click.option("--stats-every", type=click.IntRange(min=1), default=1, show_default=True,
               help="statistics and histograms every N steps (non-finite values are counted "
                    "at every step)")
 @click.option("--ring", type=click.IntRange(min=0), default=0, show_default=True,
               help="keep the full tensors of the K steps before the current one in memory, "
-                   "written out when a NaN/Inf appears (with --on-nonfinite dump)")
+                   "written out when a NaN/Inf appears (needs --on-nonfinite dump, raise or "
+                   "replay)")
 @click.option("--on-nonfinite", type=click.Choice(["record", "dump", "raise", "replay"]),
               default="record", show_default=True,
               help="on a NaN/Inf: record the event; dump: also write the ring and the step's "
@@ -339,25 +348,27 @@ def _size(text: str, flag: str):
                    "nothing), let the script train unrecorded instead of stopping it")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 @click.pass_context
-def record(ctx, out, mode, layers, capture, tensors_every, stats_every, ring, on_nonfinite,
-           max_bytes, max_samples, keep_going, command):
+def record(ctx, out, mode, start_step, layers, capture, tensors_every, stats_every, ring,
+           on_nonfinite, max_bytes, max_samples, keep_going, command):
     """Record an unchanged training script: tensortape record -o RUN -- python train.py ARGS.
 
     The model is found at its first forward with grad enabled; a step is one optimizer
     step. Exits with the script's exit status (130 after Ctrl-C), or 2 with one line
-    when it cannot record."""
+    when it cannot record. SIGTERM (a scheduler's preemption) closes the run as
+    'interrupted', then ends the process by SIGTERM as it would end python (status 143
+    in a shell), unless the script's own SIGTERM handler decides otherwise."""
     from tensortape.recorder.script import run_script
-    if _given(ctx, "ring") and ring and on_nonfinite == "record":
-        raise TensortapeError("--ring keeps steps for a dump; with --on-nonfinite record "
-                               "nothing is dumped: add --on-nonfinite dump (or raise, replay)")
-    kw = dict(layers=list(layers) or "*", stats_every=stats_every, ring=ring,
-              on_nonfinite=on_nonfinite, mode=mode, max_samples=max_samples,
-              max_bytes=_size(max_bytes, "--max-bytes"),
-              tensors_every=None if tensors_every == 0 else (tensors_every or 1))
+    # the flags given, as the Recorder's arguments (the others: the Recorder's defaults)
+    kw = {name: ctx.params[name] for name in RECORDER_FLAGS if _given(ctx, name)}
+    if layers:
+        kw["layers"] = list(layers)
     if capture:
         kw["capture"] = tuple(capture)
+    if _given(ctx, "max_bytes"):
+        kw["max_bytes"] = _size(max_bytes, "--max-bytes")
     with command_line():                           # messages name --flags, not arguments
-        status = run_script(list(command), out, keep_going=keep_going, **kw)
+        status = run_script(list(command), out, keep_going=keep_going, start_step=start_step,
+                            **kw)
     sys.exit(status)
 
 

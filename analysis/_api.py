@@ -22,13 +22,14 @@ from tensortape.recorder import format as fmt, pyramid
 from tensortape.recorder.histogram import ZERO_BIN
 from tensortape.recorder.errors import RecorderError
 
+from ._between import Between
 from ._numbers import number
 from ._stats import Statistics
 from ._grains import BLOCK, GRAIN, Grains, MapColumns, read as _read, reduce as _reduce
 from ._tables import as_slice
 
-__all__ = ["GRAIN", "Grains", "MAP_STATS", "NotFound", "compare_map", "histogram", "map_", "runs", "scalars",
-           "stats"]
+__all__ = ["BadRequest", "GRAIN", "Grains", "MAP_STATS", "NotFound", "compare_map", "histogram",
+           "map_", "runs", "scalars", "stats"]
 
 MAP_STATS = fmt.MAP_STATS
 NONFINITE = fmt.COUNT_STATS[1:]          # nan, posinf, neginf
@@ -37,6 +38,10 @@ _map_values = pyramid.map_value
 
 class NotFound(RecorderError):
     """An unknown run, layer, kind, rank, step or statistic (HTTP 404)."""
+
+
+class BadRequest(ValueError):
+    """An argument that is not valid: not a number, a width of no columns (HTTP 400)."""
 
 
 # --- numbers ---------------------------------------------------------------------------
@@ -89,9 +94,8 @@ def runs(served: list) -> list[dict]:
 
 def _run(run, size) -> dict:
     kinds = run.kinds
-    rank = _rank(run, None)
-    steps = [run.steps(k, rank=rank) for k in run.kinds_of(rank)]
-    steps = [s for s in steps if len(s)]
+    held = [run.steps(k, rank=r) for r in run.ranks for k in run.kinds_of(r)]
+    steps = np.unique(np.concatenate(held)) if held else np.zeros(0, np.int64)
     first = run.first_nonfinite(history=0)
     event = None
     if first is not None:
@@ -100,8 +104,8 @@ def _run(run, size) -> dict:
     has_scalars = bool(len(scalars(run)["step"]))
     return {"path": run.path, "name": run.name, "status": run.status, "kinds": kinds,
             "layers": run.layers, "ranks": run.ranks,
-            "steps": [int(min(s[0] for s in steps)), int(max(s[-1] for s in steps))] if steps else None,
-            "step_count": int(max(len(s) for s in steps)) if steps else 0,
+            "steps": [int(steps[0]), int(steps[-1])] if len(steps) else None,
+            "step_count": int(len(steps)),
             "size_bytes": size, "first_nonfinite": event,
             "events": sum(run.state(r).events_total for r in run.ranks),   # all, not the kept
             "scalars": has_scalars, "model_class": run.attrs.get("model_class"),
@@ -112,7 +116,7 @@ def _run(run, size) -> dict:
 def _width(width) -> int:
     """``width``, checked: a number of columns, at least 1 (a bad one is the asker's: 400)."""
     if int(width) < 1:
-        raise ValueError(f"width={width} is not valid; use a number of columns, at least 1")
+        raise BadRequest(f"width={width} is not valid; use a number of columns, at least 1")
     return int(width)
 
 
@@ -144,8 +148,6 @@ def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start
     _kind(run, kind, rank)
     _, rows, steps = Statistics(run.index).rows(kind, rank)
     names = run.index.stats_layers(kind, rank)
-    order = {n: i for i, n in enumerate(run.layers_of(rank))}
-    cols = sorted(range(len(names)), key=lambda i: order.get(names[i], len(order) + i))
     i0, i1 = _window(steps, start, stop)
     n, width = i1 - i0, _width(width)
     # a window of many grains a column is made of whole grains: at most ``width`` columns
@@ -168,13 +170,18 @@ def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start
         out.fine(i0, i1)
     else:
         out.rows(i0, i1)
-    values, bad = out.values, out.bad
     lo = steps[i0 + edges[:-1]] if n else np.zeros(0, np.int64)
     hi = steps[i0 + edges[1:] - 1] if n else np.zeros(0, np.int64)
+    between = Between(run, kind, rank, start, stop)     # NaN/Inf at steps without statistics
+    values, bad, lo, hi, names = between.fold(out.values, out.bad, lo, hi, names, stat,
+                                              lambda k: _columns(k, width))
+    order = {n: i for i, n in enumerate(run.layers_of(rank))}
+    cols = sorted(range(len(names)), key=lambda i: order.get(names[i], len(order) + i))
     return {"kind": kind, "stat": stat, "rank": rank, "layers": [names[i] for i in cols],
             "step_lo": ints(lo), "step_hi": ints(hi), "steps_in_window": int(n),
             "values": numbers(values.T[cols]), "nonfinite": bad.T[cols].tolist(),
-            "steps": [int(steps[0]), int(steps[-1])] if len(steps) else None}
+            "steps": [int(steps[0]), int(steps[-1])] if len(steps) else None,
+            "unplaced_events": int(between.unplaced)}
 
 
 # --- one layer: its histogram and its statistics --------------------------------------------
@@ -231,15 +238,16 @@ def scalars(run, rank=None) -> dict:
     """The run's logged scalars (``run.scalars()`` where this tensortape has it) of
     ``rank`` (default: the first): ``step`` and one list per scalar, NaN (``"nan"``)
     where a name has no value at a step; none: ``{"step": []}``."""
+    rank = _rank(run, rank)
     read = getattr(run, "scalars", None)
     if read is None:
         return {"step": []}
-    ds = read(rank=_rank(run, rank)) if len(run.ranks) > 1 else read()
+    ds = read(rank=rank) if len(run.ranks) > 1 else read()
     out = {"step": ints(ds["step"].values) if "step" in ds.coords else []}
     for name in ds.data_vars:
         out[str(name)] = numbers(ds[name].values)
     if out["step"]:
-        out["nonfinite"] = _scalars_nonfinite(run, _rank(run, rank))
+        out["nonfinite"] = _scalars_nonfinite(run, rank)
     return out
 
 

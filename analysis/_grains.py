@@ -122,6 +122,10 @@ class Grains:
     def __init__(self):
         self.tables: dict = {}
 
+    def forget(self, path: str) -> None:
+        """Drop the grains of the run at ``path`` (another run is recorded there now)."""
+        self.tables = {k: v for k, v in self.tables.items() if k[0] != path}
+
     def filled(self, run, kind: str, rank: int, rows: np.ndarray) -> int:
         """How many grains of (kind, rank) are kept for these rows."""
         have = self.tables.get((run.path, kind, rank))

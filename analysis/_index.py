@@ -96,9 +96,14 @@ class RunIndex:
         return self.states[rank].committed
 
     def table_rows(self, path: str) -> int:
-        """The committed rows of the table at ``path`` (0: none, or no such rank)."""
-        st = self.states.get(fmt.parse_path(path).rank)
-        return st.committed.get(path, 0) if st is not None else 0
+        """The committed rows of the table at ``path`` (0: none, or no such rank); a
+        ``nonfinite`` table's are the rank state's ``nonfinite``."""
+        table = fmt.parse_path(path)
+        st = self.states.get(table.rank)
+        if st is None:
+            return 0
+        return (st.nonfinite or {}).get(path, 0) if table.section == "nonfinite" \
+            else st.committed.get(path, 0)
 
     def kinds_of(self, rank: int | None = None) -> list[str]:
         found = {fmt.parse_path(p).kind for p, n in self.state(rank).committed.items() if n}
@@ -195,7 +200,7 @@ class RunIndex:
         array is there, holds the committed rows, and a row has a sane size.  A
         chunk of them that is missing is damage, named once in a warning: its rows
         read as missing (``_damage``; ``damage``)."""
-        n = self.committed(rank).get(path, 0)
+        n = self.table_rows(path)
         if path in self._valid or not n:
             return n
         table = fmt.parse_path(path)
@@ -234,7 +239,8 @@ class RunIndex:
         rank), in words: where, which rows and steps, and what reads as missing."""
         notes = []
         for r in self.ranks if ranks is None else ranks:
-            for path, n in self.committed(r).items():
+            st = self.states[r]
+            for path, n in {**st.committed, **(st.nonfinite or {})}.items():
                 if n and self.damage(path, r):
                     notes += self._damage[path][2]
         return notes

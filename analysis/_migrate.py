@@ -11,6 +11,8 @@ never changed, and ``NEW`` must not exist.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from tensortape.recorder import format as fmt
@@ -41,8 +43,10 @@ def migrate(old, new, progress=None, mode: str = "w-") -> str:
     def tables():
         for rank, path, n in (progress(listed) if progress else listed):
             yield _table(run, path, n, TableRows)
-    return write_run(new, run.attrs, {r: run.state(r) for r in run.ranks}, tables(), mode=mode,
-                     source=run.path)
+    # the NaN/Inf counts of steps without statistics are not copied: the copy says so (its
+    # map is placed from the kept events, ``format``), never that it holds them
+    states = {r: dataclasses.replace(run.state(r), nonfinite=None) for r in run.ranks}
+    return write_run(new, run.attrs, states, tables(), mode=mode, source=run.path)
 
 
 def _is_hdf5(run) -> bool:
@@ -54,26 +58,31 @@ def _table(run, path: str, n: int, TableRows):
     """The table at ``path`` (``n`` committed rows) as the writer takes it."""
     source, tables = run.source, run.index.tables
     recorded = source.has(f"{path}/{fmt.RECORDING}")      # a resumed recording's
+    extra = (fmt.RECORDING,) if recorded else ()
     table = fmt.parse_path(path)
     if table.section == "stats":
-        names = ("step", "hist", *((fmt.RECORDING,) if recorded else ()))
-
-        def blocks():
-            for lo in range(0, n, BLOCK_ROWS):
-                hi = min(lo + BLOCK_ROWS, n)
-                block = {c: np.asarray(source.array(f"{path}/{c}")[lo:hi]) for c in names}
-                yield {**block, "stats": tables.stats_block(path, lo, hi)}
-        return TableRows(path, blocks, recorded, width=int(source.array(f"{path}/hist").shape[1]))
+        return TableRows(path, _blocks(source, path, ("step", "hist", *extra), n, BLOCK_ROWS,
+                                       lambda lo, hi: {"stats": tables.stats_block(path, lo, hi)}),
+                         recorded, width=int(source.array(f"{path}/hist").shape[1]))
+    if table.section == "scalars":
+        return TableRows(path, _blocks(source, path, (*fmt.SCALAR_COLUMNS, *extra), n, BLOCK_ROWS),
+                         recorded)
     data = source.array(f"{path}/data")
-    names = ("data", "step", "extent", *((fmt.RECORDING,) if recorded else ()))
-    step = max(1, int(data.chunks[0]))
+    micro = tables.micros(path, n)                        # format 1: every row's is 0
+    name = source.attrs(path).get("name", table.node)
+    return TableRows(path, _blocks(source, path, ("data", "step", "extent", *extra), n,
+                                   max(1, int(data.chunks[0])),
+                                   lambda lo, hi: {"micro": micro[lo:hi]}),
+                     recorded, name=name if isinstance(name, str) else table.node,
+                     logical=dict(data.attrs).get(fmt.LOGICAL_ATTR))
 
+
+def _blocks(source, path: str, columns: tuple[str, ...], n: int, step: int, more=None):
+    """The blocks of ``columns`` of the table at ``path``, ``step`` of its ``n`` rows at
+    a time, each with ``more(lo, hi)``'s columns."""
     def blocks():
-        micros = tables.micros(path, n)                   # format 1: every row's is 0
         for lo in range(0, n, step):
             hi = min(lo + step, n)
-            block = {c: np.asarray(source.array(f"{path}/{c}")[lo:hi]) for c in names}
-            yield {**block, "micro": micros[lo:hi]}
-    name = source.attrs(path).get("name", table.node)
-    return TableRows(path, blocks, recorded, name=name if isinstance(name, str) else table.node,
-                     logical=dict(data.attrs).get(fmt.LOGICAL_ATTR))
+            block = {c: np.asarray(source.array(f"{path}/{c}")[lo:hi]) for c in columns}
+            yield {**block, **(more(lo, hi) if more else {})}
+    return blocks

@@ -8,9 +8,11 @@ its script and its styles are package data (``analysis/static``), read once;
 a request can reach only those three files and ``/api/``: no path of a request
 is ever joined to a folder.
 
-Every run is opened read-only (``open_run``).  A run still recording is
-opened again (its attributes only) at most once a second, when asked, so new
-steps show.
+Every run is opened read-only (``open_run``), and opened again (its
+attributes only) at most every ``REOPEN_S``, when asked: when its root or a
+rank's state changed (new commits of a live run, a rank that appeared, a job
+resumed with ``mode="a"``, a run recorded anew at its path), the new one is
+served and the caches of the old one are dropped.
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
-from tensortape.recorder import format as fmt
-from tensortape.recorder.errors import RecorderError
+from tensortape.recorder.errors import RecorderError, StoreFormatError
 
 from . import _api
 from ._run import open_run
@@ -36,11 +37,11 @@ STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
           "/app.js": ("app.js", "text/javascript; charset=utf-8"),
           "/chart.js": ("chart.js", "text/javascript; charset=utf-8"),
           "/app.css": ("app.css", "text/css; charset=utf-8")}
-REOPEN_S = 0.5          # a run still recording is opened again at most this often
+REOPEN_S = 0.5          # a run is opened again, to see whether it changed, at most this often
 
 
 class Served:
-    """The runs served: each opened once, and again while it is recording."""
+    """The runs served: each opened once, and again whenever it changed."""
 
     def __init__(self, paths: list[str]):
         self.paths = list(paths)
@@ -55,14 +56,27 @@ class Served:
         if not 0 <= i < len(self.runs):
             raise _api.NotFound(f"no run {i}; {len(self.runs)} served (run=0"
                                 f"{' or run=1' if len(self.runs) > 1 else ''})")
-        run = self.runs[i]
-        if run.status == fmt.STATUS_RECORDING and time.monotonic() - self.opened[i] > REOPEN_S:
-            fresh = open_run(self.paths[i])
-            if fresh.attrs != run.attrs or any(fresh.state(r) != run.state(r) for r in fresh.ranks):
-                self.compared.clear()
-                self.sizes[i] = None
-            self.runs[i], self.opened[i] = fresh, time.monotonic()
+        if time.monotonic() - self.opened[i] > REOPEN_S:
+            self._reopen(i)
         return self.runs[i]
+
+    def _reopen(self, i: int) -> None:
+        """Open run ``i`` again; serve the new one if it changed.  A run that cannot be
+        opened now (being recorded anew at its path) stays as it was until it can."""
+        run = self.runs[i]
+        try:
+            fresh = open_run(self.paths[i])
+        except RecorderError:
+            fresh = run
+        self.opened[i] = time.monotonic()
+        if fresh.attrs == run.attrs and fresh.ranks == run.ranks \
+                and all(fresh.state(r) == run.state(r) for r in run.ranks):
+            return
+        self.compared.clear()
+        self.sizes[i] = None
+        if fresh.attrs.get("created") != run.attrs.get("created"):    # another run now
+            self.grains.forget(run.path)
+        self.runs[i] = fresh
 
     def warm(self) -> None:
         """Fill the maps' cache of every run, kind and rank, a block at a time (the
@@ -100,8 +114,8 @@ def _arg(q: dict, name: str, cast=str, default=None):
     try:
         return cast(v[0])
     except ValueError:
-        raise ValueError(f"{name}={v[0]!r} is not {'an integer' if cast is int else 'a number'}") \
-            from None
+        raise _api.BadRequest(f"{name}={v[0]!r} is not "
+                              f"{'an integer' if cast is int else 'a number'}") from None
 
 
 def answer(served: Served, path: str, q: dict):
@@ -173,10 +187,12 @@ class Handler(BaseHTTPRequestHandler):
         try:
             with self.served.lock:
                 out = answer(self.served, url.path, parse_qs(url.query))
-        except (_api.NotFound, RecorderError) as e:
-            return self._json(404, {"error": _line(e)})
-        except ValueError as e:
+        except _api.BadRequest as e:
             return self._json(400, {"error": _line(e)})
+        except StoreFormatError as e:   # a store damaged, or changed under a read: not the asker's
+            return self._json(500, {"error": _line(e)})
+        except RecorderError as e:      # NotFound, and an unknown layer, kind or rank of the run
+            return self._json(404, {"error": _line(e)})
         except Exception as e:          # a store that changed under a read: say so, keep serving
             return self._json(500, {"error": f"{type(e).__name__}: {_line(e)}"})
         self._json(HTTPStatus.OK, out)

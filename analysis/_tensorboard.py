@@ -5,9 +5,8 @@ Written with TensorBoard's own event writer and protos (``tensorboard``, no
 torch, no TensorFlow), one folder of event files per rank (``DIR`` itself for a
 run of one rank, else ``DIR/rank<R>``):
 
-- ``<kind>/<layer>``: a histogram per step over the store's true bins (each
-  bucket's upper limit is its bin's ``bin_hi``; a first empty bucket carries
-  the lowest bin's ``bin_lo``), only the range of bins that hold values; ``min``,
+- ``<kind>/<layer>``: a histogram per step over the store's true bins, only the
+  range of bins that hold values, after a first empty bucket (``_limits``); ``min``,
   ``max``, ``num`` (finite values), ``sum`` and ``sum_squares`` from the step's
   statistics;
 - ``<kind>/<layer>/<stat>``: each statistic as a scalar, the NaN, +Inf and
@@ -89,12 +88,25 @@ def _scalars(writer, per_name: dict, protos) -> None:
                                summary=Summary(value=by_step[step])))
 
 
+def _limits(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The bucket limits of bins with edges ``lo``, ``hi``: the lower limit of the
+    first, then each bin's upper limit, strictly increasing.
+
+    A TensorBoard bucket holds the values from the previous limit up to, not
+    including, its own.  A positive bin [lo, hi) has ``hi``; a bin that holds its
+    upper edge (a negative one, (lo, hi], and the zero bin, [0, 0]) has the
+    next double above it, so each value lies in the bucket of its bin."""
+    closed = (hi < 0) | (lo == hi)
+    right = np.where(closed, np.nextafter(hi, np.inf), hi) + 0.0        # -0.0 as 0.0
+    return np.concatenate([[np.nextafter(lo[0], np.inf) if closed[0] else lo[0]], right])
+
+
 def _layer(writer, run, kind: str, layer: str, protos) -> None:
     """One layer's histograms and statistics, a block of steps at a time."""
     Event, Summary, HistogramProto = protos
     hist = run.histogram(layer, kind)
     stats = run.stats(kind, [layer]).isel(layer=0)
-    lo, hi = hist.bin_lo.values, hist.bin_hi.values
+    limits = _limits(hist.bin_lo.values, hist.bin_hi.values)
     steps = hist.step.values
     for start in range(0, len(steps), BLOCK_STEPS):
         part = slice(start, start + BLOCK_STEPS)
@@ -115,7 +127,7 @@ def _layer(writer, run, kind: str, layer: str, protos) -> None:
                 values.append(Summary.Value(tag=tag, histo=HistogramProto(
                     min=float(block["min"][j]), max=float(block["max"][j]), num=num,
                     sum=mean * num, sum_squares=num * (std * std + mean * mean),
-                    bucket_limit=[float(lo[first]), *hi[first:last].tolist()],
+                    bucket_limit=limits[first:last + 1].tolist(),
                     bucket=[0.0, *c[first:last].astype(np.float64).tolist()])))
             writer.add_event(Event(wall_time=time.time(), step=int(step),
                                    summary=Summary(value=values)))

@@ -115,7 +115,7 @@ def checks(base, ids, args, tmp):
     from tensortape.recorder._triton import TritonEngine
     m = copy.deepcopy(base)
     rec = Recorder(m, os.path.join(tmp, "check.zarr"), layers=STATS_LAYERS, tensors_every=None,
-                   ring=2).attach()
+                   ring=2, on_nonfinite="dump").attach()
     with rec.step(0):
         torch.cuda.set_sync_debug_mode("error")
         try:

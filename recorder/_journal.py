@@ -4,15 +4,17 @@ new start after a fault.  Runs on the writer thread only.
 The store's commit protocol (data first, counters after) makes the last commit
 a safe place to start again from.  The journal keeps that commit's state and,
 since it, every step's rows but its full tensors (``Unsaved``: statistics,
-events, new names and counts), bounded in bytes and in records: past either
-bound a step's statistics, and events beyond the stored maximum, are counted
-instead of kept.
+events, the NaN/Inf counts of a step without statistics, new names and
+counters), bounded in bytes and in records: past either bound a step's
+statistics and NaN/Inf counts, and events beyond the stored maximum, are
+counted instead of kept.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from . import _overbudget
 from . import format as fmt
 
 __all__ = ["Journal", "Unsaved"]
@@ -35,11 +37,14 @@ class Unsaved:
     stats: dict                 # kind -> StatsRows
     bundle: tuple | None = None
     tensors: int = 0            # full-tensor rows stored (lost again at a new start)
-    over_budget: int = 0
+    over_budget: list = field(default_factory=list)   # due rows lost past max_bytes, as
+                                        # ``_overbudget`` runs (some of earlier steps)
     events_total: int | None = None     # non-finite captures (None: those in ``events``)
     earlier: list = field(default_factory=list)   # the steps merged into this one past the
                                         # bounds, as ``fmt.note_step`` runs (recording 0)
     scalars: list = field(default_factory=list)   # rec.log's: (step, names, values)
+    counts: dict = field(default_factory=dict)    # a step without statistics: its NaN/Inf
+                                        # counts (``Resolved.counts``)
 
     def __post_init__(self):
         if self.events_total is None:
@@ -50,8 +55,12 @@ class Unsaved:
         return sum(len(r.layers) for r in self.stats.values())
 
     @property
+    def count_rows(self) -> int:
+        return sum(len(c) for c in self.counts.values())
+
+    @property
     def nbytes(self) -> int:
-        return (RECORD_BYTES + EVENT_BYTES * len(self.events)
+        return (RECORD_BYTES + EVENT_BYTES * (len(self.events) + self.count_rows)
                 + sum(r.hist.nbytes + 8 * len(r.stats) * len(r.layers) for r in self.stats.values()))
 
     def merged(self, later: "Unsaved") -> "Unsaved":
@@ -61,7 +70,8 @@ class Unsaved:
             drops[k] = drops.get(k, 0) + n
         return replace(later, layers=self.layers + later.layers, drops=drops,
                        outside=self.outside + later.outside, tensors=self.tensors + later.tensors,
-                       over_budget=self.over_budget + later.over_budget,
+                       over_budget=_overbudget.runs(_overbudget.each(later.over_budget),
+                                                    into=self.over_budget),
                        events_total=self.events_total + later.events_total,
                        earlier=self._steps_before(later))
 
@@ -75,10 +85,10 @@ class Unsaved:
         """Past the backlog's bounds: statistics and kept events counted, not kept
         (the bundle too: its event is gone)."""
         drops = dict(self.drops)
-        n = self.rows + sum(len(names) for _, names, _ in self.scalars)
+        n = self.rows + self.count_rows + sum(len(names) for _, names, _ in self.scalars)
         if n:
             drops[reason] = drops.get(reason, 0) + n
-        return replace(self, drops=drops, events=[], stats={}, bundle=None, scalars=[])
+        return replace(self, drops=drops, events=[], stats={}, bundle=None, scalars=[], counts={})
 
 
 class Journal:

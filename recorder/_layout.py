@@ -3,7 +3,8 @@
 ``format`` names the groups, arrays and attributes of a store; this module
 makes the arrays behind those names as the recorder writes them: a statistics
 table's packed ``stats`` and sharded ``hist`` (with their bins) and its
-pyramid's levels (``pyramid_columns``), a full-tensor
+pyramid's levels (``pyramid_columns``), a kind's NaN/Inf counts at steps
+without statistics (``nonfinite_columns``), a full-tensor
 table's ``data`` (chunked by rows to about ``CHUNK_BYTES``, compressed at the
 level ``zstd_level`` picks) and its small columns, and the columns an older
 table gains (``existing_columns``).  ``to_numpy`` is a host tensor as those
@@ -24,8 +25,8 @@ from . import format as fmt
 from .dtypes import nan_bits
 from .histogram import NBINS, bin_edges
 
-__all__ = ["existing_columns", "fill_for", "new_array", "pyramid_columns", "stats_columns",
-           "step_column",
+__all__ = ["existing_columns", "fill_for", "new_array", "nonfinite_columns", "pyramid_columns",
+           "stats_columns", "step_column",
            "tensor_columns", "to_numpy", "zstd_level"]
 
 CHUNK_BYTES = 8 << 20          # target size of one data chunk, uncompressed
@@ -112,6 +113,20 @@ def pyramid_columns(g: zarr.Group, n_layers: int) -> dict[int, zarr.Array]:
                              {"grain": grain, "stats": list(fmt.PYRAMID_STATS)},
                              shards=(PYRAMID_CHUNK, LAYER_CHUNK, len(fmt.PYRAMID_STATS)))
             for grain in fmt.PYRAMID_GRAINS}
+
+
+def nonfinite_columns(g: zarr.Group, kind: str, n_layers: int) -> dict[str, zarr.Array]:
+    """A new table of ``kind``'s NaN/Inf counts at steps without statistics in ``g``,
+    ``n_layers`` wide (the rank's layers): its columns ``step`` and ``counts`` (step,
+    layer, ``format.COUNT_STATS[1:]``), in shards as the statistics are."""
+    g.update_attributes({"kind": kind, fmt.EVERY_CHUNK: True,
+                         "counts": list(fmt.COUNT_STATS[1:])})
+    nc = len(fmt.COUNT_STATS) - 1
+    return {"step": step_column(g, "step", fill=-1),
+            "counts": new_array(g, "counts", (0, n_layers, nc),
+                                (STATS_CHUNK_ROWS, STATS_LAYER_CHUNK, nc), "int64", 0,
+                                ["step", "layer", "count_stat"],
+                                shards=(STATS_CHUNK_ROWS, LAYER_CHUNK, nc))}
 
 
 def tensor_columns(g: zarr.Group, kind: str, layer: str, sample: np.ndarray,

@@ -85,7 +85,7 @@ def open_run(location: str, cfg: RecorderConfig, rank: int, world: int, model_cl
     store = None
     try:                                      # a failure here gives the claim back
         store = RunStore(root, rank, cfg.compression)
-        state = store.state() if cfg.mode == "a" else fmt.RankState(rank=rank)
+        state = store.state() if cfg.mode == "a" else fmt.RankState(rank=rank, nonfinite={})
         state.rank = rank
         root_base = None
         if rank == 0:

@@ -63,7 +63,7 @@ class Plan:
     @classmethod
     def at(cls, config: RecorderConfig, step: int) -> "Plan":
         persist = config.persists(step)
-        keep = persist or config.ring > 0 or config.on_nonfinite != "record"
+        keep = persist or config.dumps          # a ring implies a dump (``_config``)
         return cls(step, config.stats_at(step), persist, keep)
 
 
@@ -143,9 +143,13 @@ class Packed:
 
 @dataclass
 class Resolved:
-    """A step record interpreted: statistics per kind, and its non-finite events."""
+    """A step record interpreted: statistics per kind, and its non-finite events;
+    at a step without statistics, ``counts``: each kind's NaN/Inf counts per layer
+    that held any, summed over its micro-batches (kind -> layer -> (nan, posinf,
+    neginf))."""
     stats: dict[str, StatsRows] = field(default_factory=dict)
     events: list[fmt.NonFiniteEvent] = field(default_factory=list)
+    counts: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -233,6 +237,9 @@ def _resolve(rec: StepRecord, hurry: Callable[[], bool]) -> Resolved:
                 micro=meta.micro))
     out.events.sort(key=lambda e: e.sort_key)
     if not rec.plan.stats:
+        for e in out.events:
+            per_layer = out.counts.setdefault(e.kind, {})
+            per_layer[e.layer] = per_layer.get(e.layer, 0) + np.array([e.nan, e.posinf, e.neginf])
         return out
     per_kind: dict[str, dict[str, list[int]]] = {}        # kind -> layer -> its rows
     for i in rows.tolist():

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import os
 import sys
-import weakref
 
 import numpy as np
 import torch
@@ -77,9 +76,10 @@ class Recorder:
     stats_every: statistics and histograms at steps where ``step % stats_every == 0``
         (other steps still count NaN/Inf exactly).
     tensors_every: full tensors at steps where ``step % tensors_every == 0``;
-        ``None`` for statistics only.
+        ``None`` or 0 for statistics only (``--tensors-every 0``).
     ring: keep the full tensors of this many steps before the current one in
-        memory, for ``on_nonfinite="dump"``.
+        memory, for the non-finite dump: needs ``on_nonfinite`` ``"dump"``,
+        ``"raise"`` or ``"replay"`` (``ConfigError`` under ``"record"``).
     on_nonfinite: ``"record"`` (an event), ``"dump"`` (also store the ring and
         the current step's full tensors), ``"raise"`` (dump, then raise
         ``NonFiniteError`` at the step's end), ``"replay"`` (dump, and name the
@@ -95,8 +95,9 @@ class Recorder:
     max_bytes: a budget for full tensors on disk, in bytes.  ``"auto"`` (the
         default): a tenth of the free space where the store is, at most 10 GB,
         printed when recording starts; ``None``: no budget.  Past it, the full
-        tensors a step persists are counted in ``over_budget`` instead; statistics,
-        histograms and the non-finite dump go on every step.
+        tensors a step persists are not stored (those no dump stores are counted in
+        ``over_budget``); statistics, histograms and the non-finite dump go on every
+        step.
     flush_interval: seconds between commits (a crash loses at most this much).
     max_pending_bytes: snapshot bytes queued for the writer before the training
         thread waits (nothing is dropped).
@@ -155,7 +156,6 @@ class Recorder:
         self._buffer: StepBuffer | None = None
         self._replayer: Replayer | None = None        # on_nonfinite="replay"
         self._closed = False
-        self._finalizer: weakref.finalize | None = None
         self._last_step: int | None = None           # the store's, for numbering steps
         self._own_last: int | None = None            # this Recorder's: steps must increase
         self._dropped_before = self._outside_before = 0
@@ -200,10 +200,7 @@ class Recorder:
                               keeper=self._buffer.keeper)
         self._model = None
         self._hooks.attach()
-        _exit.opened(self)
-        self._finalizer = weakref.finalize(self, _exit.forgotten, self._writer, self._hooks,
-                                           self._buffer, self.store_location)
-        self._finalizer.atexit = False           # _exit closes it, bounded
+        _exit.opened(self, self._writer, self._hooks, self._buffer)
         return self
 
     def close(self, status: str = fmt.STATUS_COMPLETE) -> None:
@@ -213,8 +210,6 @@ class Recorder:
             return
         self._closed = True
         _exit.closed(self)
-        if self._finalizer is not None:
-            self._finalizer.detach()
         try:
             if self._buffer is not None and self._buffer.state.step is not None:
                 self._end_step(raise_nonfinite=False)

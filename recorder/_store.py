@@ -32,8 +32,9 @@ import numpy as np
 import zarr
 
 from . import format as fmt
-from ._layout import (STATS_CHUNK_ROWS, existing_columns, fill_for, new_array, pyramid_columns,
-                      stats_columns, step_column, tensor_columns, to_numpy, zstd_level)
+from ._layout import (STATS_CHUNK_ROWS, existing_columns, fill_for, new_array, nonfinite_columns,
+                      pyramid_columns, stats_columns, step_column, tensor_columns, to_numpy,
+                      zstd_level)
 from ._pool import WritePool, write_threads
 from ._table import Pyramid, StatsTable, Table
 from .histogram import NBINS
@@ -63,8 +64,10 @@ class RunStore:
         self._finalizer.atexit = False
 
     def state(self) -> fmt.RankState:
-        """The rank's committed state (empty for a new rank)."""
-        return fmt.RankState.from_json(dict(self.rank_group.attrs) or {"rank": self.rank})
+        """The rank's committed state (empty for a new rank, which keeps ``nonfinite``
+        tables)."""
+        return fmt.RankState.from_json(dict(self.rank_group.attrs)
+                                       or {"rank": self.rank, "nonfinite": {}})
 
     # --- tables --------------------------------------------------------------
     def stats_table(self, path: str, width: int, committed: int = 0,
@@ -105,6 +108,12 @@ class RunStore:
         of bits, as ``_layout.to_numpy`` gives).  ``recording``: as ``_open``."""
         return self._open(path, committed, recording, lambda g: tensor_columns(
             g, fmt.parse_path(path).kind, layer, sample, logical, self._level(sample)))
+
+    def scalars_table(self, committed: int = 0, recording: int = 0) -> Table:
+        """The open table of the rank's logged scalars (``format.scalars_table``).
+        ``recording``: as ``_open``."""
+        from ._scalars import columns
+        return self._open(fmt.scalars_table(self.rank), committed, recording, columns)
 
     def _open(self, path: str, committed: int, recording: int,
               create: Callable[[zarr.Group], dict[str, zarr.Array]], cls=Table) -> Table:
@@ -147,6 +156,21 @@ class RunStore:
         table.append(_tagged({"step": np.int64(step), "stats": row, "hist": full}, table,
                              recording))
 
+    def append_nonfinite(self, kind: str, step: int, layers: list[str], counts: dict,
+                         committed: int, recording: int = 0) -> None:
+        """The NaN/Inf counts of ``kind`` at a step without statistics as a row of its
+        ``nonfinite`` table, whose layer axis is ``layers`` (the rank's, by position):
+        ``counts`` maps a layer to its (nan, posinf, neginf); the others are 0."""
+        n = len(layers)
+        table = self._open(fmt.nonfinite_table(self.rank, kind), committed, recording,
+                           lambda g: nonfinite_columns(g, kind, n))
+        index = {name: i for i, name in enumerate(layers)}
+        row = np.zeros((n, len(fmt.COUNT_STATS) - 1), np.int64)
+        for layer, c in counts.items():
+            row[index[layer]] = c
+        table.columns["counts"].grow_inner(row.shape)
+        table.append(_tagged({"step": np.int64(step), "counts": row}, table, recording))
+
     def append_tensor(self, kind: str, layer: str, step: int, micro: int, t,
                       committed: int, recording: int = 0) -> int | None:
         """One step's full tensor (a host torch tensor) as a row of its table; the
@@ -166,8 +190,7 @@ class RunStore:
                        recording: int = 0) -> None:
         """One step's logged scalars (``rec.log``), a row each: the name's index in the
         rank state's ``scalar_names``, and its value."""
-        from ._scalars import columns
-        table = self._open(fmt.scalars_table(self.rank), committed, recording, columns)
+        table = self.scalars_table(committed, recording)
         for i, v in zip(ids, values):
             table.append(_tagged({"step": np.int64(step), "name": np.int64(i),
                                   "value": np.float64(v)}, table, recording))
@@ -200,17 +223,21 @@ class RunStore:
 
     def flush(self) -> dict[str, int]:
         """Write every buffered chunk and wait for every write; return the row
-        counts now safe to commit (the data is on the store before them)."""
+        counts now safe to commit (the data is on the store before them), but
+        the ``nonfinite`` tables' (``commit`` writes those)."""
         for t in self.tables.values():
             t.flush()
-        return {path: t.rows for path, t in self.tables.items()}
+        return {path: t.rows for path, t in self.tables.items() if not _nonfinite(path)}
 
     def commit(self, state: fmt.RankState, root_attrs: dict[str, Any] | None) -> None:
         """Advance the commit counters after the data: the rank's state in one
         write of its ``zarr.json``, then (rank 0) the root's in one write.  The
-        state says, with them, the rows each open stats table's pyramid covers."""
+        state says, with them, the rows each open stats table's pyramid covers,
+        and each ``nonfinite`` table's rows."""
         for path, t in self.tables.items():
-            if isinstance(t, StatsTable):
+            if _nonfinite(path) and state.nonfinite is not None:
+                state.nonfinite[path] = t.rows
+            elif isinstance(t, StatsTable):
                 if t.pyramid is not None:
                     state.pyramid[path] = t.pyramid.rows
                 else:
@@ -232,6 +259,10 @@ class RunStore:
         for t in self.tables.values():
             t.settle()
         self.tables = {}
+
+
+def _nonfinite(path: str) -> bool:
+    return fmt.parse_path(path).section == "nonfinite"
 
 
 def _tagged(values: dict[str, np.ndarray], table: Table, recording: int) -> dict:

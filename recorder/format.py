@@ -22,6 +22,12 @@ Layout of a store (Zarr v3)::
         scalars/                    ``rec.log``'s scalars, a row per (step, name): step,
                                     name (an index into the rank state's ``scalar_names``),
                                     value (float64) (``scalars_table``); absent: none
+        nonfinite/<kind>/           the NaN/Inf counts of steps without statistics
+                                    (``nonfinite_table``): step (step), counts (step,
+                                    layer, count_stat): a row per such step where a
+                                    capture held any, a column per name of the rank's
+                                    ``layers`` (by position), each (nan, posinf, neginf)
+                                    summed over the step's micro-batches (0: none)
 
 Format 3 packs a kind's statistics into one array and writes its histograms
 as shards, so a rank's files grow with its flushes and steps / 256, not with
@@ -127,6 +133,7 @@ STAT_AXIS = "stat"
 BIN_COLUMNS = ("bin_lo", "bin_hi")            # fixed: one value per bin
 TENSOR_COLUMNS = ("data", "step", "micro", "extent")
 SCALAR_COLUMNS = ("step", "name", "value")    # ``rec.log``: a row per (step, name)
+NONFINITE_COLUMNS = ("step", "counts")        # NaN/Inf counts of steps without statistics
 OPTIONAL_COLUMNS = {"micro": 0}               # absent in format 1: every row is micro-batch 0
 MAP_STATS = ("abs_max", "std", "norm", "rms", "nonfinite")   # the browser view's map
 PYRAMID_STATS = (*MAP_STATS, "any_nonfinite")     # along a pyramid level's ``grain_stat``
@@ -203,6 +210,12 @@ def tensor_group(rank: int, kind: str, layer: str) -> str:
     return f"{rank_group(rank)}/tensors/{kind}/{node_name(layer)}"
 
 
+def nonfinite_table(rank: int, kind: str) -> str:
+    """The NaN/Inf counts of ``kind`` at the rank's steps without statistics:
+    ``NONFINITE_COLUMNS``, committed in the rank state's ``nonfinite``."""
+    return f"{rank_group(rank)}/nonfinite/{kind}"
+
+
 def scalars_table(rank: int) -> str:
     """The rank's logged scalars (``rec.log``): ``SCALAR_COLUMNS``."""
     return f"{rank_group(rank)}/scalars"
@@ -210,17 +223,17 @@ def scalars_table(rank: int) -> str:
 
 @dataclass(frozen=True)
 class TablePath:
-    """A parsed table path: ``rankR/stats/KIND``, ``rankR/tensors/KIND/NODE`` or
-    ``rankR/scalars`` (kind ``""``)."""
+    """A parsed table path: ``rankR/stats/KIND``, ``rankR/tensors/KIND/NODE``,
+    ``rankR/nonfinite/KIND`` or ``rankR/scalars`` (kind ``""``)."""
     rank: int
-    section: str            # "stats", "tensors" or "scalars"
+    section: str            # "stats", "tensors", "nonfinite" or "scalars"
     kind: str
     node: str | None = None
 
     @property
     def columns(self) -> tuple[str, ...]:
-        return {"stats": STATS_COLUMNS, "scalars": SCALAR_COLUMNS}.get(self.section,
-                                                                       TENSOR_COLUMNS)
+        return {"stats": STATS_COLUMNS, "scalars": SCALAR_COLUMNS,
+                "nonfinite": NONFINITE_COLUMNS}.get(self.section, TENSOR_COLUMNS)
 
 
 def latest_rows(keys: np.ndarray) -> np.ndarray:
@@ -241,7 +254,8 @@ def latest_rows(keys: np.ndarray) -> np.ndarray:
 def note_step(runs: list[list[int]], recording: int, step: int) -> None:
     """Add ``step``, recorded again by ``recording``, to ``runs``: arithmetic runs
     ``[recording, first, last, stride]`` (stride 0: one step), in recording order;
-    a recording's steps increase, so its steps recorded every k steps are one run."""
+    a recording's steps increase, so its steps recorded every k steps are one run.
+    (Any key in place of ``recording`` makes runs of the steps with that key.)"""
     if runs and runs[-1][0] == recording:
         run = runs[-1]
         if run[1] == run[2] and step > run[2]:
@@ -283,7 +297,7 @@ def parse_path(path: str) -> TablePath:
     if rank is not None and parts[1:] == ["scalars"]:
         return TablePath(rank, "scalars", "")
     ok = (len(parts) in (3, 4) and rank is not None
-          and parts[2] in KINDS and ((parts[1] == "stats" and len(parts) == 3)
+          and parts[2] in KINDS and ((parts[1] in ("stats", "nonfinite") and len(parts) == 3)
                                      or (parts[1] == "tensors" and len(parts) == 4
                                          and parts[3] == node_name_safe(parts[3]))))
     if not ok:
@@ -315,18 +329,23 @@ def join(base: str, path: str) -> str:
 def node_name(layer: str) -> str:
     """A store node name for a layer name that can never escape its folder.
 
-    Characters outside ``[A-Za-z0-9_.-]`` are percent-encoded, a leading dot
-    too (so ``.`` and ``..`` are impossible), and overlong names are cut and
-    suffixed with a hash.  Readers never invert this: the true name is kept
-    in the node's ``name`` attribute.
+    Characters outside ``[A-Za-z0-9_.-]`` are percent-encoded (their UTF-8
+    bytes; a lone surrogate's as UTF-8 would encode it), a leading dot too (so
+    ``.`` and ``..`` are impossible), and overlong names are cut and suffixed
+    with a hash.  Readers never invert this: the true name is kept in the
+    node's ``name`` attribute.
     """
-    out = "".join(c if c in _SAFE and c not in "%~" else "".join(f"%{b:02X}" for b in c.encode())
+    out = "".join(c if c in _SAFE and c not in "%~" else "".join(f"%{b:02X}" for b in _utf8(c))
                   for c in layer)
     if not out or out.startswith(".") or out.startswith("__"):
         out = "%2E" + out[1:] if out.startswith(".") else "%5F" + out[1:] if out else "%00"
     if len(out) > 180:
-        out = out[:160] + "~" + hashlib.sha1(layer.encode()).hexdigest()[:16]
+        out = out[:160] + "~" + hashlib.sha1(_utf8(layer)).hexdigest()[:16]
     return out
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")        # any str, a lone surrogate too
 
 
 def node_name_safe(node: str) -> str:
@@ -388,7 +407,9 @@ class RankState:
     dropped: int = 0
     drop_reasons: dict[str, int] = field(default_factory=dict)   # what ``dropped`` counts
     outside_steps: int = 0                                    # forward passes outside a step
-    over_budget: int = 0                                      # full tensors past max_bytes
+    over_budget: int = 0                     # full tensors due that no reader can read for max_bytes
+    over_budget_at: list[list[int]] = field(default_factory=list)   # where: runs [count, first,
+                                     # last, stride] (``note_step``'s), each step ``count`` of them
     last_step: int | None = None
     committed: dict[str, int] = field(default_factory=dict)
     stats_layers: dict[str, list[str]] = field(default_factory=dict)   # kind -> layer rows
@@ -400,6 +421,8 @@ class RankState:
     scalar_names: list[str] = field(default_factory=list)   # ``rec.log``'s names, by index
     pyramid: dict[str, int] = field(default_factory=dict)   # stats table -> the rows its
                                      # pyramid covers (committed with them; absent: none)
+    nonfinite: dict[str, int] | None = None   # ``nonfinite_table`` -> its committed rows
+                                     # (None: written by a tensortape that kept no such table)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -424,6 +447,7 @@ class RankState:
                               for k, v in dict(d.get("drop_reasons", {})).items()},
                 outside_steps=integer(d.get("outside_steps", 0)),
                 over_budget=integer(d.get("over_budget", 0)),
+                over_budget_at=[step_run(r) for r in list(d.get("over_budget_at", []))],
                 last_step=None if d.get("last_step") is None else integer(d["last_step"]),
                 committed=committed,
                 stats_layers={str(k): strings(v) for k, v in dict(d.get("stats_layers", {})).items()},
@@ -431,7 +455,9 @@ class RankState:
                 recording=integer(d.get("recording", 0)),
                 rerecorded=[step_run(r) for r in list(d.get("rerecorded", []))],
                 scalar_names=strings(d.get("scalar_names", [])),
-                pyramid={str(p): integer(n) for p, n in dict(d.get("pyramid", {})).items()})
+                pyramid={str(p): integer(n) for p, n in dict(d.get("pyramid", {})).items()},
+                nonfinite=None if d.get("nonfinite") is None else
+                {str(p): integer(n) for p, n in dict(d["nonfinite"]).items()})
         except StoreFormatError:
             raise
         except (TypeError, ValueError, AttributeError) as e:

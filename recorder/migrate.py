@@ -39,8 +39,9 @@ class TableRows:
     A stats table's blocks hold ``step``, ``stats`` (row, layer, statistic, as
     format 3 packs them) and ``hist``; ``width``: its layer columns.  A tensor
     table's hold ``data`` (NaN-padded rows), ``step``, ``micro`` and ``extent``;
-    ``name``: its layer, ``logical``: the logical dtype of bits stored.  Either
-    holds ``recording`` where ``recorded`` (rows of a resumed recording)."""
+    ``name``: its layer, ``logical``: the logical dtype of bits stored.  The
+    scalars table's hold ``step``, ``name`` and ``value``.  Each holds
+    ``recording`` where ``recorded`` (rows of a resumed recording)."""
     path: str
     blocks: Callable[[], Iterator[dict[str, np.ndarray]]]
     recorded: bool = False
@@ -165,6 +166,8 @@ def _copy(store, t: TableRows) -> None:
     recording = 1 if t.recorded else 0
     if table.section == "stats":
         rows = store.stats_table(t.path, t.width, recording=recording)
+    elif table.section == "scalars":
+        rows = store.scalars_table(recording=recording)
     else:
         rows = store.tensor_table(t.path, t.name, first["data"][0], t.logical,
                                   recording=recording)

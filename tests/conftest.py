@@ -129,7 +129,7 @@ def _s3_endpoint(tmp_path_factory):
             _s3_env(mp, endpoint)
             fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint},
                                    skip_instance_cache=True)
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 300
             while True:
                 try:
                     fs.mkdir("tensortape-test")

@@ -226,7 +226,7 @@ def test_watch_alerts_once_per_layer_and_kind_and_keeps_a_steady_rate(tmp_path):
     try:
         views = list(snapshots(store, interval=0.1))
     finally:
-        child.wait(timeout=60)
+        child.wait(timeout=300)
     seconds = time.monotonic() - t0
     texts = [render(v) for v in views]
     assert any(t[0].endswith("waiting for the first commit") for t in texts)
@@ -239,7 +239,9 @@ def test_watch_alerts_once_per_layer_and_kind_and_keeps_a_steady_rate(tmp_path):
     rates = [v["rate"] for v in views if v.get("rate") is not None]
     true_rate = 60 / seconds                     # a lower bound: start-up is in `seconds`
     assert rates and min(rates[len(rates) // 2:]) > 0              # never drops to 0 between commits
-    assert true_rate * 0.7 < rates[-1] < 25
+    # at most 20 steps a second are trained; a loaded machine commits in bursts, which the
+    # watcher sees as a faster rate for a while: the bound catches a rate of rows or layers
+    assert true_rate * 0.7 < rates[-1] < 40
     assert texts[-1][-1].startswith("non-finite so far: ")
 
 

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-import tensortape.analysis
-import tensortape.recorder
+import tensortape
+from tensortape import analysis, recorder
 from tensortape.analysis import open_run
 from tensortape.recorder import Recorder
 from conftest import InplaceMLP, has_hooks
@@ -40,6 +40,15 @@ def test_exported_names_are_exactly_the_documented_ones():
         assert public <= {"errors.py", "format.py", "histogram.py", "dtypes.py", "patterns.py",
                           "pyramid.py", "integrations.py", "inspection.py", "migrate.py", "script.py",
                           "liveness.py", "quiet.py", "replay.py"}, public
+
+
+def test_the_package_exports_the_names_a_user_starts_with():
+    assert tensortape.__all__ == sorted([
+        "Recorder", "select_layers", "RecorderError", "open_run", "compare_runs",
+        "first_divergence", "plot_comparison", "Inspector"])
+    assert tensortape.Recorder is recorder.Recorder and tensortape.open_run is analysis.open_run
+    for name in tensortape.__all__:
+        assert getattr(tensortape, name) is not None
 
 
 def test_every_error_is_also_the_matching_builtin():

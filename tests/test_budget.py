@@ -13,9 +13,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tensortape.analysis import open_run
 from tensortape.recorder import Recorder, TensortapeWarning
+from tensortape.recorder.errors import ConfigError, LayerNotFoundError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDE = 256                                       # a Linear(16, 256) output at batch 32
@@ -103,9 +106,8 @@ def test_past_the_budget_the_nonfinite_dump_still_stores_the_ring(tmp_path, nan_
     want = sorted({0, 1, nan_at - 2, nan_at - 1, nan_at})
     assert run.steps(tensors=True, layer="0").tolist() == want
     assert np.isnan(run.tensor("0", step=nan_at).values).sum() == WIDE    # the NaN row
-    # a tensor planned at its step but past the budget is counted (the NaN step's was
-    # dumped, not planned away)
-    assert run.attrs["over_budget"] == 8 - 2 - 1
+    # the tensors planned at their step but stored by none: the dump took the ring's
+    assert run.attrs["over_budget"] == 8 - len(want)
 
 
 def test_a_bad_budget_is_one_line_naming_the_choices(tmp_path):
@@ -142,3 +144,71 @@ def test_the_cli_refuses_a_size_it_cannot_read(tmp_path):
     store, p = _record(tmp_path, "--max-bytes", "lots")
     assert p.returncode == 2 and "--max-bytes" in p.stderr and "500MB" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+# --- over_budget is an exact count ---------------------------------------------------
+# Of every full tensor due at a step (``tensors_every``) of the latest recording of that
+# step, over_budget counts those a reader cannot read.  The oracle asks open_run for each
+# one; the schedules mix a budget of a few tensors, a ring, NaN steps and a resume.
+LAYERS = ["0", "1", "2"]
+KINDS = ("activations", "gradients")
+
+
+def _small():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def _recording(path, steps, nan, mode, **kw):
+    model = _small()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")               # the budget's own notices
+        with Recorder(model, path, layers=LAYERS, mode=mode, **kw) as rec:
+            for i in steps:
+                x = _batch(i)[:5, :4].clone()
+                if i in nan:
+                    x[0, 0] = float("nan")
+                with rec.step(i):
+                    model(x).sum().backward()
+
+
+@st.composite
+def _schedules(draw):
+    rows = 5 * 8 * 4                                 # bytes of the widest tensor (5 x 8 float32)
+    out = []
+    start, mode = 0, "w-"
+    for _ in range(draw(st.integers(1, 2))):         # a first recording, maybe a resume
+        n = draw(st.integers(1, 10))
+        dump = draw(st.booleans())
+        out.append(dict(
+            steps=range(start, start + n), mode=mode,
+            nan=set(draw(st.lists(st.integers(start, start + n - 1), max_size=3))),
+            tensors_every=draw(st.integers(1, 3)), on_nonfinite="dump" if dump else "record",
+            ring=draw(st.integers(0, 3)) if dump else 0,
+            max_bytes=draw(st.one_of(st.none(), st.integers(rows // 2, 14 * rows)))))
+        start, mode = draw(st.integers(0, start + n)), "a"     # a resume from a checkpoint
+    return out
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(_schedules())
+def test_over_budget_counts_exactly_the_due_tensors_a_reader_cannot_read(tmp_path_factory,
+                                                                         schedule):
+    path = str(tmp_path_factory.mktemp("run") / "run.zarr")
+    latest = {}                                      # step -> the tensors_every it was recorded with
+    for rec in schedule:
+        _recording(path, **rec)
+        latest.update({s: rec["tensors_every"] for s in rec["steps"]})
+    run = open_run(path)
+    unreadable = 0
+    for step, every in latest.items():
+        if step % every:
+            continue
+        for layer in LAYERS:
+            for kind in KINDS:
+                try:
+                    run.tensor(layer, kind, step=step)
+                except (ConfigError, LayerNotFoundError):
+                    unreadable += 1
+    assert run.attrs["dropped"] == 0
+    assert run.attrs["over_budget"] == unreadable, schedule

@@ -83,7 +83,7 @@ def _run(store, fault=None, on_error="warn", model=None):
         with fault() if fault else contextlib.nullcontext():
             _train(model, rec, range(5, 15), x)
             time.sleep(0.2)                         # the writer meets the fault
-        deadline = time.monotonic() + 10            # ... and writes again once it is gone,
+        deadline = time.monotonic() + 300           # ... and writes again once it is gone,
         while 14 not in (live := open_run(store).steps()) and time.monotonic() < deadline:
             time.sleep(0.05)                        # while training waits here
         _train(model, rec, range(15, 20), x)

@@ -88,7 +88,7 @@ def test_kill_sweep(tmp_path):
         assert sum(outcomes.values()) == 12 and outcomes["recording"] >= 3
     finally:
         zygote.stdin.close()
-        zygote.wait(timeout=60)
+        zygote.wait(timeout=300)
         zygote.stdout.close()
 
 

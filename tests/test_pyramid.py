@@ -113,7 +113,7 @@ class Server:
 
     def map(self, **query):
         q = urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
-        with urllib.request.urlopen(f"{self.url}/api/map?{q}", timeout=60) as r:
+        with urllib.request.urlopen(f"{self.url}/api/map?{q}", timeout=300) as r:
             return json.loads(r.read())
 
     def close(self):

@@ -360,26 +360,34 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("threads", ["1", "4"])     # chunks written by the writer, or a pool
 def test_sigkill_leaves_a_readable_store(tmp_store, threads):
+    """A SIGKILL at any moment leaves the store readable, with every step that a reader
+    saw committed before the kill, exactly.  (How soon a step is committed, one flush
+    interval, is a timing and belongs to the benchmarks: here the test waits for
+    commits to appear, however long a loaded machine takes.)"""
     proc = subprocess.Popen([sys.executable, "-c", CHILD, tmp_store], stdout=subprocess.PIPE,
                             text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
                             env=dict(os.environ, TENSORTAPE_WRITE_THREADS=threads))
-    done = {}
+    seen = []
     try:
         for line in proc.stdout:
-            i, t = line.split()
-            done[int(i)] = float(t)
-            if int(i) >= 60:
+            if int(line.split()[0]) >= 20:
                 break
+        deadline = time.monotonic() + 300
+        while len(seen) < 10 and time.monotonic() < deadline:
+            try:
+                seen = open_run(tmp_store).steps(tensors=True).tolist()
+            except RecorderError:                       # nothing committed yet
+                pass
+            time.sleep(0.05)
     finally:
-        killed_at = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
+    assert len(seen) >= 10, f"no commits seen in 300 s: {seen}"
     run = open_run(tmp_store)
     assert run.status == "recording"
     steps = run.steps(tensors=True).tolist()
-    must = [i for i, t in done.items() if t < killed_at - 0.2 - 0.5]
-    assert set(must) <= set(steps) and steps == list(range(len(steps)))
+    assert set(seen) <= set(steps) and steps == list(range(len(steps)))
     w = torch.arange(12.).reshape(3, 4)
     for i in steps:
         want = (torch.full((2, 4), float(i)) @ w.T + 0.5).numpy()
@@ -475,7 +483,8 @@ def test_s3_store_on_a_real_server_matches_a_local_one(s3_server, tmp_store):
     for location in (url, tmp_store):
         model = InplaceMLP()
         torch.manual_seed(5)
-        with Recorder(model, location, layers=["fc1", "fc2"], ring=2) as rec:
+        with Recorder(model, location, layers=["fc1", "fc2"], ring=2,
+                      on_nonfinite="dump") as rec:
             for _ in range(3):
                 with rec.step():
                     model(torch.randn(4, 8)).sum().backward()

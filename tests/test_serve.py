@@ -98,7 +98,7 @@ class Served:
 
     def raw(self, path: str) -> tuple[int, bytes, str]:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=60) as r:
+            with urllib.request.urlopen(self.url + path, timeout=300) as r:
                 return r.status, r.read(), r.headers.get("Content-Type", "")
         except urllib.error.HTTPError as e:
             return e.code, e.read(), e.headers.get("Content-Type", "")
@@ -443,10 +443,10 @@ def test_serve_prints_its_url_answers_and_exits_0_on_ctrl_c(spiky):
         line = p.stdout.readline()
         assert line.startswith(f"serving {spiky} at http://127.0.0.1:"), line
         url = line.split(" at ")[1].strip()
-        with urllib.request.urlopen(url + "api/runs", timeout=60) as r:
+        with urllib.request.urlopen(url + "api/runs", timeout=300) as r:
             assert json.loads(r.read())[0]["path"] == spiky
         p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=60) == 0
+        assert p.wait(timeout=300) == 0
     finally:
         p.kill()
         p.communicate()
@@ -470,7 +470,7 @@ def test_a_host_other_than_loopback_warns_of_no_authentication(spiky):
         assert p.stdout.readline().startswith(f"serving {spiky} at http://0.0.0.0:")
     finally:
         p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
+        out, err = p.communicate(timeout=300)
     assert "no authentication" in err
 
 

@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 from torch import nn
 
 from tensortape import cli
 from tensortape.analysis import open_run
 from tensortape.recorder import Recorder
 from tensortape.recorder import format as fmt
-from tensortape.recorder import histogram
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -53,7 +55,6 @@ def test_event_files_hold_open_runs_numbers(store, tmp_path):
     r = CliRunner().invoke(cli.cli, ["export", store, out, "--format", "tensorboard"])
     assert r.exit_code == 0, r.output
     run, ea = open_run(store), read(out)
-    lo, hi = histogram.bin_edges()
     nonfinite = 0
     for kind in run.kinds:
         stats = run.stats(kind).compute()
@@ -69,7 +70,7 @@ def test_event_files_hold_open_runs_numbers(store, tmp_path):
                     continue
                 h = events[step]
                 a, b = held[0], held[-1] + 1
-                assert h.bucket_limit == [lo[a], *hi[a:b]]                  # the true edges
+                assert np.all(np.diff(h.bucket_limit) > 0)                  # as TensorBoard needs
                 assert h.bucket == [0, *counts[a:b]]
                 assert h.num == counts.sum()
                 for s in fmt.STATS:                                         # as float32
@@ -111,3 +112,45 @@ def test_without_tensorboard_the_export_says_what_to_install(store, tmp_path):
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install tensorboard" in lines[0], p.stderr
+
+
+# values at the bins' edges (both signs, zero, the underflow and overflow bins) and any others
+EDGES = [0.0, -0.0, 1.0, -1.0, 0.75, -0.75, 1.25, -1.25, 2.0 ** -64, -2.0 ** -64, 2.0 ** 64,
+         -2.0 ** 64, 1e-45, -1e-45, 1e-30, -1e-30, 3e38, -3e38]
+values = st.one_of(st.sampled_from(EDGES), st.floats(width=32))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(arrays(np.float32, st.integers(1, 16), elements=values), min_size=1,
+                      max_size=3))
+@example(steps=[np.array(EDGES, np.float32), np.array([0.0, 0.5], np.float32),
+                np.array([-0.0, -1.0], np.float32)])
+def test_each_value_lies_in_the_bucket_of_its_bin(steps, tmp_path_factory):
+    """By TensorBoard's rule (a bucket holds the values from the previous limit up to, not
+    including, its own: TensorFlow's Histogram::Add), each recorded value lies in a
+    bucket whose count is its bin's, and the limits strictly increase."""
+    tmp = tmp_path_factory.mktemp("tbv")
+    store, out = str(tmp / "run.zarr"), str(tmp / "tb")
+    m = nn.Sequential(nn.Identity())
+    with Recorder(m, store, layers="0", capture=("activations",), tensors_every=None,
+                  max_bytes=None) as rec:
+        for i, x in enumerate(steps):
+            with rec.step(i):
+                m(torch.from_numpy(x))
+    assert CliRunner().invoke(cli.cli, ["export", store, out, "--format", "tensorboard"]
+                              ).exit_code == 0
+    run = open_run(store)
+    events = {e.step: e.histogram_value for e in read(out).Histograms("activations/0")}
+    for i, x in enumerate(steps):
+        finite = x[np.isfinite(x)].astype(np.float64)
+        if not len(finite):
+            assert i not in events
+            continue
+        h = events[i]
+        limits = np.array(h.bucket_limit)
+        assert np.all(np.diff(limits) > 0), limits
+        bucket = np.searchsorted(limits, finite, side="right")      # the first limit above
+        assert bucket.min() >= 1 and bucket.max() < len(limits)     # none in the empty first
+        np.testing.assert_array_equal(np.bincount(bucket, minlength=len(limits)), h.bucket)
+        held = run.histogram("0").sel(step=i).values                 # the run's histogram
+        np.testing.assert_array_equal(held[held > 0], np.array(h.bucket)[np.array(h.bucket) > 0])

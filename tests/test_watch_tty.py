@@ -58,7 +58,7 @@ def _watch_on_a_terminal(store, timeout=240):
             elif watcher.poll() is not None:
                 break
         assert watcher.wait(timeout=max(1, end - time.monotonic())) == 0, out[-2000:]
-        assert trainer.wait(timeout=60) == 0
+        assert trainer.wait(timeout=300) == 0
     finally:
         for p in (watcher, trainer):
             if p.poll() is None:

@@ -236,8 +236,9 @@ async function loadMap() {
   drawMap();
   const agg = m.step_lo.length && m.steps_in_window > m.step_lo.length;
   const span = m.step_lo.length ? `steps ${m.step_lo[0]}–${m.step_hi[m.step_hi.length - 1]}` : "no steps";
+  const unplaced = m.unplaced_events ? `; ${m.unplaced_events} non-finite events this store did not keep are not shown` : "";
   $("map-title").textContent = `${m.stat} of ${m.kind}, rank ${m.rank}, ${span} ` +
-    `(${m.steps_in_window} steps in ${m.step_lo.length} columns${agg ? ", each the largest of its steps" : ""}) — ${run.name}`;
+    `(${m.steps_in_window} steps in ${m.step_lo.length} columns${agg ? ", each the largest of its steps" : ""}${unplaced}) — ${run.name}`;
   for (const [id, v] of [["start", S.start], ["stop", S.stop]]) {     // empty: the whole run, as the title says
     $(id).placeholder = v === null && m.steps ? String(id === "start" ? m.steps[0] : m.steps[1]) : "";
   }
