@@ -148,6 +148,32 @@ def cli(debug):
     """Record and study what flows through a PyTorch model (tensortape)."""
 
 
+# --- warnings ----------------------------------------------------------------------------
+def _reading(command):
+    """A reading command whose tensortape warnings (a damaged store, runs not
+    alike) are each said once, as a line ``warning: ...`` on stderr, when issued."""
+    import functools
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        import warnings
+        from tensortape.recorder.errors import TensortapeWarning
+        said, show = set(), warnings.showwarning
+
+        def say(message, category, *rest, **kw):
+            if not issubclass(category, TensortapeWarning):
+                return show(message, category, *rest, **kw)
+            text = str(message).removeprefix("tensortape: ")
+            if text not in said:
+                said.add(text)
+                click.echo(f"warning: {text}", err=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", TensortapeWarning)
+            warnings.showwarning = say
+            return command(*args, **kwargs)
+    return run
+
+
 # --- arguments -------------------------------------------------------------------------
 def _open(path):
     from tensortape.analysis import open_run
@@ -353,6 +379,7 @@ def record(ctx, out, mode, start_step, layers, capture, tensors_every, stats_eve
 @click.option("--layer", "pattern", default=None,
               help="glob pattern of layers to show (default: all)")
 @kind_option
+@_reading
 def watch(run, interval, pattern, kind):
     """Follow RUN while it is recorded: latest statistics per layer, non-finite alerts,
     steps per second. Ends when the run is closed."""
@@ -374,6 +401,7 @@ def watch(run, interval, pattern, kind):
 @cli.command()
 @click.argument("run")
 @format_option
+@_reading
 def info(run, fmt):
     """Layers x kinds, steps, size on disk, status and events of RUN."""
     from dask.utils import format_bytes
@@ -414,6 +442,11 @@ def info(run, fmt):
         _table(["rank", "last step", "events", "dropped"],
                [[p["rank"], p["last_step"], p["events_total"], p["dropped"]]
                 for p in s["per_rank"]])
+    if s["damaged"]:
+        _out(f"damaged: {_n(len(s['damaged']), 'chunk')} of the committed rows missing from "
+             f"the store; the rest reads as recorded:")
+        for note in s["damaged"]:
+            _out(f"  {note}")
     for key, what in (("dropped", "captures dropped (see drop_reasons in --format json)"),
                       ("outside_steps", "forward passes outside a step"),
                       ("over_budget", "full tensors not stored (max_bytes)")):
@@ -447,6 +480,7 @@ def _status_words(s: dict) -> str:
 @click.option("--scalars", is_flag=True, help="the run's logged scalars (loss, lr, ...) instead: "
               "a row per step")
 @click.pass_context
+@_reading
 def stats(ctx, run, kind, pattern, step, steps, fmt, scalars):
     """Per-step statistics of RUN: a row per (step, layer); counts are integers."""
     from tensortape.analysis._select import within
@@ -488,6 +522,7 @@ def stats(ctx, run, kind, pattern, step, steps, fmt, scalars):
 @click.option("--around", type=click.IntRange(min=0), default=3, show_default=True,
               help="steps of history to show")
 @format_option
+@_reading
 def nan(run, around, fmt):
     """Post-mortem: the first non-finite (step, layer, kind), across every rank; exit 1
     if any, 0 if clean."""
@@ -503,13 +538,13 @@ def nan(run, around, fmt):
         ranks = len(r.ranks) > 1
         where = f" on rank {first.rank}" if ranks else ""
         _out(f"first non-finite: step {first.step}{where}, layer {first.layer}, {first.kind} "
-             f"({first.phase}, micro-batch {first.micro}): {first.nan} NaN, "
+             f"({first.phase}); in micro-batch {first.micro}: {first.nan} NaN, "
              f"{first.posinf} +Inf, {first.neginf} -Inf")
         if first.replay:
             _say_replay(first.replay)
         if first.history is not None:
             _out(f"\n{first.layer} ({first.kind}) in the steps before step {first.step}, "
-                 f"and at it:")
+                 f"and at it; each step whole (its micro-batches together):")
             h = first.history[["mean", "std", "abs_max", "norm", "nan", "posinf", "neginf"]]
             df = h.to_dataframe().drop(columns="layer", errors="ignore")
             for c in ("nan", "posinf", "neginf"):
@@ -518,8 +553,8 @@ def nan(run, around, fmt):
         if first.same_step:
             _out(f"\nalso non-finite at step {first.step}:")
             for e in first.same_step[:20]:
-                _out(f"  {f'rank {e.rank}: ' if ranks else ''}{e.layer} ({e.kind}): "
-                     f"{e.nan} NaN, {e.posinf} +Inf, {e.neginf} -Inf")
+                _out(f"  {f'rank {e.rank}: ' if ranks else ''}{e.layer} ({e.kind}), in "
+                     f"micro-batch {e.micro}: {e.nan} NaN, {e.posinf} +Inf, {e.neginf} -Inf")
             if len(first.same_step) > 20:
                 _out(f"  ... and {len(first.same_step) - 20} more")
     sys.exit(0 if first is None else 1)
@@ -549,6 +584,7 @@ def nan(run, around, fmt):
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, writable=True),
               help="PNG file to write")
 @click.pass_context
+@_reading
 def plot(ctx, run, layer, kind, plot_type, stat, step, steps, scale, density, output):
     """Plot a layer of RUN into a PNG file."""
     _refuse(ctx, only_for=[
@@ -618,6 +654,7 @@ def _say_replay(found: dict) -> None:
 @click.option("--strict", is_flag=True,
               help="refuse (exit 2) runs that are not alike: other model classes, other "
                    "recorded layers, or a shared layer of another shape")
+@_reading
 def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
     """Compare two runs layer by layer; exit 1 when they diverge, 0 when they agree.
 
@@ -626,26 +663,20 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
     metric at its worst step. Runs that share no layer of KIND: exit 2. Runs not alike
     (model classes, recorded layers, shapes): a warning, and only the shared layers
     whose shapes agree are compared (--strict: exit 2)."""
-    import warnings
-    from tensortape.analysis import compare_runs, first_divergence, plot_comparison
-    from tensortape.analysis._compare import summarize
-    from tensortape.recorder.errors import TensortapeWarning
+    from tensortape.analysis import compare_runs, plot_comparison
+    from tensortape.analysis._compare import divergence, summarize
     a, b = _open(run_a), _open(run_b)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", TensortapeWarning)
-        try:
-            ds = compare_runs(a, b, kind=kind, layers=pattern, rank=rank, strict=strict,
-                              progress=_progress("comparing tensors"))
-            first = first_divergence(a, b, rtol=rtol, kinds=[kind], layers=pattern, rank=rank)
-        finally:                     # said once each, before an error's line too
-            for text in dict.fromkeys(str(w.message) for w in caught):
-                click.echo(f"warning: {text.removeprefix('tensortape: ')}", err=True)
+    ds = compare_runs(a, b, kind=kind, layers=pattern, rank=rank, strict=strict,
+                      progress=_progress("comparing tensors"))
+    first = divergence(ds, rtol)
     table = summarize(ds)
     stats_steps = [int(x) for x in ds.step.values]
     by = None
-    if first is not None:
-        by = "full tensors" if "rel_l2" in ds and not math.isnan(
-            float(ds["rel_l2"].sel(step=first[0], layer=first[1]))) else "statistics"
+    if first is not None:           # what shows it: the statistics, the full tensors, or both
+        at = dict(step=first[0], layer=first[1])
+        shown = [what for what, v in (("statistics", "stat_rel"), ("full tensors", "rel_l2"))
+                 if v in ds and float(ds[v].sel(**at)) > rtol]
+        by = " and ".join(shown)
     if fmt == "json":
         from tensortape.analysis._numbers import number as json_number
         _json({"first_divergence": None if first is None else {"step": first[0],
@@ -665,8 +696,8 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
             _out(f"first divergence: step {first[0]}, layer {first[1]} ({kind}), shown by {by}")
             if by == "statistics" and ds.attrs["tensor_steps"] and bool(
                     (ds["rel_l2"].fillna(0) <= rtol).all()):
-                _out("  the full tensors agree at every step both runs hold them; the verdict "
-                     "follows the statistics at the steps without full tensors")
+                _out("  the full tensors agree at every step both runs hold them (every "
+                     "micro-batch); the statistics differ")
         _out(f"compared {kind} of {ds.sizes['layer']} layers both runs hold:")
         _out(f"  statistics (delta_*, stat_rel): {ds['stat_rel'].attrs['covers'][12:]}")
         _out("  full tensors (rel_l2, cosine, max_abs, sqnr_db): " +
@@ -693,6 +724,7 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
 @click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,
               help="port to listen on (0: a free one)")
 @click.option("--no-browser", is_flag=True, help="do not open a browser")
+@_reading
 def serve(run, run_b, host, port, no_browser):
     """Serve a browser view of RUN (or of RUN and RUN_B side by side), read-only."""
     import ipaddress
@@ -735,6 +767,7 @@ def serve(run, run_b, host, port, no_browser):
 @click.option("--force", is_flag=True, help="overwrite OUT if it exists")
 @click.option("--format", "to", type=click.Choice(["hdf5", "tensorboard"]), default="hdf5",
               show_default=True, help="tensorboard: event files in the folder OUT")
+@_reading
 def export(run, out, force, to):
     """Export RUN to one HDF5 file OUT (open_run reads it back with the same API), or
     with --format tensorboard to TensorBoard event files in the folder OUT."""

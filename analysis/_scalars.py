@@ -6,7 +6,9 @@ Each rank's scalars table (``format.scalars_table``) holds a row per (step,
 name); of a step recorded again (``mode="a"``) only the latest recording's
 rows are read (``RunIndex.current_rows``), and of a name logged twice for one
 step, the last.  A name that has no value at a step (or on a rank) is NaN
-there.  A store without scalars (any older one) gives an empty Dataset.
+there.  A row whose value's chunk is missing (``_damage``) is no value logged:
+its step is on the ``step`` axis, NaN.  A store without scalars (any older one)
+gives an empty Dataset.
 """
 
 from __future__ import annotations
@@ -23,16 +25,24 @@ __all__ = ["logged", "scalars"]
 
 def logged(index: RunIndex, rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{name: (steps, values)} of one rank, steps ascending: the values logged (a
-    NaN logged is there; a step without the name is not)."""
+    NaN logged is there; a step without the name, or whose value's chunk is
+    missing, is not)."""
+    return _logged(index, rank)[0]
+
+
+def _logged(index: RunIndex, rank: int) -> tuple[dict, np.ndarray]:
+    """``logged``, and the steps of the rows whose value's chunk is missing."""
     path = fmt.scalars_table(rank)
     if not index.committed(rank).get(path):
-        return {}
+        return {}, np.zeros(0, np.int64)
     current, steps = index.current_rows(path, rank)
     n = len(steps)
     names = np.asarray(index.source.array(f"{path}/name")[:n])[current]
     values = np.asarray(index.source.array(f"{path}/value")[:n], np.float64)[current]
+    unread = index.unreadable(path, rank, ("value",), current, 0)
     steps = steps[current]
     keep = fmt.latest_rows(np.stack([steps, names], axis=1))     # the last of (step, name)
+    lost, keep = steps[keep[unread[keep]]], keep[~unread[keep]]
     known = index.states[rank].scalar_names
     out = {}
     for i in np.unique(names[keep]):
@@ -40,15 +50,16 @@ def logged(index: RunIndex, rank: int) -> dict[str, tuple[np.ndarray, np.ndarray
         rows = rows[np.argsort(steps[rows], kind="stable")]
         if 0 <= i < len(known):
             out[known[i]] = (steps[rows], values[rows])
-    return out
+    return out, lost
 
 
 def scalars(index: RunIndex, rank: int | None = None) -> xr.Dataset:
     """The run's scalars (see the module); ``rank``: one rank's."""
     ranks = [index.rank(rank)] if rank is not None or len(index.ranks) < 2 else index.ranks
-    per_rank = [logged(index, r) for r in ranks]
+    got = [_logged(index, r) for r in ranks]
+    per_rank = [part for part, _ in got]
     names = list(dict.fromkeys(n for part in per_rank for n in part))
-    steps = np.unique(np.concatenate([np.zeros(0, np.int64)] + [
+    steps = np.unique(np.concatenate([np.zeros(0, np.int64)] + [lost for _, lost in got] + [
         s for part in per_rank for s, _ in part.values()])).astype(np.int64)
     data = {}
     for name in names:

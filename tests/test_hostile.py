@@ -110,11 +110,8 @@ HOSTILE = {
     # damaged stores
     "a corrupt chunk": lambda s: Path(_data_chunk(s)).write_bytes(b"\x28\xb5\x2f\xfdgarbage"),
     "a truncated chunk": lambda s: os.truncate(_data_chunk(s), os.path.getsize(_data_chunk(s)) // 2),
-    "a missing tensor chunk": lambda s: os.remove(_data_chunk(s)),
-    "a missing step chunk": lambda s: os.remove(_chunk_of(s, "stats/activations/step")),
-    "a missing histogram directory": lambda s: shutil.rmtree(
-        os.path.join(s, "rank0", "stats", "activations", "hist", "c")),
 }
+# a missing chunk is damage, read as missing where it lies (tests/test_damage.py)
 
 # Every command on every hostile store, in one child process (under a 3 GiB address-space
 # limit); each command's exit status and stderr come back as JSON.
