@@ -125,7 +125,7 @@ class Spec:
         return ["".join(f"[{c}]" if c in "*?[" else c for c in layer.name) for layer in self.layers]
 
 
-NAME = st.text(st.one_of(st.sampled_from("a\0/:#*?[]()' "), st.characters(exclude_characters=".")),
+NAME = st.text(st.one_of(st.sampled_from("a\0/:#*?[]()'\" "), st.characters(exclude_characters=".")),
                min_size=1, max_size=5)
 SCALAR_NAME = st.one_of(st.sampled_from(["loss", "step", "rank", "step'", "nonfinite"]),
                         st.text(min_size=1, max_size=4))
@@ -647,6 +647,13 @@ def latest_rows(recording, steps, t: Truth) -> np.ndarray:
     return np.array([i for i, s in enumerate(steps) if rec[i] == t.o.latest[int(s)]], np.int64)
 
 
+def h5_name(text) -> str:
+    """A name as the HDF5 export stores it: itself, or its JSON string literal where HDF5
+    text cannot hold it (docs/REFERENCE.md)."""
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    return json.loads(text) if text.startswith('"') else text
+
+
 def check_hdf5(path, truths, spec, tmp):
     """``tensortape export`` to HDF5, read by xarray (h5netcdf) and h5py against the
     truth, and by ``open_run`` through every ``open_run`` check."""
@@ -657,7 +664,7 @@ def check_hdf5(path, truths, spec, tmp):
     assert r.exit_code == 0, ("export", r.output)
     lo, hi = bin_edges()
     with xr.open_dataset(h5, engine="h5netcdf") as root:
-        assert root.layer.values.tolist() == truths[0].names, root.layer.values
+        assert [h5_name(n) for n in root.layer.values] == truths[0].names, root.layer.values
     for t in truths:
         for kind in t.kinds:
             with xr.open_dataset(h5, engine="h5netcdf", group=f"rank{t.rank}/stats/{kind}") as g:
@@ -665,26 +672,27 @@ def check_hdf5(path, truths, spec, tmp):
                 assert (g.bin_lo.values == lo).all() and (g.bin_hi.values == hi).all()
                 rows = latest_rows(g["recording"].values if "recording" in g else None,
                                    g.step.values, t)
+                rows = rows[np.argsort(g.step.values[rows], kind="stable")]
                 assert g.step.values[rows].tolist() == t.stat_steps[kind], (kind, g.step.values)
-                names = g.layer.values.tolist()
+                names = [h5_name(n) for n in g.layer.values]
                 assert sorted(names) == sorted(t.layers[kind]), names
                 stats, hist = g.stats.values[rows], g.hist.values[rows]
-                for i, step in enumerate(t.stat_steps[kind]):
-                    for j, name in enumerate(names):
-                        ex = t.cells.get((kind, name, step))
-                        what = ("hdf5", t.rank, kind, name, step)
-                        if ex is None:
-                            assert np.isnan(stats[i, j]).all(), (what, stats[i, j])
-                            continue
-                        for k, stat in enumerate(STATS):
-                            assert agrees(stat, stats[i, j, k], ex), (what, stat, stats[i, j, k])
-                        assert (hist[i, j] == t.hist[kind, name, step]).all(), what
+            for i, step in enumerate(t.stat_steps[kind]):
+                for j, name in enumerate(names):
+                    ex = t.cells.get((kind, name, step))
+                    what = ("hdf5", t.rank, kind, name, step)
+                    if ex is None:
+                        assert np.isnan(stats[i, j]).all(), (what, stats[i, j])
+                        continue
+                    for k, stat in enumerate(STATS):
+                        assert agrees(stat, stats[i, j, k], ex), (what, stat, stats[i, j, k])
+                    assert (hist[i, j] == t.hist[kind, name, step]).all(), what
         stored = read_tensors(open_run(path), t.rank)
-        seen = set()
+        seen, scalars = set(), {}
         with h5py.File(h5, "r") as f:
             for kind in f.get(f"rank{t.rank}/tensors", {}):
                 for node in f[f"rank{t.rank}/tensors/{kind}"].values():
-                    name = node.attrs["layer"]
+                    name = h5_name(node.attrs["layer"])
                     rec = node["recording"][:] if "recording" in node else None
                     steps, micros, extent = node["step"][:], node["micro"][:], node["extent"][:]
                     for i in latest_rows(rec, steps, t):
@@ -695,7 +703,19 @@ def check_hdf5(path, truths, spec, tmp):
                         assert got.shape == tuple(want.shape) and (
                             got.view(BITS[got.itemsize]) == raw_bits(want)).all(), ("hdf5", key)
                         seen.add(key)
+            if f"rank{t.rank}/scalars" in f:
+                g = f[f"rank{t.rank}/scalars"]
+                known = [h5_name(n) for n in g["scalar"][:]]
+                rec = g["recording"][:] if "recording" in g else None
+                steps, which, value = g["step"][:], g["name"][:], g["value"][:]
+                for i in latest_rows(rec, steps, t):         # a name's last value of a step
+                    scalars.setdefault(int(steps[i]), {})[known[which[i]]] = float(value[i])
         assert seen == set(stored), ("hdf5 tensors", seen ^ set(stored))
+        want = {s: v for s, v in t.o.scalars().items() if v}
+        assert scalars.keys() == want.keys() and all(
+            scalars[s].keys() == want[s].keys() and all(same_float(scalars[s][n], want[s][n])
+                                                        for n in want[s]) for s in want), \
+            ("hdf5 scalars", scalars, want)
     back = open_run(h5)
     for check in READ.values():
         check(back, truths, spec)
