@@ -147,20 +147,20 @@ def truth(stat: str, ex: dict):
             "norm": ex["sumsq"], "rms": ex["sumsq"] / n if n else None}[stat]
 
 
-def agrees(stat: str, got: float, ex: dict, rel: float = 0.0) -> bool:
+def agrees(stat: str, got: float, ex: dict, rel: float = 0.0, floor: float = 0.0) -> bool:
     """Whether ``got``, a stored statistic, is the exact one (``exact``): counts, min,
     max, abs_max and zero_frac equal (``-0 == 0``: engines may differ in a zero's
     sign), NaN where there is no finite value; mean, std, norm and rms within the
     rounding of float64 sums of ``n`` terms, bounded by the terms' size (a mean
     that cancels is held to its terms, a variance to the squared spread) and, near
     zero, by ``n`` of the smallest subnormals; finite wherever the truth is (inf only
-    where it passes float64).  ``rel``: a further relative slack for the sums (a
-    reader that rounds them to float32)."""
+    where it passes float64).  ``rel``, ``floor``: a further relative and absolute
+    slack for the sums (a reader that rounds them to float32)."""
     want, got = truth(stat, ex), float(got)
     if not isinstance(want, Fraction):
         return (math.isnan(got) and math.isnan(want)) or got == want
     g, n = _fraction(got), ex["n"]
-    tol, tiny = SLACK * n * EPS + Fraction(rel) * 2, SLACK * n * TINY
+    tol, tiny = SLACK * n * EPS + Fraction(rel) * 2, SLACK * n * TINY + Fraction(floor)
     if stat == "mean":
         return g is not None and abs(g - want) <= tol * ex["size"] + tiny
     if want > BIG * BIG:                                    # the root passes float64
