@@ -1,7 +1,7 @@
 """Every reader of a run against the truth, for runs whose options hypothesis draws.
 
-Each example draws a run: ``stats_every``, ``tensors_every``, ``ring``,
-``on_nonfinite`` (record, dump), ``max_bytes`` (None or a few hundred bytes),
+Each example draws a run: ``stats_every``, ``tensors_every``, ``on_nonfinite``
+(record, or dump with a ``ring``), ``max_bytes`` (None or a few hundred bytes),
 scalars logged or not (names of any text, values NaN, +-Inf, -0, huge, tiny, as
 Python and numpy numbers and 0-dim tensors), layers named by any Unicode text
 (NUL, ``/``, glob characters; torch refuses only ``.`` and the empty name) whose
@@ -10,7 +10,7 @@ extreme values (NaN, +-Inf, +-0, the largest and smallest of the dtype, subnorma
 a large mean with a tiny spread), micro-batches, layers that skip a micro-batch,
 sometimes enough steps for the browser map's summary pyramid, and a resume with
 ``mode="a"`` that records some steps again.  ``test_ranks_agree_with_the_oracle``
-records the same on two gloo ranks, whose steps differ.
+records the same on two gloo ranks, whose steps differ (a resume: a new job).
 
 The truth is ``oracle.Oracle`` (plain hooks) on the same schedule, played again
 without tensortape, with exact ``Fraction`` sums (``oracle.exact``).  Every
@@ -152,7 +152,7 @@ def specs(draw, ranks=1):
         sessions += (tuple((int(start + n), draw(st.integers(1, 2)))
                            for n in np.cumsum(gaps) - gaps[0]),)
     stats_every = draw(st.integers(1, 3))
-    dump = draw(st.booleans())                   # (a ring without a dump is refused)
+    dump = draw(st.booleans())                   # a ring without a dump keeps nothing
     return Spec(
         layers=layers, capture=draw(st.sampled_from([KINDS, ("activations",)])),
         stats_every=1 if long else stats_every,
