@@ -8,7 +8,9 @@ rows are read (``RunIndex.current_rows``), and of a name logged twice for one
 step, the last.  A name that has no value at a step (or on a rank) is NaN
 there.  A row whose value's chunk is missing (``_damage``) is no value logged:
 its step is on the ``step`` axis, NaN.  A store without scalars (any older one)
-gives an empty Dataset.
+gives an empty Dataset.  A name that is a coordinate's (``step``, ``rank``)
+reads with a ``'`` added, more while that name is logged too (``variables``: as
+the root's label is made), in every reader of them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from tensortape.recorder import format as fmt
 
 from ._index import RunIndex
 
-__all__ = ["logged", "scalars"]
+__all__ = ["logged", "scalars", "variables"]
+
+COORDINATES = ("step", "rank")
 
 
 def logged(index: RunIndex, rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -44,13 +48,29 @@ def _logged(index: RunIndex, rank: int) -> tuple[dict, np.ndarray]:
     keep = fmt.latest_rows(np.stack([steps, names], axis=1))     # the last of (step, name)
     lost, keep = steps[keep[unread[keep]]], keep[~unread[keep]]
     known = index.states[rank].scalar_names
+    name = variables(index)
     out = {}
     for i in np.unique(names[keep]):
         rows = keep[names[keep] == i]
         rows = rows[np.argsort(steps[rows], kind="stable")]
         if 0 <= i < len(known):
-            out[known[i]] = (steps[rows], values[rows])
+            out[name[known[i]]] = (steps[rows], values[rows])
     return out, lost
+
+
+def variables(index: RunIndex) -> dict[str, str]:
+    """Each logged name (of any rank) -> its name in ``run.scalars()``: itself, or for a
+    coordinate's name ``'`` added until it is no name logged or given."""
+    logged = [n for r in index.ranks for n in index.states[r].scalar_names]
+    taken = set(COORDINATES) | set(logged)
+    out = {}
+    for n in dict.fromkeys(logged):
+        var = n
+        while n in COORDINATES and var in taken:
+            var += "'"
+        taken.add(var)
+        out[n] = var
+    return out
 
 
 def scalars(index: RunIndex, rank: int | None = None) -> xr.Dataset:

@@ -155,6 +155,35 @@ def test_stats_scalars_prints_them(tmp_path):
     assert r.exit_code == 2 and "--layer" in r.output
 
 
+def test_scalars_named_as_a_coordinate_read_back_renamed(tmp_path):
+    """A scalar named ``step`` or ``rank`` (the coordinates of run.scalars(); ``step`` is
+    a common name to log) reads as ``step'``, ``rank'`` (a ``'`` more while that name is
+    logged too), in run.scalars(), ``stats --scalars`` and /api/scalars: before, each
+    of them (and so ``tensortape serve``) failed on such a run."""
+    from test_serve import Served
+    store, logged = str(tmp_path / "run.zarr"), {}
+
+    def log(rec, i, loss, inside):
+        if inside:
+            rec.log({"step": float(i), "rank": 0.5, "step'": -1.0 - i, "loss": loss})
+            logged[i] = {"step''": float(i), "rank'": 0.5, "step'": -1.0 - i,
+                         "loss": float(loss.detach())}
+    train(store, range(3), log)
+    ds = open_run(store).scalars()
+    assert list(ds.data_vars) == ["step''", "rank'", "step'", "loss"] and list(ds.coords) == ["step"]
+    assert as_dict(ds) == logged
+    r = CliRunner().invoke(cli.cli, ["stats", store, "--scalars", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output) == [{"step": s, **v} for s, v in logged.items()]
+    served = Served(store)
+    try:
+        status, body = served.get("scalars")
+    finally:
+        served.close()
+    assert status == 200 and body["step"] == [0, 1, 2], body
+    assert {k: body[k] for k in logged[0]} == {k: [logged[s][k] for s in range(3)] for k in logged[0]}
+
+
 def test_tensortape_record_stores_the_loss_backward_was_called_on(tmp_path):
     store = str(tmp_path / "run.zarr")
     exe = shutil.which("tensortape")
