@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from ._config import RecorderConfig
+from ._config import DUMPING, RecorderConfig
 from ._worker import Notice
 from .errors import argument
 
@@ -28,7 +28,6 @@ __all__ = ["Choice", "TensorPolicy"]
 
 GUARD_BYTES_PER_100 = 1 << 30  # no budget: warn when full tensors would pass this every 100 steps
 SOON = 1000                    # a budget: warn when it would be reached within this many steps
-DUMPING = ("dump", "raise", "replay")
 
 
 @dataclass
