@@ -44,7 +44,7 @@ class MLP(nn.Module):
 def _record_mlp(path, out=10, batch=(64, 12), steps=3, nan_at=None):
     torch.manual_seed(0)
     model = MLP(out)
-    with Recorder(model, str(path)) as rec:
+    with Recorder(model, str(path), tensors_every=1) as rec:
         for i in range(steps):
             with rec.step(i):
                 x = torch.randn(*batch, 6)
@@ -99,7 +99,7 @@ def test_an_existing_run_names_the_flag_under_the_cli_and_the_argument_in_python
     assert r.exit_code == 2 and "pass --mode w to overwrite" in r.output
     assert "mode=" not in r.output
     with pytest.raises(StoreExistsError, match=r"pass mode='w' to overwrite") as e:
-        Recorder(MLP(), run).attach()
+        Recorder(MLP(), run, tensors_every=1).attach()
     assert "--mode" not in str(e.value)
 
 

@@ -99,7 +99,7 @@ def test_a_tensor_is_read_at_the_steps_end_without_a_sync_at_log_time(tmp_path, 
 ])
 def test_bad_input_is_one_line_that_names_the_fix(tmp_path, bad, words):
     m = model()
-    with Recorder(m, str(tmp_path / "run.zarr"), max_bytes=None) as rec:
+    with Recorder(m, str(tmp_path / "run.zarr"), max_bytes=None, tensors_every=1) as rec:
         with rec.step(0):
             m(torch.randn(2, 4))
             with pytest.raises(ConfigError) as e:
@@ -200,7 +200,7 @@ def test_hugging_face_trainer_stores_its_logged_loss(tmp_path):
             logs["phase"] = np.array("warmup")        # never raised into the training
     trainer = transformers.Trainer(model=gpt, args=args, train_dataset=data,
                                    callbacks=[Noter(), TrainerCallback(store,
-                                                                       layers="transformer.h.0.mlp")])
+                                                                       layers="transformer.h.0.mlp", tensors_every=1)])
     trainer.train()
     history = {e["step"] - 1: e for e in trainer.state.log_history if "loss" in e}
     assert sorted(history) == [0, 1, 2, 3]
@@ -233,7 +233,7 @@ def test_lightning_stores_what_self_log_logged(tmp_path):
     data = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
     trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[LightningCallback(store, layers="net.0")],
+                         callbacks=[LightningCallback(store, layers="net.0", tensors_every=1)],
                          default_root_dir=str(tmp_path))
     trainer.fit(Module(), data)
     ds = open_run(store).scalars()

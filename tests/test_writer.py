@@ -264,7 +264,7 @@ def test_a_dead_writer_never_hangs_training(tmp_path, monkeypatch):
 
     monkeypatch.setattr(_worker.Worker, "_take", take)
     with pytest.warns(TensortapeWarning, match="writer thread died") as told:
-        with Recorder(model, store, layers="*", flush_interval=0.05, close_timeout=2.0) as rec:
+        with Recorder(model, store, layers="*", flush_interval=0.05, close_timeout=2.0, tensors_every=1) as rec:
             for i in range(200):
                 with rec.step(i):
                     model(torch.randn(4, 16)).square().mean().backward()
@@ -280,7 +280,7 @@ def test_a_dead_writer_raises_once_under_on_error_raise(tmp_path, monkeypatch):
     monkeypatch.setattr(_worker.Worker, "_take", lambda self: (_ for _ in ()).throw(SystemExit()))
     model = _model()
     rec = Recorder(model, str(tmp_path / "run.zarr"), layers="*", on_error="raise",
-                   close_timeout=1.0)
+                   close_timeout=1.0, tensors_every=1)
     errors, noticed = 0, None
     with pytest.warns(TensortapeWarning, match="did not commit within close_timeout"), rec:
         # the writer dies when it first runs, which a loaded machine may put off for a
@@ -307,7 +307,7 @@ def test_a_forgotten_recorder_is_ended_without_a_lock_or_a_wait(tmp_path):
     the writer's lock) and joins nothing."""
     store = str(tmp_path / "run.zarr")
     model = _model()
-    rec = Recorder(model, store, layers="*").attach()
+    rec = Recorder(model, store, layers="*", tensors_every=1).attach()
     for i in range(3):
         with rec.step(i):
             model(torch.randn(4, 16)).sum().backward()
@@ -349,7 +349,7 @@ def test_close_always_reaches_the_writer(tmp_path, monkeypatch):
     from tensortape.recorder import _writer
     store = str(tmp_path / "run.zarr")
     model = _model()
-    rec = Recorder(model, store, layers="*", outside_step="ignore").attach()
+    rec = Recorder(model, store, layers="*", outside_step="ignore", tensors_every=1).attach()
     with rec.step(0):
         model(torch.randn(4, 16)).sum().backward()
     model(torch.randn(4, 16))                          # counted at close: a late record
@@ -451,7 +451,7 @@ def test_a_bad_write_threads_setting_is_one_line_before_anything_is_written(tmp_
     from tensortape.recorder import ConfigError
     monkeypatch.setenv("TENSORTAPE_WRITE_THREADS", "abc")
     with pytest.raises(ConfigError, match="TENSORTAPE_WRITE_THREADS='abc' is not valid"):
-        Recorder(_model(), str(tmp_path / "run.zarr"))
+        Recorder(_model(), str(tmp_path / "run.zarr"), tensors_every=1)
     assert not (tmp_path / "run.zarr").exists()
 
 
@@ -459,7 +459,7 @@ def test_tensortape_s_warnings_name_the_user_s_line(tmp_path):
     """A warning points at the user's code that called tensortape (here a forward
     outside a step), not at tensortape's or torch's frames."""
     model = _model()
-    with Recorder(model, str(tmp_path / "run.zarr"), layers="*") as rec:
+    with Recorder(model, str(tmp_path / "run.zarr"), layers="*", tensors_every=1) as rec:
         with rec.step(0):
             model(torch.randn(2, 16)).sum().backward()
         with pytest.warns(TensortapeWarning, match="outside a step") as told:
