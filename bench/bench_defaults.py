@@ -12,14 +12,19 @@ gradients, the constructor's defaults):
   ``TrainerCallback(path)``.
 - ``mlp``: 100 x (``Linear(32, 32)``, ``Tanh``), batch 16, one thread: 201 modules, 402 tiny
   tensors a step, where the fixed cost per tensor shows.
-- ``many``: 200 x ``Linear(16, 16)``, batch 4, one thread, and beside the zero-configuration
-  run the same with ``ring=0`` (statistics alone): the added time per captured tensor.
+- ``many``: 200 x ``Linear(16, 16)``, batch 4, one thread: 402 tiny tensors a step.
+
+Beside each zero-configuration run of a plain loop, the same with ``on_nonfinite="record"``
+and ``tensors_every=None`` (statistics alone: no ring, no snapshot of the step's tensors), so
+the ring's copies show; and
+for ``mlp`` and ``many`` the added time per captured tensor.
 
 Every contender trains its own copy of the model, and the contenders take turns in blocks of
-steps (after a warm-up round), so the machine's load hits them alike.  The plain loops end
-each block with the recorder's flush (the writer catches up and commits), so the
-**sustained** figure (a block's whole time over its steps) includes the writer; the
-**median** step excludes it.  Under the Trainer each round is one ``train()`` of ``--steps``
+steps (after a warm-up round), so the machine's load hits them alike.  A plain loop's block
+is about a second of bare steps (at least 20) and ends with the recorder's flush (the writer
+catches up and commits: a commit a second, five times the default ``flush_interval``'s), so
+the **sustained** figure (a block's whole time over its steps) includes the writer and its
+commits; the **median** step excludes them.  Under the Trainer each round is one ``train()`` of ``--steps``
 optimizer steps: median of its steps, sustained from its first step to the end of
 ``train()``, the recorder's ``close()`` included.  ``close()`` is also timed alone after the
 plain loops' last block (100 steps or more recorded).
@@ -65,18 +70,23 @@ def many():
     return base, x
 
 
-LOOPS = {"tour": (tour, False, 20), "mlp": (mlp, True, 40), "many": (many, True, 40)}
+LOOPS = {"tour": (tour, False), "mlp": (mlp, True), "many": (many, True)}
+BLOCK_SECONDS = 1.0           # a block: about this long of bare steps, then a flush (a commit)
 
 
 def bench_loop(name, tmp, rounds):
-    """A plain loop: bare and zero-configuration (and for ``many``, ``ring=0``) in turn."""
-    make, one, block = LOOPS[name]
+    """A plain loop: bare, zero-configuration and statistics alone, in turn, in blocks of
+    about ``BLOCK_SECONDS`` of bare steps (at least 20), each ending with a flush."""
+    make, one = LOOPS[name]
     with br.one_thread() if one else contextlib.nullcontext():
         base, x = make()
         contenders = {"bare": br.Contender(base, x)}
-        variants = {"zero-config": {}}
-        if name == "many":
-            variants["statistics only (ring=0)"] = {"ring": 0}
+        probe = contenders["bare"]
+        probe.block(0, 5, keep=True)
+        block = max(20, round(BLOCK_SECONDS / statistics.median(probe.steps)))
+        probe.steps, probe.blocks, probe.cpu = [], [], []
+        variants = {"zero-config": {},
+                    "statistics alone": {"on_nonfinite": "record", "tensors_every": None}}
         recs = {}
         for label, kw in variants.items():
             c = contenders[label] = br.Contender(base, x)
@@ -90,10 +100,10 @@ def bench_loop(name, tmp, rounds):
             rec.close()
             closes[label] = time.perf_counter() - t
         n = recs["zero-config"]._buffer.captured
-        return res, closes, steps, n
+        return res, closes, steps, n, block
 
 
-def bench_gpt2(tmp, rounds, steps=40):
+def bench_gpt2(tmp, rounds, steps=20):
     """The tiny GPT-2 under the Trainer: a ``train()`` of ``steps`` optimizer steps per
     contender per round, bare and with ``TrainerCallback(path)``."""
     import transformers
@@ -151,16 +161,17 @@ def bench_gpt2(tmp, rounds, steps=40):
                 out[k][0].extend(clock.steps)
                 out[k][1].append((clock.end - clock.t0) / steps)
     res = {k: (statistics.median(s), statistics.mean(b)) for k, (s, b) in out.items()}
-    return res, {"zero-config": statistics.median(closes[1:])}, steps, None
+    return res, {"zero-config": statistics.median(closes[1:])}, steps, None, steps
 
 
-def report(name, res, closes, steps, n, rounds):
+def report(name, res, closes, steps, n, block, rounds):
     bare_med, bare_sus = res.pop("bare")
-    print(f"\n[{name}] {rounds} rounds (load average {os.getloadavg()[0]:.1f}); bare step: "
+    print(f"\n[{name}] {rounds} rounds of {block}-step blocks (load average "
+          f"{os.getloadavg()[0]:.1f}); bare step: "
           f"median {bare_med * 1e3:.2f} ms, sustained {bare_sus * 1e3:.2f} ms")
     for k, (med, sus) in res.items():
         line = (f"  {k:26s} median {med / bare_med:5.2f}x bare   sustained {sus / bare_sus:5.2f}x")
-        if n:
+        if n and name in ("mlp", "many"):
             line += (f"   per captured tensor (of {n} a step): +{(med - bare_med) / n * 1e6:.1f} us"
                      f" median, +{(sus - bare_sus) / n * 1e6:.1f} us sustained")
         if k in closes:
@@ -172,6 +183,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="+", choices=["tour", "gpt2", "mlp", "many"], default=None)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--hf-steps", type=int, default=20, help="optimizer steps a train() (gpt2)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="tt-defaults-")
     print(f"threads={torch.get_num_threads()} load average {os.getloadavg()[0]:.1f}")
@@ -180,7 +192,7 @@ def main():
             if args.only and name not in args.only:
                 continue
             if name == "gpt2":
-                out = bench_gpt2(tmp, args.rounds)
+                out = bench_gpt2(tmp, args.rounds, args.hf_steps)
             else:
                 out = bench_loop(name, tmp, args.rounds)
             report(name, *out, args.rounds)

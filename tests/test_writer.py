@@ -507,3 +507,48 @@ def test_statistics_shards_are_written_byte_for_byte_as_zarr_writes_them(tmp_pat
             assert stored and stored == _files(tmp_path / "zarr")
             np.testing.assert_array_equal(ours[start: start + rows], block)
     assert not Shards.of(made["ours"]["step"])          # not sharded: zarr writes it
+
+
+class _Branch(torch.nn.Module):
+    """``b`` runs from step 1 on, between ``a`` and ``c``: at step 1 the step's layers come
+    in another order than the stats table's (``a``, ``c``, then ``b``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = torch.nn.Linear(5, 5), torch.nn.Linear(5, 5), torch.nn.Linear(5, 3)
+        self.step = 0
+
+    def forward(self, x):
+        x = self.a(x)
+        if self.step:
+            x = self.b(x)
+        return self.c(x)
+
+
+def test_a_steps_rows_land_in_their_layers_whatever_their_order(tmp_store):
+    """Each stored statistics and histogram row is its own layer's (the oracle's, from plain
+    hooks and numpy), whether a step's layers come in the table's order or not (a layer first
+    seen later, between others), and a layer absent at a step reads as absent there."""
+    model = _Branch()
+    twin = copy.deepcopy(model)
+    oracle = Oracle(twin, ["a", "b", "c"], ("activations", "gradients"), tensors_every=None)
+    with Recorder(model, tmp_store, layers=["a", "b", "c"], tensors_every=None,
+                  on_nonfinite="record") as rec:
+        for s in range(4):
+            model.step = twin.step = s
+            with rec.step(s):
+                oracle.begin(s)
+                for m in (model, twin):
+                    m(torch.randn(3, 5, generator=torch.Generator().manual_seed(s))).square().sum().backward()
+                oracle.end()
+    oracle.close()
+    run = open_run(tmp_store)
+    assert run.layers == ["a", "c", "b"] == oracle.names()
+    for s, kind, name in oracle.keys():
+        np.testing.assert_array_equal(run.histogram(name, kind, step=s).values,
+                                      oracle.histogram(s, kind, name), err_msg=f"{s} {kind} {name}")
+        got, want = run.stats(kind).sel(step=s, layer=name).compute(), oracle.stats(s, kind, name)
+        for stat in ("count", "min", "max", "abs_max"):
+            assert float(got[stat]) == want[stat], (s, kind, name, stat)
+    assert (run.histogram("b", "activations", step=0).values == -1).all()     # absent there
