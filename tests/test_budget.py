@@ -126,7 +126,8 @@ def _record(tmp_path, *flags):
 
 def test_the_cli_takes_a_budget_and_a_sample_cap(tmp_path):
     row = 16 * 4                                   # one sample of Linear(8, 16)'s output
-    store, p = _record(tmp_path, "--max-bytes", f"{row * 2 * 2}B", "--max-samples", "2")
+    store, p = _record(tmp_path, "--tensors-every", "1", "--max-bytes", f"{row * 2 * 2}B",
+                       "--max-samples", "2")
     assert p.returncode == 3, p.stderr             # the script's own status
     run = open_run(store)
     assert run.steps().tolist() == [0, 1, 2, 3]

@@ -85,7 +85,8 @@ def test_flags_that_conflict_or_do_nothing_are_one_line_and_exit_2(tmp_path, arg
 
 
 def test_record_ring_without_a_dump_is_refused(tmp_path):
-    r = invoke("record", "-o", tmp_path / "r.zarr", "--ring", "3", "--", sys.executable, "-c", "1")
+    r = invoke("record", "-o", tmp_path / "r.zarr", "--ring", "3", "--on-nonfinite", "record", "--",
+               sys.executable, "-c", "1")
     assert r.exit_code == 2 and "--ring" in r.output and "--on-nonfinite dump" in r.output
     assert not (tmp_path / "r.zarr").exists()
 
