@@ -176,8 +176,8 @@ class Recorder:
             raise InspectionError("this Recorder is closed; create a new one to record again")
         if self._writer is not None:
             return self
-        budget = resolve_budget(self.config.max_bytes, self.store_location,   # said where
-                                self.config.tensors_every is not None)   # tensors persist
+        budget = resolve_budget(self.config.max_bytes, self.store_location,
+                                self.config.tensors_every is not None or self.config.ring > 0)
         self.config = cfg = dataclasses.replace(self.config, max_bytes=budget.limit)
         if budget.text and self.rank == 0:        # a line, not a warning (-W error)
             print(budget.text, file=sys.stderr)
