@@ -346,7 +346,8 @@ CHILD = textwrap.dedent("""
     lin = torch.nn.Linear(4, 3)
     with torch.no_grad():
         lin.weight.copy_(torch.arange(12.).reshape(3, 4)); lin.bias.fill_(0.5)
-    rec = Recorder(lin, sys.argv[1], layers="", capture="activations", flush_interval=0.2)
+    rec = Recorder(lin, sys.argv[1], layers="", capture="activations", flush_interval=0.2,
+                   tensors_every=1)
     rec.attach()
     i = 0
     while True:
