@@ -321,8 +321,9 @@ def test_budget_warnings_state_the_unit_and_spell_none_as_the_cli_does(tmp_path)
     store = str(tmp_path / "run.zarr")
     row = 16 * 4                                   # one sample of Linear(8, 16)'s output
     p = subprocess.run([sys.executable, "-m", "tensortape", "record", "-o", store, "--layers", "0",
-                        "--capture", "activations", "--max-bytes", f"{row * 4}B", "--", "python",
-                        script, "4"], capture_output=True, text=True, cwd=ROOT)
+                        "--capture", "activations", "--tensors-every", "1", "--max-bytes",
+                        f"{row * 4}B", "--", "python", script, "4"], capture_output=True, text=True,
+                       cwd=ROOT)
     assert p.returncode == 3, p.stderr
     assert f"--max-bytes {row * 4} ({row * 4} bytes) of full tensors reached" in p.stderr, p.stderr
     assert "--max-bytes none: no budget" in p.stderr and "None" not in p.stderr, p.stderr
