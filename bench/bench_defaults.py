@@ -26,9 +26,9 @@ catches up and commits: a commit a second, five times the default ``flush_interv
 the **sustained** figure (a block's whole time over its steps) includes the writer and its
 commits; the **median** step excludes them.  For ``mlp`` and ``many`` the added CPU seconds of
 the whole process (every thread, the writer's included, over the blocks) are given per tensor
-too: a figure the machine's load moves less than wall time.  Under the Trainer each round is one ``train()`` of ``--steps``
-optimizer steps: median of its steps, sustained from its first step to the end of
-``train()``, the recorder's ``close()`` included.  ``close()`` is also timed alone after the
+too: a figure the machine's load moves less than wall time.  Under the Trainer each round is
+one ``train()`` of ``--hf-steps`` optimizer steps: median of its steps, sustained from its
+first step to the end of ``train()``, the recorder's ``close()`` included.  ``close()`` is also timed alone after the
 plain loops' last block (100 steps or more recorded).
 """
 

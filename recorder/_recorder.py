@@ -126,7 +126,8 @@ class Recorder:
 
     def __init__(self, model: nn.Module, store, *, layers="*",
                  capture=("activations", "gradients"), tensors_every=TENSORS_EVERY,
-                 stats_every=1, ring=None, on_nonfinite=ON_NONFINITE, max_samples=None, tensor_dtype=None, mode="w-",
+                 stats_every=1, ring=None, on_nonfinite=ON_NONFINITE, max_samples=None,
+                 tensor_dtype=None, mode="w-",
                  metadata=None, outside_step="warn", max_bytes="auto", flush_interval=5.0,
                  max_pending_bytes=1 << 30, max_device_bytes=1 << 30, max_pinned_bytes=2 << 30,
                  max_replay_bytes=1 << 30, compression="auto", on_error="warn",
