@@ -104,6 +104,13 @@ def bits(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return a, (_decoder(x.dtype) if as_torch == torch.uint8 else K.NO_TABLE), _TABLES[exp_bits]
 
 
+try:                  # torch's one-call flattening of many tensors (what DDP's buckets use)
+    _flat = torch._C._nn.flatten_dense_tensors
+except AttributeError:          # pragma: no cover - another torch
+    def _flat(xs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([x.reshape(-1) for x in xs])
+
+
 def _splits(n: int, threads: int) -> list[int]:
     """Chunk boundaries of ``n`` elements: one per thread from ``PARALLEL_MIN``,
     at most ``_CHUNK_MAX`` each, multiples of the lanes' block."""
@@ -295,7 +302,7 @@ class NumbaEngine(Engine):
         dtype = batched_dtype(exp_bits)
         if xs[0].device.type != "cpu" or not self.ready(dtype):
             return super().reduce_many(xs, exp_bits)
-        flat = torch.cat([x.reshape(-1) for x in xs]).to(dtype)   # 16-bit floats: float32
+        flat = _flat(xs).to(dtype)                                 # 16-bit floats: float32
         sizes = np.fromiter((x.numel() for x in xs), np.int64, len(xs))
         offsets = np.zeros(len(xs) + 1, np.int64)
         np.cumsum(sizes, out=offsets[1:])

@@ -245,7 +245,7 @@ def segment_reductions(flat: torch.Tensor, seg: torch.Tensor, starts: torch.Tens
 class Summaries:
     """Statistics (one array per store name) and histograms of a batch of rows."""
     stats: dict[str, np.ndarray]
-    hist: np.ndarray                  # (n, NBINS)
+    hist: np.ndarray                  # (n, NBINS): exact counts, in float64
 
     def nonfinite(self, i: int) -> tuple[int, int, int]:
         return tuple(int(self.stats[k][i]) for k in ("nan", "posinf", "neginf"))
@@ -260,19 +260,24 @@ def moments(summaries: list[np.ndarray], counts: Sequence[float] = ()) -> tuple[
     matrix, then the element ``counts`` of tensors without float statistics
     (integer, bool or complex: a count and nothing else), in one vectorised pass a
     block: per row (the blocks' rows, then a row per count) its counts, shifted
-    sums, min and max, and its histogram."""
+    sums, min and max, and its histogram: exact counts in float64 (one block and no
+    counts, the common case: a view of the block's, no copy)."""
     n = sum(len(mat) for mat in summaries) + len(counts)
     m = {k: np.zeros(n) for k in (*_COUNTED, "c", "s1", "s2")}
     m["lo"], m["hi"] = np.full(n, np.inf), np.full(n, -np.inf)
-    hist = np.zeros((n, histogram.NBINS), dtype=np.int64)
-    at, head = 0, len(FIELDS)
+    head = len(FIELDS)
+    one = len(summaries) == 1 and not len(counts)
+    hist = summaries[0][:, head: head + histogram.NBINS] if one else \
+        np.zeros((n, histogram.NBINS))
+    at = 0
     m["count"][n - len(counts):] = counts
     for mat in summaries:
         rows = slice(at, at + len(mat))
         at += len(mat)
         m["count"][rows] = mat[:, 0]
         m["floats"][rows] = 1
-        hist[rows] = mat[:, head: head + histogram.NBINS]
+        if not one:
+            hist[rows] = mat[:, head: head + histogram.NBINS]
         m["zeros"][rows] = mat[:, head + histogram.ZERO_BIN]
         for k, slot in (("nan", histogram.NAN_SLOT), ("posinf", histogram.POSINF_SLOT),
                         ("neginf", histogram.NEGINF_SLOT)):
