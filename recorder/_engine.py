@@ -169,7 +169,8 @@ class Engine:
                               for a, b in _groups(sizes, self.piece)])
         return self._reduce_batch(xs, sizes, exp_bits)
 
-    def _reduce_batch(self, xs: list[torch.Tensor], sizes: list[int], exp_bits: int) -> torch.Tensor:
+    def _reduce_batch(self, xs: list[torch.Tensor], sizes: list[int],
+                      exp_bits: int) -> torch.Tensor:
         device = xs[0].device
         flat = torch.cat([x.reshape(-1) for x in xs])        # 16-bit floats promote to float32
         flat = flat.to(batched_dtype(exp_bits))

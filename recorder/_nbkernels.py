@@ -10,9 +10,9 @@ of memory, the second loop's from the cache:
   (a float64 tensor's scaled as ``_summary.scale_exponent`` says, when a first
   pass found it needs it: ``scale``), summed with ``d * d`` (reassociated into
   the CPU's vector lanes: the same sums as ``_summary.reductions`` but for
-  rounding; the blocks' sums are added in order); the minimum and maximum as integer order keys of the bits
-  (``_key``: integer reductions vectorise, float ``min`` does not); and the
-  counts of +0, -0, +Inf and -Inf;
+  rounding; the blocks' sums are added in order); the minimum and maximum as
+  integer order keys of the bits (``_key``: integer reductions vectorise, float
+  ``min`` does not); and the counts of +0, -0, +Inf and -Inf;
 - ``_codes``: each element's histogram code (``format.encode``'s top bits)
   counted into ``LANES`` private int32 rows (element ``i`` into lane
   ``i % LANES``, so a run of equal codes, a ReLU's zeros, does not serialise

@@ -86,8 +86,10 @@ def truth(xs):
     unit = Fraction(1, 1 << 1074)
     span = (max(ints) - min(ints)) * unit
     top = max(abs(i) for i in ints) * unit
-    return {"mean": float(Fraction(s, n) * unit), "std": _root(Fraction(n * q - s * s, n * n) * unit ** 2),
-            "norm": _root(q * unit ** 2), "tol": float(span * n * Fraction(1, 1 << 50) + top / (1 << 50))}
+    return {"mean": float(Fraction(s, n) * unit),
+            "std": _root(Fraction(n * q - s * s, n * n) * unit ** 2),
+            "norm": _root(q * unit ** 2),
+            "tol": float(span * n * Fraction(1, 1 << 50) + top / (1 << 50))}
 
 
 def check(run, step, layer, xs, t):
@@ -210,7 +212,8 @@ def test_the_triton_engine_gets_them_too(tmp_path):
              (300, -1050, -3, 1.0, 4, "tiny"), (9000, 600, -40, 1.0, 6, "top")]
     store = str(tmp_path / "run.zarr")
     env = dict(os.environ, TENSORTAPE_ENGINE="triton", TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, "-c", TRITON, store, repr(cases), os.path.dirname(__file__)],
+    p = subprocess.run([sys.executable, "-c", TRITON, store, repr(cases),
+                        os.path.dirname(__file__)],
                        env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert p.returncode == 0 and p.stdout.strip() == "TritonEngine", p.stderr[-3000:]
     xs = torch.load(store + ".pt")
