@@ -14,6 +14,9 @@ equal theirs but for rounding.
   counting codes into private rows; the counts and sums are merged at the
   end, in chunk order.  The kernels hold no GIL.
 - A step's tiny tensors go through one kernel call (``reduce_many``).
+- A float64 tensor whose extremes ask for a scale (``_summary.scale_exponent``:
+  past ``2 ** 448`` or below ``2 ** -448``) is read a second time, for its
+  scaled sums (``_rescale``); no other tensor is.
 
 **Compiled once per machine, never in this process.**  numba caches the kernels
 on disk (``cache=True``).  A dtype's kernels are compiled by a child process
@@ -254,7 +257,7 @@ class NumbaEngine(Engine):
             shift = K.shift_of(a, 0, a.size, dec)
             parts, counts, special = self._parts(a, dec, shift, None, table.size >> 1)
             K.finish(a.size, shift, parts, counts, special, table, out.numpy())
-        self._rescale(a, dec, out.numpy().reshape(1, -1), (0, a.size))
+        self._rescale(a, dec, out, (0, a.size))
         return out
 
     def _parts(self, a: np.ndarray, dec: np.ndarray, shift: float, scale: float | None,
@@ -272,13 +275,14 @@ class NumbaEngine(Engine):
                     parts, n)
         return parts, counts, special
 
-    def _rescale(self, a: np.ndarray, dec: np.ndarray, vecs: np.ndarray, offsets) -> None:
-        """The sums of the float64 tensors (rows of ``vecs``, at ``offsets`` in ``a``)
+    def _rescale(self, a: np.ndarray, dec: np.ndarray, vecs: torch.Tensor, offsets) -> None:
+        """The sums of the float64 tensors (``vecs``' rows, at ``offsets`` in ``a``)
         whose largest finite magnitude asks for a scale (``scale_exponent``: past
         ``2 ** 448`` or below ``2 ** -448``), taken again, scaled: a second read,
         for those rare tensors only (the first found their extremes)."""
         if a.dtype != np.uint64:
             return
+        vecs = vecs.numpy().reshape(-1, VECTOR)
         exps = scale_exponent(np.maximum(np.abs(vecs[:, 4]), np.abs(vecs[:, 5])))
         for r in np.flatnonzero(exps):
             parts = self._parts(a[offsets[r]:offsets[r + 1]], dec, vecs[r, 1],
@@ -326,5 +330,5 @@ class NumbaEngine(Engine):
         a, dec, table = bits(flat)
         table_out = torch.empty((len(xs), VECTOR), dtype=torch.float64)
         K.many(a, offsets, 0, len(xs), dec, table, table_out.numpy())
-        self._rescale(a, dec, table_out.numpy(), offsets)
+        self._rescale(a, dec, table_out, offsets)
         return table_out
