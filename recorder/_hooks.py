@@ -385,7 +385,10 @@ class _PostHook(_Hook):
             if not (acts or wants_grad or later):
                 continue
             if wants_grad and not t.is_leaf and torch.compiler.is_compiling():
-                self._traced(t, path, first)
+                if _ops.EAGER_GRAD_HOOKS:
+                    _outside(self, t, path, first)
+                else:
+                    self._traced(t, path, first)
                 first = False
                 continue
             what = self.with_grad if wants_grad or later else _ACTIVATIONS
@@ -433,6 +436,15 @@ class _KeepHook(_Hook):
             else:
                 hs.on_keep(self.module, module, None, None, last, enter=False)
         return None
+
+
+@torch.compiler.disable
+def _outside(hook: _PostHook, t: torch.Tensor, path: str, first: bool) -> None:
+    """An output whose gradient is wanted, captured and hooked outside the graph
+    (a graph break), where this torch's Dynamo would rewrite the hook
+    (``_ops.EAGER_GRAD_HOOKS``)."""
+    serial = _ops.capture(t, hook.hookset, hook.module, path, hook.with_grad, first)
+    t.register_hook(functools.partial(_grad_hook, serial=serial, hookset=hook.hookset))
 
 
 def _grad_hook(grad, serial, hookset):

@@ -71,6 +71,12 @@ class What(enum.Enum):
         return self.kind or Kind.GRADIENTS
 
 
+# whether this torch's Dynamo rewrites a hook on an intermediate tensor as an autograd
+# function (torch 2.11), which breaks compiled code where the model then changes that
+# tensor in place: its outputs' gradient hooks are then registered outside the graph, a
+# graph break each (set at attach, by ``_compile``)
+EAGER_GRAD_HOOKS = False
+
 _hooksets: dict[int, weakref.ref] = {}
 _ids = itertools.count(1)
 _lock = threading.Lock()
