@@ -417,6 +417,10 @@ def _statistics(m: dict) -> Summaries:
         norm = np.ldexp(np.sqrt(np.maximum(s2 + 2 * c * s1 + n * c * c, 0.0)), k)
         mean = np.ldexp(c + s1 / safe, k)
         std = np.ldexp(np.sqrt(np.maximum(m2, 0.0) / safe), k)
+    # bounds the values set (the mean within them, the std at most half their range): rounding
+    # never takes either past them, nor past float64 (the norm alone may truly be past it)
+    mean = np.minimum(np.maximum(mean, lo), hi)
+    std = np.minimum(std, hi / 2 - lo / 2)
     stats = {
         "count": m["count"],
         "mean": np.where(has, mean, np.nan),
