@@ -154,11 +154,22 @@ def _forward_pass(hookset: int, enter: bool) -> torch.Tensor:
 
 
 if hasattr(torch.library, "custom_op"):           # torch >= 2.4
+    import inspect
     from torch.fx.node import has_side_effect
 
-    _capture_op = torch.library.custom_op("tensortape::capture", mutates_args=())(_capture)
-    _capture_grad_op = torch.library.custom_op("tensortape::capture_grad",
-                                               mutates_args=())(_capture_grad)
+    # CUDA graphs (mode="reduce-overhead") never hold these ops: the recorder keeps
+    # the tensors they see past the graph's replay, which a graph's memory pool
+    # refuses ("tensors in the cudagraph pool not tracked as outputs"); tagged,
+    # inductor runs them between the graph's partitions, or skips CUDA graphs.
+    _unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
+    _tags = ({"tags": (_unsafe,)} if _unsafe is not None
+             and "tags" in inspect.signature(torch.library.custom_op).parameters else {})
+
+    def _custom_op(name, fn):
+        return torch.library.custom_op(f"tensortape::{name}", mutates_args=(), **_tags)(fn)
+
+    _capture_op = _custom_op("capture", _capture)
+    _capture_grad_op = _custom_op("capture_grad", _capture_grad)
 
     @_capture_op.register_fake
     def _(x, hookset, module, path, what, first, site):
@@ -168,15 +179,13 @@ if hasattr(torch.library, "custom_op"):           # torch >= 2.4
     def _(g, serial, hookset):
         return None
 
-    _capture_after_op = torch.library.custom_op("tensortape::capture_after",
-                                                mutates_args=())(_capture_after)
+    _capture_after_op = _custom_op("capture_after", _capture_after)
 
     @_capture_after_op.register_fake
     def _(x, after, hookset, module, path, what, first, site):
         return torch.empty((), dtype=torch.int64)
 
-    _forward_pass_op = torch.library.custom_op("tensortape::forward_pass",
-                                               mutates_args=())(_forward_pass)
+    _forward_pass_op = _custom_op("forward_pass", _forward_pass)
 
     @_forward_pass_op.register_fake
     def _(hookset, enter):

@@ -218,3 +218,29 @@ def test_compiled_gradients_with_and_without_a_graph_break(tmp_store, broken, fr
         np.testing.assert_array_equal(run.tensor(n, kind, step=0).values, want.numpy(),
                                       err_msg=f"{kind} {n}")
     assert len(truth) == 4
+
+
+def test_cuda_graphs_leave_the_recorders_ops_out(tmp_store, fresh_dynamo):
+    """mode="reduce-overhead" (CUDA graphs): the recorder keeps the tensors its ops see
+    past a graph's replay, which a graph's memory pool refuses, so inductor's own test of
+    what a CUDA graph may hold must find the recorder's ops unsafe (it then runs them
+    between the graph's partitions, or skips CUDA graphs), in the forward and the
+    backward graph.  (Checked on the CPU with inductor's own rule; a GPU run is the
+    proof.)"""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+    found = []
+
+    def keep(gm, _):
+        node = get_first_incompatible_cudagraph_node(gm)
+        found.append(None if node is None else str(node.target))
+        return make_boxed_func(gm.forward)
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    with Recorder(compiled, tmp_store, tensors_every=None) as rec:
+        _steps(compiled, rec, 1)
+    assert len(found) >= 2 and all(f is not None and f.startswith("tensortape.")
+                                   for f in found), found
+    assert open_run(tmp_store).steps("gradients").tolist() == [0]
