@@ -177,7 +177,7 @@ class Rows:
         blocks = (self.read(c) for c in self.order(worker, workers))
         if self.shuffle:
             rng = np.random.default_rng([self.seed, self.epoch, worker, 1])
-            blocks = _mixed(blocks, self.buffer_rows, rng)
+            blocks = _mixed(blocks, max(1, min(self.buffer_rows, len(self))), rng)
         if self.batch_size is None:
             return _single(blocks)
         return _batched(blocks, self.batch_size, self.drop_last)
@@ -191,6 +191,8 @@ class Rows:
             block = decode_bits(block, p.logical)
         tokens = _rows_of(p.tokens, p.token_rows, at)
         mask = _rows_of(p.mask, p.mask_rows, at)
+        if tokens is None and mask is None and _whole(p, at, block):
+            return self._whole_rows(p, at, lo, block)
         parts: dict[str, list] = {k: [] for k in ("x", *META)}
         for j, k in enumerate(at):
             ext = p.extent[k]
@@ -210,6 +212,25 @@ class Rows:
                 parts[c].append(v)
         return {c: (np.concatenate(v).astype(np.int64, copy=False) if c != "x"
                     else np.concatenate(v)) for c, v in parts.items() if v}
+
+    def _whole_rows(self, p: _Part, at, lo: int, block) -> dict[str, np.ndarray]:
+        """``read`` of a chunk whose rows are whole and consecutive (``_whole``)."""
+        first = int(p.rows[at[0]]) - lo
+        x = block[first:first + len(at)]
+        lead = x.shape[1:-1]
+        per, n = int(np.prod(lead)), len(at) * int(np.prod(lead))
+        flat = np.arange(per)
+        return {"x": x.reshape(n, x.shape[-1]), "step": np.repeat(p.steps[at], per),
+                "micro": np.repeat(p.micros[at], per), "rank": np.full(n, p.rank, np.int64),
+                "sequence": np.tile(flat // lead[-1], len(at)),
+                "position": np.tile(flat % lead[-1], len(at))}
+
+
+def _whole(p: _Part, at: np.ndarray, block: np.ndarray) -> bool:
+    """Whether a chunk's rows ``at`` are consecutive and each at the table's full
+    shape (no padding): then its rows are a view of the block read."""
+    rows = p.rows[at]
+    return bool((np.diff(rows) == 1).all() and (p.extent[at] == block.shape[1:]).all())
 
 
 def _chosen(values: np.ndarray, which) -> np.ndarray:
@@ -283,22 +304,24 @@ def _single(blocks) -> Iterator[dict]:
 
 
 def _batched(blocks, size: int, drop_last: bool) -> Iterator[dict]:
-    """Blocks cut into batches of ``size`` rows (the last shorter, or dropped)."""
+    """Blocks cut into batches of ``size`` rows (the last shorter, or dropped); a
+    batch inside one block is a view of it, one across blocks is joined."""
     held: list[dict] = []
     n = 0
     for b in blocks:
-        held.append(b)
-        n += len(b["x"])
-        if n < size:
-            continue
-        joined = {c: np.concatenate([h[c] for h in held]) for c in b}
-        k = (n // size) * size
-        for lo in range(0, k, size):
-            yield {c: v[lo:lo + size] for c, v in joined.items()}
-        held, n = ([{c: v[k:] for c, v in joined.items()}] if n > k else []), n - k
+        start, rows = 0, len(b["x"])
+        if held and n + rows >= size:               # complete the batch begun before
+            start = size - n
+            yield {c: np.concatenate([*(h[c] for h in held), b[c][:start]]) for c in b}
+            held, n = [], 0
+        while start + size <= rows and not held:
+            yield {c: v[start:start + size] for c, v in b.items()}
+            start += size
+        if start < rows:
+            held.append({c: v[start:] for c, v in b.items()})
+            n += rows - start
     if n and not drop_last:
         yield {c: np.concatenate([h[c] for h in held]) for c in held[0]}
-
 
 _TORCH: dict = {}
 

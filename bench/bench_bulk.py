@@ -30,6 +30,14 @@ fsync): a plain sequential read of its memmap file; tensortape's
 random rows from the memmap; and a Hugging Face ``datasets`` Arrow copy of the
 same rows, in order and shuffled (``pip install datasets``; skipped without).
 
+**Device to host** (``--d2h``, on a CUDA device; torch alone): the numbers the
+GPU plan needs.  GB/s of a device-to-host copy of 4, 64 and 512 MB into
+pageable memory (``.cpu()``), into a pinned buffer allocated for it, and into
+one from a pool (allocated once); the cost of pinning a buffer; and a step of
+matmuls (bf16, 8192^2) alone against the same step with its activations copied
+to pinned buffers on a side stream (the training stream never waits for them):
+the added time a step, and the copies' GB/s while it runs.
+
 **Small** (``--small``): 200 layers of (4, 16): the added time per tensor of
 tensortape's full tensors (``compression=None``) and of torch.save.
 """
@@ -49,8 +57,6 @@ import time
 import numpy as np
 import torch
 from torch import nn
-
-from tensortape import Recorder, open_run
 
 MB = 1e6
 
@@ -169,6 +175,7 @@ def memmaps(layers, tmp, shape, steps):
 def tensortape(layers, tmp, compression, name="tt"):
     where = os.path.join(tmp, f"{name}-{compression}.zarr")
     c = Contender(layers, where)
+    from tensortape import Recorder
     rec = Recorder(c.m, where, layers=[str(i) for i in range(layers)], capture="activations", tensors_every=1,
                    compression=compression, max_bytes=None).attach()
     c.before = lambda i: rec.step(i)
@@ -250,6 +257,8 @@ def bench_read(args, written, tmp):
         return n // (4 * d)
 
     def tt(shuffle):
+        from tensortape import open_run
+
         def go():
             r = open_run(store).rows("0", shuffle=shuffle, batch_size=4096, seed=0)
             return sum(len(b["x"]) for b in r)
@@ -311,6 +320,70 @@ def bench_small(args, tmp):
     return out
 
 
+def bench_d2h(args):
+    dev = torch.device("cuda")
+    out = {"device": torch.cuda.get_device_name(dev)}
+
+    def rate(fn, nbytes, reps=5):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return nbytes * reps / (time.perf_counter() - t) / 1e9
+
+    for mb in (4, 64, 512):
+        n = mb << 20
+        x = torch.empty(n // 2, dtype=torch.bfloat16, device=dev).normal_()
+        pool = torch.empty(n // 2, dtype=torch.bfloat16, pin_memory=True)
+        t = time.perf_counter()
+        fresh = torch.empty(n // 2, dtype=torch.bfloat16, pin_memory=True)
+        pin_s = time.perf_counter() - t
+        del fresh
+        out[f"{mb} MB"] = {
+            "pageable GB/s": rate(lambda: x.cpu(), n),
+            "pinned, allocated each time GB/s": rate(
+                lambda: torch.empty(n // 2, dtype=torch.bfloat16, pin_memory=True).copy_(
+                    x, non_blocking=True), n),
+            "pinned pool GB/s": rate(lambda: pool.copy_(x, non_blocking=True), n),
+            "pin a buffer ms/GB": pin_s * 1e3 / (n / 1e9)}
+    w = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    h0 = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    layers = 8
+    pool = [torch.empty_like(h0, device="cpu").pin_memory() for _ in range(layers)]
+    side = torch.cuda.Stream()
+
+    def step(copy):
+        h = h0
+        for i in range(layers):
+            h = torch.tanh(h @ w)
+            if copy:
+                done = torch.cuda.Event()
+                done.record()
+                with torch.cuda.stream(side):
+                    side.wait_event(done)
+                    pool[i].copy_(h, non_blocking=True)
+                    h.record_stream(side)
+        return h
+
+    def timed(copy, reps=10):
+        step(copy)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            step(copy)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / reps
+    bare, copied = timed(False), timed(True)
+    nbytes = layers * h0.numel() * 2
+    out["step"] = {"layers": layers, "MB copied a step": nbytes / MB, "bare ms": bare * 1e3,
+                   "with side-stream copies ms": copied * 1e3,
+                   "added": copied / bare - 1, "copies GB/s during the step": nbytes / copied / 1e9}
+    print(json.dumps(out, indent=1))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -319,11 +392,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--read", action="store_true")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--d2h", action="store_true", help="only the device-to-host copies (CUDA)")
     ap.add_argument("--json")
     ap.add_argument("--dir", help="where to write (default: a temporary folder; the disk measured)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-bulk-", dir=args.dir)
     report = {"load_before": os.getloadavg(), "cpus": os.cpu_count(), "args": vars(args)}
+    if args.d2h:
+        report["d2h"] = bench_d2h(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        return
     try:
         report["write"], written = bench_write(args, tmp)
         if args.read:

@@ -101,7 +101,7 @@ def check_against(truth, rows, masked=False):
     for r in rows:
         x, token, _ = truth[key(r)]
         assert np.array_equal(r["x"], x)
-        assert r["token"] == token and r["rank"] == 0
+        assert r.get("token", token) == token and r["rank"] == 0
 
 
 def test_in_order_every_row_once_as_the_hooks_saw_it_and_no_padding(recorded):
@@ -121,19 +121,21 @@ def test_in_order_every_row_once_as_the_hooks_saw_it_and_no_padding(recorded):
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), buffer_rows=st.integers(1, 60),
        batch_size=st.one_of(st.none(), st.integers(1, 13)), masked=st.booleans(),
+       tokens=st.sampled_from(["auto", None]),
        steps=st.one_of(st.none(), st.tuples(st.integers(0, STEPS), st.integers(0, STEPS))))
 def test_shuffled_rows_are_each_row_once_within_steps_and_mask(recorded, seed, buffer_rows,
-                                                                batch_size, masked, steps):
+                                                                batch_size, masked, tokens, steps):
     store, truth = recorded
     chosen = None if steps is None else slice(min(steps), max(steps))
     if chosen is not None:
         truth = {k: v for k, v in truth.items() if chosen.start <= k[0] < chosen.stop}
     rows = open_run(store).rows("blocks.0", seed=seed, buffer_rows=buffer_rows,
-                                batch_size=batch_size, steps=chosen,
+                                batch_size=batch_size, steps=chosen, tokens=tokens,
                                 mask="(root):attention_mask" if masked else None)
     items = list(rows)
     if batch_size is not None:
         assert all(len(b["x"]) == batch_size for b in items[:-1])
+    assert all(("token" in b) == (tokens is not None) for b in items)
     check_against(truth, as_rows(items), masked)
 
 
