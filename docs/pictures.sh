@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the README's pictures: bash docs/pictures.sh (about 3 minutes on a CPU; the
+# Regenerate the README's pictures: bash docs/pictures.sh (a few minutes on a CPU; the
 # browser view's screenshots need Playwright and Debian's chromium at /usr/bin/chromium).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,7 @@ tensortape plot "$tmp/demo.zarr" --layer encoder.layers.0.linear2 --kind gradien
     --type histogram --step 10 --scale symlog -o docs/histogram.png   # tails over 30 decades
 tensortape compare "$tmp/stable.zarr" "$tmp/demo.zarr" --kind gradients -o docs/compare.png \
     > /dev/null || true          # exit 1: the runs diverge, as they should
+python3 sample_runs/sae.py "$tmp/sae" > /dev/null && cp "$tmp/sae/sae.png" docs/sae.png
 # the browser view, as a user opens it: the two runs served, the diverged one shown, its
 # first NaN jumped to (serve.png); the two runs' difference map below it (serve-compare.png)
 python3 - "$tmp/stable.zarr" "$tmp/demo.zarr" <<'EOF'

@@ -42,8 +42,7 @@ def record_lm(store: str, steps: int) -> list[float]:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=D, n_layer=2,
                                        n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                                       attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-                                       loss_type="ForCausalLM"))
+                                       attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     with Recorder(model, store, layers="transformer.h.1", capture=("activations", "batch"),
