@@ -241,3 +241,21 @@ def test_the_sae_sample_walks_the_whole_path(tmp_path):
     assert sae["tokens_seen"] <= set(range(sample.VOCAB)) and len(sae["tokens_seen"]) > 10
     assert sae["fvu"][-1] < sae["fvu"][0]
     assert (tmp_path / "sae.png").stat().st_size > 0
+
+
+def test_bfloat16_rows_are_the_stored_bits_decoded_and_the_dataset_pickles(tmp_path):
+    import pickle
+    model = nn.Sequential(nn.Linear(8, 8))
+    seen = []
+    model[0].register_forward_hook(lambda m, a, out: seen.append(
+        out.detach().to(torch.bfloat16).float().numpy().reshape(-1, 8)))
+    with Recorder(model, str(tmp_path / "bf.zarr"), layers="0", capture="activations",
+                  tensors_every=1, tensor_dtype="bfloat16", max_bytes=None) as rec:
+        for s in range(3):
+            with rec.step(s):
+                model(torch.randn(2, 5, 8)).sum().backward()
+    run = open_run(str(tmp_path / "bf.zarr"))
+    got = np.stack([r["x"] for r in run.rows("0", shuffle=False)])
+    assert got.dtype == np.float32 and np.array_equal(got, np.concatenate(seen))
+    ds = pickle.loads(pickle.dumps(run.dataset("0", batch_size=4)))     # a spawned worker's copy
+    assert sum(len(b["x"]) for b in ds) == len(got)
