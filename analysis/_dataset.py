@@ -65,7 +65,8 @@ class Rows:
     Iterating gives dicts: ``x`` (``(d,)``, or ``(batch_size, d)`` with
     ``batch_size``), and ``token`` (where the run has token ids), ``step``,
     ``micro``, ``rank``, ``sequence`` and ``position``.  ``unmatched`` lists the
-    ``(rank, step, micro)`` whose tensors have no token ids (left out)."""
+    ``(rank, step, micro)`` whose tensors have no token ids (or mask) beside them:
+    left out."""
 
     def __init__(self, index: RunIndex, layer: str, kind: str = "activations", *, steps=None,
                  ranks=None, micros=None, tokens="auto", mask=None, shuffle: bool = True,
@@ -86,12 +87,10 @@ class Rows:
         chosen = index.ranks if ranks is None else [index.rank(r) for r in np.atleast_1d(ranks)]
         tensors = Tensors(index)
         self.parts = [self._part(index, tensors, r, steps, micros, tokens, mask) for r in chosen]
-        self.width = self.parts[0].extent[0, -1] if any(len(p.rows) for p in self.parts) else 0
-        for p in self.parts:
-            if len(p.rows) and (p.extent[:, -1] != self.width).any():
-                raise ConfigError(f"{layer!r} ({kind}) changes its last axis across steps; a "
-                                  f"row is one vector of its last axis, which must keep its size")
-        self.has_tokens = any(p.tokens is not None for p in self.parts)
+        widths = {int(w) for p in self.parts for w in np.unique(p.extent[:, -1])}
+        if len(widths) > 1:
+            raise ConfigError(f"{layer!r} ({kind}) changes its last axis across steps; a "
+                              f"row is one vector of its last axis, which must keep its size")
         # the chunks: (part, first row, end row, positions of its rows in the part)
         self.chunks = []
         for i, p in enumerate(self.parts):
@@ -139,14 +138,16 @@ class Rows:
                 setattr(part, f, v[~lost])
         at = at[~lost]
         lead = part.extent[:, :-1]
-        theirs = ext[at][:, : data.ndim - 1] if len(at) else np.zeros((0, data.ndim - 1), np.int64)
-        if data.ndim - 1 != lead.shape[1] or (theirs != lead).any():
-            bad = 0 if data.ndim - 1 != lead.shape[1] else int(np.nonzero((theirs != lead).any(1))[0][0])
-            raise ConfigError(
-                f"{role} {layer!r} at step {int(part.steps[bad]) if len(at) else '?'} has shape "
-                f"{tuple(theirs[bad]) if len(at) else data.shape[1:]}, not the leading axes "
-                f"{tuple(lead[bad]) if len(at) else ()} of {self.layer!r}; pass {role}= the "
-                f"inputs recorded with it (or {role}=None)")
+        fix = f"pass {role}= the inputs recorded with {self.layer!r}, or {role}=None"
+        if data.ndim - 1 != lead.shape[1]:
+            raise ConfigError(f"{role} {layer!r} has {data.ndim - 1} axes, not the {lead.shape[1]} "
+                              f"leading axes of {self.layer!r}; {fix}")
+        differ = np.nonzero((ext[at][:, : lead.shape[1]] != lead).any(axis=1))[0]
+        if len(differ):
+            i = int(differ[0])
+            raise ConfigError(f"{role} {layer!r} at step {int(part.steps[i])} has shape "
+                              f"{tuple(map(int, ext[at[i]][: lead.shape[1]]))}, not the leading "
+                              f"axes {tuple(map(int, lead[i]))} of {self.layer!r}; {fix}")
         if role == "tokens":
             part.tokens, part.token_rows = data, rows[at]
         else:

@@ -202,7 +202,7 @@ def test_bad_choices_are_one_line_naming_the_fix(recorded):
     run = open_run(store)
     with pytest.raises(ConfigError, match="buffer_rows=0"):
         run.rows("blocks.0", buffer_rows=0)
-    with pytest.raises(ConfigError, match="not the leading axes"):
+    with pytest.raises(ConfigError, match="not the 1 leading axes"):
         run.rows("(root):0", kind="inputs", tokens="(root):0")
     with pytest.raises(ConfigError, match="capture"):
         Recorder(TinyLM(), store + "x", capture=("activations", "tokens"))
