@@ -21,7 +21,7 @@ import sys
 import click
 
 from tensortape.recorder.errors import ConfigError, RecorderError, command_line
-from tensortape.recorder.format import COUNT_STATS, KINDS, STATS
+from tensortape.recorder.format import CAPTURES, COUNT_STATS, KINDS, STATS
 
 INTEGERS = COUNT_STATS + ("delta_count", "delta_nan", "delta_posinf", "delta_neginf",
                           "worst_step", "rel_l2_step")
@@ -320,7 +320,7 @@ RECORDER_FLAGS = ("mode", "tensors_every", "stats_every", "ring", "on_nonfinite"
               help="the first step's number (default: 0, or with --mode a the step after the "
                    "run's last); each optimizer step adds 1")
 @click.option("--layers", multiple=True, help="glob pattern of layers (repeatable; default all)")
-@click.option("--capture", multiple=True, type=click.Choice(KINDS),
+@click.option("--capture", multiple=True, type=click.Choice(CAPTURES),
               help="what to record (repeatable; default activations and gradients)")
 @click.option("--tensors-every", type=click.IntRange(min=0), default=None,
               help="persist full tensors every N steps (default 0: statistics only, and the "

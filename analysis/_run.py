@@ -194,6 +194,32 @@ class Run:
         to float32); empty where the step holds no full tensor of ``layer``."""
         return self._tensors.micro_batches(layer, kind, int(step), self._rank(rank))
 
+    # --- full tensors as a data set ---------------------------------------------------
+    def rows(self, layer: str, kind: str = "activations", **options):
+        """The full tensors of ``layer`` as per-token rows, numpy (no torch): an
+        iterable of dicts ``x`` (the row, along the tensor's last axis), ``token``
+        (where the run holds token ids: ``capture=("activations", "batch")``),
+        ``step``, ``micro``, ``rank``, ``sequence`` and ``position``.  Padding is
+        never a row.
+
+        steps: None (all), a half-open slice or a list; ranks, micros: None (all), an
+        int or a list.  tokens: the inputs holding token ids (``"auto"``: the root's
+        ``input_ids``, or its lone integer input; None: none).  mask: the inputs
+        whose zeros are left out (e.g. ``"(root):attention_mask"``).  shuffle (True),
+        buffer_rows (65,536), seed (0) and ``set_epoch``: whole chunks in a drawn
+        order, their rows mixed in a buffer of that many rows.  batch_size: None
+        (single rows) or rows per item; drop_last.  docs/GUIDE.md, "Activations as a
+        data set"."""
+        from ._dataset import Rows
+        return Rows(self._index, layer, kind, **options)
+
+    def dataset(self, layer: str, kind: str = "activations", **options):
+        """``rows(layer, kind, **options)`` as a torch ``IterableDataset``
+        (DataLoader-ready: with ``num_workers=N`` each worker reads its own chunks,
+        every row once); ``x`` as a tensor."""
+        from ._dataset import as_torch
+        return as_torch(self.rows(layer, kind, **options))
+
     # --- non-finite values -----------------------------------------------------------
     def events_of(self, rank: int | None = None) -> list[NonFiniteEvent]:
         """One rank's events, or with ``rank=None`` every rank's, ordered by step, then

@@ -73,6 +73,11 @@ class Tensors:
         data = self.index.source.array(path + "/data")
         return self.index.committed(rank)[path] * int(np.prod(data.shape[1:])) * data.dtype.itemsize
 
+    def rows(self, path: str, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The rows a reader reads of a tensor table (the latest recording's), ordered
+        by (step, micro-batch), with their steps, micro-batches and extents."""
+        return self._rows(path, rank)
+
     def _rows(self, path: str, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The rows a reader reads of a tensor table, ordered by (step, micro-batch):
         of each, the latest recording's (``RunIndex.current_rows``); and their

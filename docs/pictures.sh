@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the README's pictures: bash docs/pictures.sh (about 3 minutes on a CPU; the
+# Regenerate the README's pictures: bash docs/pictures.sh (a few minutes on a CPU; the
 # browser view's screenshots need Playwright and Debian's chromium at /usr/bin/chromium).
 set -euo pipefail
 docs="$(cd "$(dirname "$0")" && pwd)"
@@ -16,6 +16,7 @@ tensortape plot demo.zarr --layer encoder.layers.0.linear2 --kind gradients \
     --type histogram --step 10 --scale symlog -o "$docs/histogram.png"   # tails over 30 decades
 tensortape compare stable.zarr demo.zarr --kind gradients -o "$docs/compare.png" \
     > /dev/null || true          # exit 1: the runs diverge, as they should
+python3 sample_runs/sae.py "$tmp/sae" > /dev/null && cp "$tmp/sae/sae.png" docs/sae.png
 # the browser view, as a user opens it: the two runs served, the diverged one shown, its
 # first NaN jumped to (serve.png); the two runs' difference map below it (serve-compare.png)
 python3 - stable.zarr demo.zarr "$docs" <<'EOF'

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .errors import ConfigError, argument
-from .format import KINDS
+from .format import CAPTURES
 
 NONFINITE_POLICIES = ("record", "dump", "raise", "replay")
 DUMPING = ("dump", "raise", "replay")      # the policies that store the ring at a NaN/Inf
@@ -76,9 +76,9 @@ class RecorderConfig:
             capture = (capture,)
         capture = tuple(capture)
         for c in capture:
-            _choice("capture", c, KINDS)
+            _choice("capture", c, CAPTURES)
         if not capture:
-            raise ConfigError(f"capture=() records nothing; use some of {', '.join(map(repr, KINDS))}")
+            raise ConfigError(f"capture=() records nothing; use some of {', '.join(map(repr, CAPTURES))}")
         if type(tensors_every) is int and tensors_every == 0:
             tensors_every = None                # 0 is None, as on the command line
         _every("tensors_every", tensors_every, allow_none=True,

@@ -48,7 +48,7 @@ from ._ops import What
 from ._recompute import Recomputation, reentrant_forward
 from ._selection import module_table, unwrap
 from .errors import InspectionError, NonFiniteError, TensortapeWarning
-from .format import Kind, join, label
+from .format import BATCH, Kind, join, label
 
 if TYPE_CHECKING:
     from ._keeper import Keeper
@@ -115,6 +115,10 @@ class HookSet:
         post = Kind.ACTIVATIONS in k or Kind.GRADIENTS in k
         self._handles.append(self._root.register_forward_pre_hook(
             _PassHook(self.id, True, self.eval_id), with_kwargs=True))
+        if BATCH in k and not (Kind.INPUTS in k and "" in dict(self._modules)):
+            # the root's integer inputs (its pass has begun: they are its micro-batch's)
+            self._handles.append(self._root.register_forward_pre_hook(
+                _PreHook(self.id, "", True, False, integers=True), with_kwargs=True))
         for name, module in self._modules:
             if pre:
                 self._handles.append(module.register_forward_pre_hook(
@@ -350,14 +354,18 @@ class _PassHook(_Hook):
 
 
 class _PreHook(_Hook):
-    def __init__(self, hookset: int, module: str, inputs: bool, weights: bool):
+    def __init__(self, hookset: int, module: str, inputs: bool, weights: bool,
+                 integers: bool = False):
         super().__init__(hookset, module)
         self.inputs, self.weights = inputs, weights
+        self.integers = integers                # capture="batch": integer and bool inputs only
 
     def run(self, module, args, kwargs):
         first = True
         if self.inputs:
             for path, t in input_leaves(args, kwargs):
+                if self.integers and (t.is_floating_point() or t.is_complex()):
+                    continue
                 _ops.capture(t, self.hookset, self.module, path, _INPUTS, first)
                 first = False
         if self.weights:

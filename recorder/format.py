@@ -105,6 +105,10 @@ class Kind(str, enum.Enum):
 
 
 KINDS = tuple(k.value for k in Kind)
+# a ``capture`` value that is no kind of its own: the recorded root's integer and bool
+# inputs (token ids, attention masks, labels), stored as its ``inputs`` (``(root):input_ids``)
+BATCH = "batch"
+CAPTURES = (*KINDS, BATCH)
 FORWARD_KINDS = ("inputs", "activations", "weights")
 BACKWARD_KINDS = ("gradients", "weight_grads")
 
