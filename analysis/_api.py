@@ -236,19 +236,18 @@ def stats(run, layer: str, kind: str = "activations", rank=None, start=None, sto
 # --- scalars ------------------------------------------------------------------------------------
 def scalars(run, rank=None) -> dict:
     """The run's logged scalars (``run.scalars()`` where this tensortape has it) of
-    ``rank`` (default: the first): ``step`` and one list per scalar, NaN (``"nan"``)
-    where a name has no value at a step; none: ``{"step": []}``."""
+    ``rank`` (default: the first): ``step``; ``values``, {name: one number per step},
+    NaN (``"nan"``) where a name has no value at a step; ``nonfinite``, {name: the
+    steps whose logged value is NaN or an Inf}.  A name is only ever a key of
+    ``values`` and ``nonfinite``, so any name keeps its values."""
     rank = _rank(run, rank)
     read = getattr(run, "scalars", None)
     if read is None:
-        return {"step": []}
+        return {"step": [], "values": {}, "nonfinite": {}}
     ds = read(rank=rank) if len(run.ranks) > 1 else read()
-    out = {"step": ints(ds["step"].values) if "step" in ds.coords else []}
-    for name in ds.data_vars:
-        out[str(name)] = numbers(ds[name].values)
-    if out["step"]:
-        out["nonfinite"] = _scalars_nonfinite(run, rank)
-    return out
+    steps = ints(ds["step"].values) if "step" in ds.coords else []
+    return {"step": steps, "values": {str(name): numbers(ds[name].values) for name in ds.data_vars},
+            "nonfinite": _scalars_nonfinite(run, rank) if steps else {}}
 
 
 def _scalars_nonfinite(run, rank: int) -> dict:
