@@ -322,17 +322,18 @@ RECORDER_FLAGS = ("mode", "tensors_every", "stats_every", "ring", "on_nonfinite"
 @click.option("--layers", multiple=True, help="glob pattern of layers (repeatable; default all)")
 @click.option("--capture", multiple=True, type=click.Choice(KINDS),
               help="what to record (repeatable; default activations and gradients)")
-@click.option("--tensors-every", type=click.IntRange(min=0), default=1, show_default=True,
-              help="persist full tensors every N steps (0: statistics only)")
+@click.option("--tensors-every", type=click.IntRange(min=0), default=None,
+              help="persist full tensors every N steps (default 0: statistics only, and the "
+                   "ring dumped at a NaN/Inf)")
 @click.option("--stats-every", type=click.IntRange(min=1), default=1, show_default=True,
               help="statistics and histograms every N steps (non-finite values are counted "
                    "at every step)")
-@click.option("--ring", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--ring", type=click.IntRange(min=0), default=None,
               help="keep the full tensors of the K steps before the current one in memory, "
-                   "written out when a NaN/Inf appears (needs --on-nonfinite dump, raise or "
-                   "replay)")
+                   "written out when a NaN/Inf appears (default: 2 where --on-nonfinite "
+                   "dumps, else 0; more needs --on-nonfinite dump, raise or replay)")
 @click.option("--on-nonfinite", type=click.Choice(["record", "dump", "raise", "replay"]),
-              default="record", show_default=True,
+              default="dump", show_default=True,
               help="on a NaN/Inf: record the event; dump: also write the ring and the step's "
                    "full tensors; raise: dump, then stop training with NonFiniteError; replay: "
                    "dump, and name the op and the line that made it (tensortape nan shows it)")
@@ -408,6 +409,7 @@ def info(run, fmt):
     r = _open(run)
     s = r.summary()
     s["disk_bytes"] = r.disk_bytes()
+    s["config"] = r.config
     if fmt == "json":
         return _json(s)
     _out(f"run      {run}")
@@ -416,6 +418,8 @@ def info(run, fmt):
         _out(f"resumed  {s['recordings'] - 1} time{'s' * (s['recordings'] > 2)} (mode a): "
              f"{s['recordings']} recordings; a step recorded again reads as its latest")
     _out(f"model    {s['model_class']}    torch {s['torch_version']}")
+    if s["config"]:
+        _out(f"records  {_config_words(s['config'])}")
     raw, disk = s["bytes_raw"], s["disk_bytes"]
     ratio = f"    (full tensors recorded: {format_bytes(raw)}, {raw / disk:.2f}x the store)" \
         if disk and raw else ""
@@ -452,6 +456,20 @@ def info(run, fmt):
                       ("over_budget", "full tensors not stored (max_bytes)")):
         if s[key]:
             _out(f"{what}: {s[key]}")
+
+
+def _config_words(c: dict) -> str:
+    """What the run was recorded to keep, from its stored configuration."""
+    every = lambda n: "every step" if n == 1 else f"every {n} steps"     # noqa: E731
+    tensors = "none" if c.get("tensors_every") is None else every(c["tensors_every"])
+    ring = c.get("ring", 0)
+    dump = (f", the ring of {_n(ring, 'step')} before and the step itself at a NaN/Inf"
+            if ring and c.get("on_nonfinite") != "record" else
+            ", the step itself at a NaN/Inf" if c.get("on_nonfinite") != "record" else "")
+    return (f"{', '.join(c.get('capture', ()))}: statistics {every(c.get('stats_every', 1))}; "
+            f"full tensors {tensors}{dump} (on_nonfinite={c.get('on_nonfinite')!r}, "
+            f"tensors_every={c.get('tensors_every')!r}, ring={ring}, "
+            f"max_bytes={c.get('max_bytes')!r})")
 
 
 def _n(count: int, noun: str) -> str:

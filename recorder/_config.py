@@ -13,7 +13,12 @@ from .errors import ConfigError, argument
 from .format import KINDS
 
 NONFINITE_POLICIES = ("record", "dump", "raise", "replay")
-DUMPING = ("dump", "raise", "replay")      # the policies that store the ring and the step
+DUMPING = ("dump", "raise", "replay")      # the policies that store the ring at a NaN/Inf
+# the defaults, chosen by measurement (docs/PERFORMANCE.md, "What the defaults cost"):
+# statistics every step, no full tensors but the ring's, dumped at a NaN/Inf
+TENSORS_EVERY = None
+RING = 2                                   # steps before the current one (``ring=None``:
+ON_NONFINITE = "dump"                      # this many where ``on_nonfinite`` dumps, else 0)
 OUTSIDE_POLICIES = ("warn", "ignore", "raise")
 ERROR_POLICIES = ("warn", "raise")
 MODES = ("w-", "w", "a")
@@ -41,10 +46,10 @@ def _every(name: str, value, allow_none: bool, none: str = " or None") -> None:
 @dataclass(frozen=True)
 class RecorderConfig:
     capture: tuple[str, ...] = ("activations", "gradients")
-    tensors_every: int | None = 1
+    tensors_every: int | None = TENSORS_EVERY
     stats_every: int = 1
-    ring: int = 0
-    on_nonfinite: str = "record"
+    ring: int = RING
+    on_nonfinite: str = ON_NONFINITE
     max_samples: int | None = None
     tensor_dtype: torch.dtype | None = None
     mode: str = "w-"
@@ -60,8 +65,9 @@ class RecorderConfig:
     close_timeout: float = 60.0
 
     @classmethod
-    def build(cls, *, capture=("activations", "gradients"), tensors_every=1, stats_every=1,
-              ring=0, on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
+    def build(cls, *, capture=("activations", "gradients"), tensors_every=TENSORS_EVERY,
+              stats_every=1, ring=None, on_nonfinite=ON_NONFINITE, max_samples=None,
+              tensor_dtype=None, mode="w-",
               flush_interval=5.0, max_pending_bytes=1 << 30, max_device_bytes=1 << 30,
               max_pinned_bytes=2 << 30, max_replay_bytes=1 << 30, compression="auto",
               outside_step="warn", max_bytes="auto", on_error="warn",
@@ -78,9 +84,14 @@ class RecorderConfig:
         _every("tensors_every", tensors_every, allow_none=True,
                none=" or None (or 0) for statistics only")
         _every("stats_every", stats_every, allow_none=False)
-        if not isinstance(ring, int) or ring < 0:
-            raise ConfigError(f"ring={ring!r} is not valid; use an integer >= 0")
         _choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
+        if ring is None:                       # the default: a ring only where it is dumped
+            ring = RING if on_nonfinite in DUMPING else 0
+        if not isinstance(ring, int) or isinstance(ring, bool) or ring < 0:
+            raise ConfigError(f"{argument('ring', ring)} is not valid; use an integer >= 0, or "
+                              f"leave it out (the default: {RING} where "
+                              f"{argument('on_nonfinite', 'dump')} or another dumping policy "
+                              f"is given, else 0)")
         if ring and on_nonfinite not in DUMPING:     # a ring no dump would ever store
             dumps = ", ".join(argument("on_nonfinite", p) for p in DUMPING)
             raise ConfigError(f"{argument('ring', ring)} keeps full tensors for a non-finite "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from ._config import RecorderConfig
+from ._config import DUMPING, RecorderConfig
 from ._worker import Notice
 from .errors import argument
 

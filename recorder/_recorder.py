@@ -26,7 +26,7 @@ from torch import nn
 
 from . import _exit, _scalars
 from . import format as fmt
-from ._config import RecorderConfig
+from ._config import ON_NONFINITE, TENSORS_EVERY, RecorderConfig
 from ._engines import engine_choice
 from ._quiet import quiet, warn
 from ._hooks import HookSet
@@ -76,12 +76,14 @@ class Recorder:
     stats_every: statistics and histograms at steps where ``step % stats_every == 0``
         (other steps still count NaN/Inf exactly).
     tensors_every: full tensors at steps where ``step % tensors_every == 0``;
-        ``None`` or 0 for statistics only (``--tensors-every 0``).
+        ``None`` (the default) or 0 for statistics only (``--tensors-every 0``).
     ring: keep the full tensors of this many steps before the current one in
-        memory, for the non-finite dump: needs ``on_nonfinite`` ``"dump"``,
-        ``"raise"`` or ``"replay"`` (``ConfigError`` under ``"record"``).
-    on_nonfinite: ``"record"`` (an event), ``"dump"`` (also store the ring and
-        the current step's full tensors), ``"raise"`` (dump, then raise
+        memory, stored at a NaN/Inf with the step's own.  ``None`` (the default):
+        2 where ``on_nonfinite`` dumps, else 0; a ring above 0 needs
+        ``on_nonfinite`` ``"dump"``, ``"raise"`` or ``"replay"`` (``ConfigError``
+        under ``"record"``).
+    on_nonfinite: ``"record"`` (an event), ``"dump"`` (the default: also store the
+        ring and the current step's full tensors), ``"raise"`` (dump, then raise
         ``NonFiniteError`` at the step's end), ``"replay"`` (dump, and name the
         aten op and the line that made the run's first NaN/Inf, in forward or
         backward: docs/GUIDE.md).
@@ -125,8 +127,9 @@ class Recorder:
     """
 
     def __init__(self, model: nn.Module, store, *, layers="*",
-                 capture=("activations", "gradients"), tensors_every=1, stats_every=1, ring=0,
-                 on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
+                 capture=("activations", "gradients"), tensors_every=TENSORS_EVERY,
+                 stats_every=1, ring=None, on_nonfinite=ON_NONFINITE, max_samples=None,
+                 tensor_dtype=None, mode="w-",
                  metadata=None, outside_step="warn", max_bytes="auto", flush_interval=5.0,
                  max_pending_bytes=1 << 30, max_device_bytes=1 << 30, max_pinned_bytes=2 << 30,
                  max_replay_bytes=1 << 30, compression="auto", on_error="warn",

@@ -82,10 +82,10 @@ def test_unrelated_runs_cannot_be_compared(tmp_path):
     cnn = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8, 2))
     mlp = Scaled()
     stores = [str(tmp_path / "cnn.zarr"), str(tmp_path / "mlp.zarr")]
-    with Recorder(cnn, stores[0]) as rec:          # every layer, the root "(root)" too
+    with Recorder(cnn, stores[0], tensors_every=1) as rec:          # every layer, the root "(root)" too
         with rec.step(0):
             cnn(torch.randn(1, 1, 4, 4)).sum().backward()
-    with Recorder(mlp, stores[1]) as rec:
+    with Recorder(mlp, stores[1], tensors_every=1) as rec:
         with rec.step(0):
             mlp(torch.randn(2, 8)).sum().backward()
     for call in (lambda: compare_runs(*stores), lambda: first_divergence(*stores)):
@@ -155,7 +155,7 @@ def test_histogram_is_drawn_over_values_with_a_zero_tick_and_nonfinite_bars(tmp_
     model = nn.Linear(4, 64)
     store = str(tmp_path / "h.zarr")
     x = torch.randn(32, 4)
-    with Recorder(model, store, layers="", capture="activations") as rec:
+    with Recorder(model, store, layers="", capture="activations", tensors_every=1) as rec:
         with rec.step(0):
             model(x)
         bad = x.clone()

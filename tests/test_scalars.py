@@ -99,7 +99,7 @@ def test_a_tensor_is_read_at_the_steps_end_without_a_sync_at_log_time(tmp_path, 
 ])
 def test_bad_input_is_one_line_that_names_the_fix(tmp_path, bad, words):
     m = model()
-    with Recorder(m, str(tmp_path / "run.zarr"), max_bytes=None) as rec:
+    with Recorder(m, str(tmp_path / "run.zarr"), max_bytes=None, tensors_every=1) as rec:
         with rec.step(0):
             m(torch.randn(2, 4))
             with pytest.raises(ConfigError) as e:
@@ -283,7 +283,7 @@ def test_hugging_face_trainer_stores_each_logged_scalar_once_as_its_log_history(
             logs["phase"] = np.array("warmup")        # never raised into the training
     trainer = transformers.Trainer(model=gpt, args=args, train_dataset=data, eval_dataset=data[:4],
                                    callbacks=[Noter(), TrainerCallback(store,
-                                                                       layers="transformer.h.0.mlp")])
+                                                                       layers="transformer.h.0.mlp", tensors_every=1)])
     trainer.train()
     want = {}
     for e in trainer.state.log_history:      # on_log's step is the one just ended
@@ -339,7 +339,7 @@ def test_lightning_stores_what_self_log_logged(tmp_path):
     trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          log_every_n_steps=1,          # no logger: what Lightning logs all the same
-                         callbacks=[LightningCallback(store, layers="net.0")],
+                         callbacks=[LightningCallback(store, layers="net.0", tensors_every=1)],
                          default_root_dir=str(tmp_path))
     module = _lightning(pl)
     trainer.fit(module, *_loaders())

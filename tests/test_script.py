@@ -28,7 +28,8 @@ def tensortape(*args, cwd=ROOT):
 def test_record_an_unchanged_script(tmp_path):
     store = str(tmp_path / "run.zarr")
     p = tensortape("record", "-o", store, "--layers", "0", "--layers", "2", "--capture",
-                   "activations", "--capture", "weight_grads", "--", "python", SCRIPT, "5")
+                   "activations", "--capture", "weight_grads", "--tensors-every", "1", "--",
+                   "python", SCRIPT, "5")
     assert p.returncode == 3, p.stderr                  # the script's own exit status
     assert p.stdout.strip() == "trained 5"              # and its own output
     run = open_run(store)
@@ -151,7 +152,7 @@ def test_the_first_forward_is_recorded_like_any_other(tmp_path):
     included, with the values plain torch hooks see."""
     store = str(tmp_path / "run.zarr")
     p = tensortape("record", "-o", store, "--capture", "inputs", "--capture", "activations",
-                   "--layers", "*", "--", "python", ACCUM, "3")
+                   "--layers", "*", "--tensors-every", "1", "--", "python", ACCUM, "3")
     assert p.returncode == 0 and p.stdout.strip() == "trained", p.stderr
     script = runpy.run_path(ACCUM, run_name="oracle")
     model, seen, calls = script["build"](), {}, []
