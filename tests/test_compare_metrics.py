@@ -48,7 +48,7 @@ def record(path, steps):
     """A run of ``Two`` whose layer ``x`` emits ``steps[i][0]`` at step i, ``y``
     ``steps[i][1]`` (each a tensor, or None: the layer does not run)."""
     model = Two()
-    with Recorder(model, path, layers=["x", "y"], capture=("activations",),
+    with Recorder(model, path, layers=["x", "y"], capture=("activations",), tensors_every=1,
                   max_bytes=None) as rec:
         for i, (x, y) in enumerate(steps):
             model.x.value, model.y.value = x, y
