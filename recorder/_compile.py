@@ -19,6 +19,7 @@ import threading
 
 from torch import nn
 
+from . import _ops
 from ._quiet import quiet, warn
 
 __all__ = ["HookGuards"]
@@ -71,7 +72,9 @@ class HookGuards:
         try:
             with quiet():          # importing Dynamo may warn: torch's news, not the user's
                 import torch._dynamo
+                import torch._dynamo.external_utils
                 from torch._C._dynamo.eval_frame import reset_code
+            _ops.EAGER_GRAD_HOOKS = hasattr(torch._dynamo.external_utils, "_ApplyBackwardHook")
             config = torch._dynamo.config
             with _lock:
                 _settle()

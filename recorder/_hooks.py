@@ -384,6 +384,13 @@ class _PostHook(_Hook):
             wants_grad = grads and t.requires_grad
             if not (acts or wants_grad or later):
                 continue
+            if wants_grad and not t.is_leaf and torch.compiler.is_compiling():
+                if _ops.EAGER_GRAD_HOOKS:
+                    _outside(self, t, path, first)
+                else:
+                    self._traced(t, path, first)
+                first = False
+                continue
             what = self.with_grad if wants_grad or later else _ACTIVATIONS
             serial = _ops.capture(t, self.hookset, self.module, path, what, first)
             first = False
@@ -395,6 +402,18 @@ class _PostHook(_Hook):
                     t.register_hook(functools.partial(_grad_hook, serial=serial,
                                                       hookset=self.hookset))
         return None
+
+    def _traced(self, t: torch.Tensor, path: str, first: bool) -> None:
+        """An output whose gradient is wanted, as Dynamo traces it: its serial from
+        an op that does not read it, then its gradient hook, then its activation.
+        A hook whose arguments depend on the tensor it hooks makes a cycle in the
+        graph of a Dynamo that rewrites intermediate hooks as autograd functions
+        (torch 2.11: the compiled frame fails)."""
+        nothing = torch.empty(0)        # made in the graph: Dynamo may move it (no input)
+        serial = _ops.capture(nothing, self.hookset, self.module, path, What.GRADIENTS, first)
+        t.register_hook(functools.partial(_grad_hook, serial=serial, hookset=self.hookset))
+        if self.activations:        # after the serial: it names the call when ``first``
+            _ops.capture_after(t, serial, self.hookset, self.module, path, _ACTIVATIONS, False)
 
 
 class _KeepHook(_Hook):
@@ -417,6 +436,15 @@ class _KeepHook(_Hook):
             else:
                 hs.on_keep(self.module, module, None, None, last, enter=False)
         return None
+
+
+@torch.compiler.disable
+def _outside(hook: _PostHook, t: torch.Tensor, path: str, first: bool) -> None:
+    """An output whose gradient is wanted, captured and hooked outside the graph
+    (a graph break), where this torch's Dynamo would rewrite the hook
+    (``_ops.EAGER_GRAD_HOOKS``)."""
+    serial = _ops.capture(t, hook.hookset, hook.module, path, hook.with_grad, first)
+    t.register_hook(functools.partial(_grad_hook, serial=serial, hookset=hook.hookset))
 
 
 def _grad_hook(grad, serial, hookset):

@@ -44,7 +44,7 @@ import torch
 from ._callnames import Phase
 from .format import Kind
 
-__all__ = ["What", "capture", "capture_grad", "fault", "forward_pass", "hookset", "register",
+__all__ = ["What", "capture", "capture_after", "capture_grad", "fault", "forward_pass", "hookset", "register",
            "unregister"]
 
 
@@ -70,6 +70,12 @@ class What(enum.Enum):
         """The kind that a fault of this capture is counted under."""
         return self.kind or Kind.GRADIENTS
 
+
+# whether this torch's Dynamo rewrites a hook on an intermediate tensor as an autograd
+# function (torch 2.11), which breaks compiled code where the model then changes that
+# tensor in place: its outputs' gradient hooks are then registered outside the graph, a
+# graph break each (set at attach, by ``_compile``)
+EAGER_GRAD_HOOKS = False
 
 _hooksets: dict[int, weakref.ref] = {}
 _ids = itertools.count(1)
@@ -110,6 +116,11 @@ def _capture(x: torch.Tensor, hookset: int, module: str, path: str, what: int,
              first: bool, site: int) -> torch.Tensor:
     return torch.full((), _on_forward(x, hookset, module, path, What(what), first, site),
                       dtype=torch.int64)
+
+
+def _capture_after(x: torch.Tensor, after: torch.Tensor, hookset: int, module: str, path: str,
+                   what: int, first: bool, site: int) -> torch.Tensor:
+    return _capture(x, hookset, module, path, what, first, site)
 
 
 _sites = itertools.count(1)
@@ -157,6 +168,13 @@ if hasattr(torch.library, "custom_op"):           # torch >= 2.4
     def _(g, serial, hookset):
         return None
 
+    _capture_after_op = torch.library.custom_op("tensortape::capture_after",
+                                                mutates_args=())(_capture_after)
+
+    @_capture_after_op.register_fake
+    def _(x, after, hookset, module, path, what, first, site):
+        return torch.empty((), dtype=torch.int64)
+
     _forward_pass_op = torch.library.custom_op("tensortape::forward_pass",
                                                mutates_args=())(_forward_pass)
 
@@ -165,11 +183,12 @@ if hasattr(torch.library, "custom_op"):           # torch >= 2.4
         return torch.empty((), dtype=torch.int64)
 
     ops = torch.ops.tensortape
-    for op in (ops.capture, ops.capture_grad, ops.forward_pass):
+    for op in (ops.capture, ops.capture_grad, ops.forward_pass, ops.capture_after):
         has_side_effect(op.default)
-    _ops = (ops.capture, ops.capture_grad, ops.forward_pass)
+    _ops = (ops.capture, ops.capture_grad, ops.forward_pass, ops.capture_after)
 else:                                              # older torch: eager only (a graph break)
-    _ops = tuple(torch.compiler.disable(f) for f in (_capture, _capture_grad, _forward_pass))
+    _ops = tuple(torch.compiler.disable(f)
+                 for f in (_capture, _capture_grad, _forward_pass, _capture_after))
 
 
 def capture(x, hookset: int, module: str, path: str, what: What, first: bool):
@@ -178,6 +197,12 @@ def capture(x, hookset: int, module: str, path: str, what: What, first: bool):
     if torch.compiler.is_compiling():
         return _ops[0](x, hookset, module, path, what.value, first, _site())
     return _on_forward(x, hookset, module, path, what, first)
+
+
+def capture_after(x, after, hookset: int, module: str, path: str, what: What, first: bool):
+    """``capture``, while compiling, run after ``after`` (a tensor it depends on,
+    so no compiler puts it first)."""
+    return _ops[3](x, after, hookset, module, path, what.value, first, _site())
 
 
 def capture_grad(g, serial, hookset) -> None:

@@ -180,3 +180,41 @@ def test_torchscript_is_refused_with_the_alternative(tmp_store):
     scripted = torch.jit.script(InplaceMLP())
     with pytest.raises(ConfigError, match="TorchScript.*record the eager module.*torch.compile"):
         Recorder(scripted, tmp_store, tensors_every=1)
+
+
+class _Broken(nn.Module):
+    """Two layers with a graph break between them (as a logging call makes one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        y = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.b(y)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_compiled_gradients_with_and_without_a_graph_break(tmp_store, broken, fresh_dynamo):
+    """Gradient hooks traced by Dynamo, in a frame that compiles whole or restarts at a
+    graph break (on torch 2.11 both raised into training), record what plain hooks see."""
+    torch.manual_seed(0)
+    model = _Broken() if broken else nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    names = ["a", "b"] if broken else ["0", "2"]
+    truth = {}
+    for n in names:
+        def keep(mod, args, out, n=n):
+            truth[("activations", n)] = out.detach().clone()
+            out.register_hook(lambda g: truth.__setitem__(("gradients", n), g.clone()))
+        model.get_submodule(n).register_forward_hook(keep)
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 8)
+    with Recorder(compiled, tmp_store, layers=names, tensors_every=1) as rec:
+        with rec.step(0):
+            compiled(x).pow(2).sum().backward()
+    run = open_run(tmp_store)
+    for (kind, n), want in truth.items():
+        np.testing.assert_array_equal(run.tensor(n, kind, step=0).values, want.numpy(),
+                                      err_msg=f"{kind} {n}")
+    assert len(truth) == 4

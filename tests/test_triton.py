@@ -78,3 +78,70 @@ def test_triton_engine_equals_the_cpu_engine(tmp_path):
     assert [sa.sel(layer=layer)["nan"].item() for layer in nan_first] == [3, 3, 3]
     std = sa.sel(layer=nan_first[0])["std"].item()     # float32: 1e4 + 1e-3 * randn, NaN first
     assert abs(std - 1e-3) < 1e-4, std                 # summed around 0 it was 14-40% off
+
+
+LAUNCHES = textwrap.dedent("""
+    import collections, concurrent.futures, json, torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from tensortape.recorder import _triton
+    from tensortape.recorder._engines import Engines
+
+    class Ops(TorchDispatchMode):         # the torch ops a capture's statistics queue
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    launches = collections.Counter()
+    for name in ("_summary_kernel", "_finish_kernel"):
+        kernel = getattr(_triton, name)
+        def run(*a, _run=kernel.run, _name=name, **k):
+            launches[_name] += 1
+            return _run(*a, **k)
+        kernel.run = run
+    engine = Engines().for_tensor(torch.zeros(1))
+    reference = Engines(choice="torch").for_tensor(torch.zeros(1))
+    out = {"engine": type(engine).__name__, "tensors": []}
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = (torch.randn(3, 4099, generator=g) * 3 + 7).to(dtype)
+        x[0, :5] = float("nan")
+        engine.reduce(x)                  # compiled now: the count is of a warm launch
+        launches.clear()
+        with Ops() as ops:
+            got = engine.reduce(x)
+        want = reference.reduce(x)
+        out["tensors"].append({"launches": dict(launches), "ops": dict(ops.ops),
+                               "equal": bool(torch.equal(got[4:], want[4:]) and got[0] == want[0])})
+    launches.clear()
+    pending = concurrent.futures.Future()     # its kernels still compiling: the torch kernels
+    engine._warming[torch.float32] = pending
+    x = torch.randn(5000, generator=g)
+    got = engine.reduce(x)
+    out["compiling"] = {"launches": sum(launches.values()),
+                        "equal": bool(torch.equal(got[4:], reference.reduce(x)[4:]))}
+    print(json.dumps(out))
+""")
+
+
+def test_a_tensor_costs_two_launches_and_no_other_kernel(tmp_path):
+    """The fixed cost per tensor (issue: 0.5 ms whatever its size): the pass and the
+    finishing kernel, and no torch kernel besides (the interpreter's own copies
+    of the arguments aside); while the kernels compile, the torch kernels give the
+    same vector."""
+    pytest.importorskip("triton")
+    import json
+    env = dict(os.environ, TENSORTAPE_ENGINE="triton", TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-c", LAUNCHES], env=env, capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["engine"] == "TritonEngine"
+    interpreter = {"empty", "new_empty", "set_", "copy_", "detach", "view"}
+    for t in out["tensors"]:
+        assert t["launches"] == {"_summary_kernel": 1, "_finish_kernel": 1}, t
+        assert set(t["ops"]) <= interpreter, t
+        assert t["equal"], t
+    assert out["compiling"] == {"launches": 0, "equal": True}
