@@ -683,6 +683,7 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
     whose shapes agree are compared (--strict: exit 2)."""
     from tensortape.analysis import compare_runs, plot_comparison
     from tensortape.analysis._compare import divergence, summarize
+    from tensortape.analysis._select import layer_coord
     a, b = _open(run_a), _open(run_b)
     ds = compare_runs(a, b, kind=kind, layers=pattern, rank=rank, strict=strict,
                       progress=_progress("comparing tensors"))
@@ -691,9 +692,9 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
     stats_steps = [int(x) for x in ds.step.values]
     by = None
     if first is not None:           # what shows it: the statistics, the full tensors, or both
-        at = dict(step=first[0], layer=first[1])
+        at = dict(step=[first[0]], layer=layer_coord([first[1]]))     # any name, exactly
         shown = [what for what, v in (("statistics", "stat_rel"), ("full tensors", "rel_l2"))
-                 if v in ds and float(ds[v].sel(**at)) > rtol]
+                 if v in ds and ds[v].sel(**at).item() > rtol]
         by = " and ".join(shown)
     if fmt == "json":
         from tensortape.analysis._numbers import number as json_number
@@ -704,9 +705,9 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
                                            "layers": [str(x) for x in ds.layer.values]},
                             "full_tensors": {"steps": ds.attrs["tensor_steps"],
                                              "layers": ds.attrs["tensor_layers"]}},
-               "layers": {str(layer): {k: json_number(table[k].sel(layer=layer), k in INTEGERS)
+               "layers": {str(layer): {k: json_number(table[k].values[j], k in INTEGERS)
                                        for k in table.data_vars}
-                          for layer in table.layer.values}})
+                          for j, layer in enumerate(table.layer.values)}})
     else:
         if first is None:
             _out("no divergence")

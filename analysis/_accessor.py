@@ -10,7 +10,7 @@ from typing import Generic, TypeVar
 from tensortape.recorder.errors import ConfigError
 
 from ._plot_histogram import SCALES
-from ._select import within
+from ._select import Names, one_layer, within
 
 __all__ = ["RunPlotAccessor", "UncachedAccessor"]
 
@@ -61,7 +61,7 @@ class RunPlotAccessor:
         rank = run.index.rank(rank)                   # one rank's picture (default: the first)
         from . import _plots
         h = run.histogram(layer, kind, rank=rank).compute()
-        st = run.stats(kind, [layer], rank=rank).isel(layer=0).compute()
+        st = one_layer(run.stats(kind, Names([layer]), rank=rank)).compute()
         return _plots.histogram(_with_range(h, st), steps, ax, density=density, scale=scale)
 
     def evolution(self, layers=None, kind="activations", stat="std", rank=None, ax=None,
@@ -87,5 +87,5 @@ class RunPlotAccessor:
         rank = run.index.rank(rank)
         from . import _plots
         h = within(run.histogram(layer, kind, rank=rank), steps).compute()
-        st = within(run.stats(kind, [layer], rank=rank), steps).isel(layer=0)
+        st = one_layer(within(run.stats(kind, Names([layer]), rank=rank), steps))
         return _plots.distribution(_with_range(h, st), ax)

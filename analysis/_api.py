@@ -14,16 +14,16 @@ with the run's steps.
 
 from __future__ import annotations
 
-import fnmatch
-
 import numpy as np
 
 from tensortape.recorder import format as fmt, pyramid
 from tensortape.recorder.histogram import ZERO_BIN
 from tensortape.recorder.errors import RecorderError
+from tensortape.recorder.patterns import match_layers
 
 from ._between import Between
 from ._numbers import number
+from ._select import layer_coord
 from ._stats import Statistics
 from ._grains import BLOCK, GRAIN, Grains, MapColumns, read as _read, reduce as _reduce
 from ._tables import as_slice
@@ -236,19 +236,18 @@ def stats(run, layer: str, kind: str = "activations", rank=None, start=None, sto
 # --- scalars ------------------------------------------------------------------------------------
 def scalars(run, rank=None) -> dict:
     """The run's logged scalars (``run.scalars()`` where this tensortape has it) of
-    ``rank`` (default: the first): ``step`` and one list per scalar, NaN (``"nan"``)
-    where a name has no value at a step; none: ``{"step": []}``."""
+    ``rank`` (default: the first): ``step``; ``values``, {name: one number per step},
+    NaN (``"nan"``) where a name has no value at a step; ``nonfinite``, {name: the
+    steps whose logged value is NaN or an Inf}.  A name is only ever a key of
+    ``values`` and ``nonfinite``, so any name keeps its values."""
     rank = _rank(run, rank)
     read = getattr(run, "scalars", None)
     if read is None:
-        return {"step": []}
+        return {"step": [], "values": {}, "nonfinite": {}}
     ds = read(rank=rank) if len(run.ranks) > 1 else read()
-    out = {"step": ints(ds["step"].values) if "step" in ds.coords else []}
-    for name in ds.data_vars:
-        out[str(name)] = numbers(ds[name].values)
-    if out["step"]:
-        out["nonfinite"] = _scalars_nonfinite(run, rank)
-    return out
+    steps = ints(ds["step"].values) if "step" in ds.coords else []
+    return {"step": steps, "values": {str(name): numbers(ds[name].values) for name in ds.data_vars},
+            "nonfinite": _scalars_nonfinite(run, rank) if steps else {}}
 
 
 def _scalars_nonfinite(run, rank: int) -> dict:
@@ -264,7 +263,7 @@ def _compare_nonfinite(ds, names: list, metric: str, i0: int, i1: int) -> np.nda
     """(step, layer) where the difference is not a finite number: infinite, NaN
     where the layer ran in either run, or either run holding a NaN or an Inf (NaN
     against NaN is no difference to ``stat_rel`` (0), yet it is no agreement)."""
-    sel = lambda v: ds[v].sel(layer=names).values[i0:i1]
+    sel = lambda v: ds[v].sel(layer=layer_coord(names)).values[i0:i1]
     raw = sel(metric).astype(np.float64)
     if metric in TENSOR_METRICS:     # NaN: no full tensor in both runs there, not compared
         return np.isinf(raw) | (~np.isnan(raw) & sel("nonfinite"))
@@ -302,12 +301,12 @@ def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=
     order = {n: i for i, n in enumerate(a.layers)}
     names = sorted(ds.layer.values.tolist(), key=lambda n: order.get(n, len(order)))
     if layers:
-        names = [n for n in names if fnmatch.fnmatchcase(n, layers)]
+        names = match_layers(names, layers, strict=False)
     steps = ds.step.values
     i0, i1 = _window(steps, start, stop)
     n = i1 - i0
     edges = _columns(n, _width(width))
-    raw = np.abs(ds[metric].sel(layer=names).values[i0:i1].astype(np.float64))
+    raw = np.abs(ds[metric].sel(layer=layer_coord(names)).values[i0:i1].astype(np.float64))
     values = np.full((len(edges) - 1, len(names)), np.nan)
     bad = np.zeros(values.shape, bool)
     if n:

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import fnmatch
-
 import numpy as np
 import xarray as xr
 
 from tensortape.recorder import format as fmt
 from tensortape.recorder.errors import ConfigError
+from tensortape.recorder.patterns import match_layers
 
 from ._metrics import step_metrics, tensor_metrics
 from ._run import Run, open_run
-from ._select import steps_text
+from ._select import Names, layer_coord, one_layer, steps_text
 
 __all__ = ["compare_runs", "divergence", "first_divergence", "plot_comparison", "step_metrics",
            "tensor_metrics"]
@@ -36,13 +35,6 @@ def _common(a: Run, b: Run, kind: str, layers) -> tuple[list[str], np.ndarray]:
         names = [n for n in names if n != fmt.ROOT_LABEL]
     steps = np.intersect1d(a.steps(kind), b.steps(kind)) if names else np.zeros(0, np.int64)
     return names, steps
-
-
-def _matches(name: str, layers) -> bool:
-    if layers is None:
-        return True
-    return any(name == p or fnmatch.fnmatchcase(name, p)
-               for p in ([layers] if isinstance(layers, str) else layers))
 
 
 def _shape(r: Run, kind: str, layer: str) -> tuple[int, ...] | None:
@@ -71,15 +63,16 @@ def _alike(a: Run, b: Run, kind: str, layers, names: list[str], steps,
     ca, cb = a.attrs.get("model_class"), b.attrs.get("model_class")
     if ca != cb:
         notes.append(f"model classes differ ({ca} vs {cb})")
-    held = [[n for n in r.stats(kind).layer.values.tolist() if _matches(n, layers)]
-            if kind in r.kinds else [] for r in (a, b)]
+    held = [r.stats(kind).layer.values.tolist() if kind in r.kinds else [] for r in (a, b)]
+    if layers is not None:
+        held = [match_layers(h, layers, strict=False) for h in held]
     only = [[n for n in held[i] if n not in set(held[1 - i])] for i in (0, 1)]
     if only[0] or only[1]:
         notes.append("recorded layers differ (" + "; ".join(
             f"{len(o)} only in {r.name}: {_some(o)}" for r, o in zip((a, b), only) if o) + ")")
     bad, gone = [], set()
     if names and len(steps):
-        ca_, cb_ = (r.stats(kind, names)["count"].sel(step=steps).values for r in (a, b))
+        ca_, cb_ = (r.stats(kind, Names(names))["count"].sel(step=steps).values for r in (a, b))
         ran = (ca_ >= 0) & (cb_ >= 0)
         for j, n in enumerate(names):
             diff = ran[:, j] & (ca_[:, j] != cb_[:, j])
@@ -138,6 +131,7 @@ def _both_stats(a: Run, b: Run, kind: str, names: list[str], steps):
     """Both runs' statistics of ``names`` at ``steps``, and where either reads them
     as missing because their chunk is missing from its store (``Run.damaged``):
     damage is no difference, and is not compared."""
+    names = Names(names)
     sa, sb = (r.stats(kind, names).sel(step=steps).compute() for r in (a, b))
     unread = a.damaged(kind, names).sel(step=steps) | b.damaged(kind, names).sel(step=steps)
     return sa, sb, unread
@@ -282,8 +276,8 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
             sa, sb, unread = _both_stats(a, b, kind, names, steps)
             names = sorted(names, key=lambda n: order.get(n, 1 << 30))
             held = [set(r.tensor_layers(kind)) for r in (a, b)]
-            per_kind[kind] = (names, steps, _relative(sa, sb).where(~unread).sel(layer=names)
-                              .transpose("step", "layer").values,
+            rel = _relative(sa, sb).where(~unread).sel(layer=layer_coord(names))
+            per_kind[kind] = (names, steps, rel.transpose("step", "layer").values,
                               [n in held[0] and n in held[1] for n in names])
     if not per_kind:
         raise _no_common(a, b, kinds or asked, layers, next((u for u in unlikes if u), ()))
@@ -398,7 +392,7 @@ def plot_comparison(a, b, layer, kind="activations", stat="std", rtol: float = 1
     ds = compare_runs(a, b, kind) if ds is None else ds
     lines = []
     for r in (a, b):
-        st = r.stats(kind, [layer]).isel(layer=0).compute()
+        st = one_layer(r.stats(kind, Names([layer]))).compute()
         bad = sum(st[k].clip(min=0) for k in fmt.COUNT_STATS[1:])
         lines.append(st[stat].assign_coords(nonfinite=bad, absent=_absent(st))
                      .assign_attrs(layer=layer, kind=kind))

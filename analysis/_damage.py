@@ -1,12 +1,16 @@
-"""Damage: the chunks of a table's committed rows that are not in the store, and
-what they make unreadable.
+"""Damage: the chunks of a table's committed rows that are not in the store, or
+that are there but cannot be decoded, and what they make unreadable.
 
 A table that stores every chunk of its rows (``format.EVERY_CHUNK``) tells a
-missing chunk from one never written.  A missing chunk makes only its rows
+missing chunk from one never written.  A chunk that cannot be decoded (corrupt,
+truncated) is found when it is read: the key columns (``KEYS``) are read when a
+table is checked, the rest when their rows are.  Either makes only its rows
 unreadable, never the run: a value column's cells in it read as missing
-(statistics NaN, counts -1, histogram counts -1, a scalar NaN), and a row whose
-key (its step, micro-batch, extent, full tensor or scalar name) is in it is not
-read at all.  The rest of the table reads as recorded.
+(statistics NaN, counts -1, histogram counts -1, a scalar NaN: ``missing``), and
+a row whose key (its step, micro-batch, extent, full tensor or scalar name) is
+in it is not read at all (a full tensor found undecodable only as its rows are
+read reads as its padding, NaN, in that read).  The rest of the table reads as
+recorded.
 
 Which chunks the committed rows need: every block of rows of the first chunk
 across; a chunk further across (a table widened by a new layer, or a tensor
@@ -19,12 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 
 import numpy as np
 
 from tensortape.recorder import format as fmt
 
-__all__ = ["Damage", "STATS", "cells", "find", "lost_rows", "words"]
+__all__ = ["Damage", "KEYS", "Ledger", "STATS", "cells", "find", "lost_rows", "missing", "words"]
 
 # columns whose unreadable cells read as missing values; a row unreadable in any
 # other column (step, micro, extent, data, name) is not read
@@ -32,18 +37,28 @@ STATS = ("stats", *fmt.STATS)       # the columns of a stats table's statistics 
 VALUES = frozenset({*STATS, "hist", "value"})
 EFFECT = {"stats": "statistics read as NaN, counts -1", "hist": "histogram counts read as -1",
           "value": "scalars read as NaN", "data": "full tensors missing"}
+# the columns read whole when a table is checked (small: an int or a few a row)
+KEYS = frozenset({"step", "micro", "extent", "name", fmt.RECORDING})
+COUNTS = frozenset({"hist", "counts"})    # integer counts: -1 where unreadable
+
+
+def missing(column: str, fill):
+    """What a cell of ``column`` in a chunk that cannot be decoded reads as: -1 for
+    counts, else the array's fill value (NaN for floats, a full tensor's padding)."""
+    return -1 if column in COUNTS else fill
 
 
 @dataclasses.dataclass(frozen=True)
 class Damage:
-    """One missing chunk of a table's committed rows: its column, its key
-    (``c/0/1``), the rows ``[lo, hi)`` it holds and its reach ``[lo, hi)`` along
-    each later axis."""
+    """One missing (or undecodable: ``why``) chunk of a table's committed rows:
+    its column, its key (``c/0/1``), the rows ``[lo, hi)`` it holds and its reach
+    ``[lo, hi)`` along each later axis."""
     table: str
     column: str
     key: str
     rows: tuple[int, int]
     across: tuple[tuple[int, int], ...]
+    why: str = dataclasses.field(default="is missing", compare=False)
 
     @property
     def where(self) -> str:
@@ -148,4 +163,52 @@ def words(d: Damage, steps: np.ndarray | None, layers: list[str] | None) -> str:
         a, b = d.across[0][0], min(d.across[0][1], len(layers))
         if b > a:
             span += f", layers {layers[a]}" + (f" .. {layers[b - 1]}" if b - a > 1 else "")
-    return f"{d.where} is missing: {span}: {d.effect}"
+    return f"{d.where} {d.why}: {span}: {d.effect}"
+
+
+class Ledger:
+    """What a reader knows of a run's damage, table by table: the unreadable chunks
+    found (missing, or undecodable when read), the rows they make unreadable and
+    their words.  Damage found while a table is checked is held (``hold``) until
+    the check takes it (``take``).  Thread-safe: a lazy read finds damage on
+    dask's threads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tables: dict[str, tuple[list[Damage], np.ndarray, list[str]]] = {}
+        self._held: dict[str, list[Damage]] = {}
+        self.extents: dict[str, np.ndarray] = {}   # a tensor table's (which rows a data chunk holds)
+
+    def found(self, path: str) -> list[Damage]:
+        return self._tables[path][0] if path in self._tables else []
+
+    def lost(self, path: str) -> np.ndarray | None:
+        """Which of the table's committed rows are not read at all (None: no damage)."""
+        return self._tables[path][1] if path in self._tables else None
+
+    def notes(self, path: str) -> list[str]:
+        return self._tables[path][2] if path in self._tables else []
+
+    def hold(self, d: Damage) -> None:
+        with self._lock:
+            held = self._held.setdefault(d.table, [])
+            if d not in held:
+                held.append(d)
+
+    def take(self, path: str) -> list[Damage]:
+        with self._lock:
+            return self._held.pop(path, [])
+
+    def add(self, path: str, damages: list[Damage], n: int, steps: np.ndarray | None,
+            layers: list[str] | None) -> list[str]:
+        """Record ``damages`` of a table of ``n`` committed rows (``steps``, ``layers``:
+        for their words, where known); the words of those not known before."""
+        with self._lock:
+            found, _, notes = self._tables.get(path, ([], None, []))
+            new = [d for d in dict.fromkeys(damages) if d not in found]
+            if not new:
+                return []
+            said = [words(d, steps, layers) for d in new]
+            found = found + new
+            self._tables[path] = (found, lost_rows(found, n, self.extents.get(path)), notes + said)
+            return said

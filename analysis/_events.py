@@ -14,6 +14,7 @@ from tensortape.recorder.format import NonFiniteEvent
 
 from ._numbers import statistics_row
 from ._index import RunIndex
+from ._select import Names, one_layer
 
 __all__ = ["FirstNonFinite", "bundle", "events_of", "first_nonfinite"]
 
@@ -56,7 +57,7 @@ def first_nonfinite(index: RunIndex, stats, rank: int | None = None,
     rank = first.rank
     hist = None
     if first.kind in index.kinds_of(rank) and first.layer in index.stats_layers(first.kind, rank):
-        ds = stats(first.kind, [first.layer], rank).isel(layer=0)
+        ds = one_layer(stats(first.kind, Names([first.layer]), rank))
         hist = ds.sel(step=ds.step[ds.step <= first.step][-(history + 1):]).compute()
     same = tuple(e for e in evs if e.step == first.step and e is not first)
     return FirstNonFinite(**{k: getattr(first, k) for k in first.__dataclass_fields__},

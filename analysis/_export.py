@@ -50,11 +50,11 @@ def to_hdf5(run, path, progress=None) -> str:
         st = run.state(r)
         tables += [(p, run.checked_rows(p, r))
                    for p, n in {**st.committed, **(st.nonfinite or {})}.items() if n]
-    run.index.refuse_damage("the HDF5 export")
     path = os.fspath(path)
     partial = f"{path}.partial-{os.getpid()}"      # the file appears whole, or not at all
     try:
-        _write(run, h5py, partial, tables, progress)
+        with run.index.refusing("the HDF5 export"):
+            _write(run, h5py, partial, tables, progress)
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):

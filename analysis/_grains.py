@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from tensortape.recorder import format as fmt, pyramid
+from tensortape.recorder.errors import StoreFormatError
 
 from ._tables import as_slice
 
@@ -86,9 +87,14 @@ class MapColumns:
         s1 = min(f1, max(f0, held))
         if s1 > f0:
             w = self.values.shape[1]
-            self.fold(*(np.asarray(arr[f0:s1, :w, i], np.float64)
-                        for i in (MAP_STATS.index(self.stat), len(MAP_STATS))),
-                      np.arange(f0, s1) * fine)
+            try:
+                got = [np.asarray(arr[f0:s1, :w, i], np.float64)
+                       for i in (MAP_STATS.index(self.stat), len(MAP_STATS))]
+            except StoreFormatError as e:          # a level that cannot be read: the rows
+                self.run.index.distrust(path, self.rank, fine, e)
+                s1 = f0
+            else:
+                self.fold(*got, np.arange(f0, s1) * fine)
         for r0 in range(s1 * fine, f1 * fine, BLOCK):
             r1 = min(f1 * fine, r0 + BLOCK)
             got = self.block(r0, r1)
@@ -144,7 +150,13 @@ class Grains:
         if g < upto:
             path = fmt.stats_group(rank, kind)
             arr, held = run.index.pyramid(path, rank, GRAIN, rows)
-            add = [np.asarray(arr[g:held, :width], np.float64)] if held > g else []
+            add = []
+            if held > g:
+                try:
+                    add = [np.asarray(arr[g:held, :width], np.float64)]
+                except StoreFormatError as e:      # a level that cannot be read: the rows
+                    run.index.distrust(path, rank, GRAIN, e)
+                    held = g
             g = max(g, held)
             for r0 in range(g * GRAIN, upto * GRAIN, BLOCK):
                 got = read(run, kind, rank, GRAIN_NEEDS,

@@ -9,6 +9,7 @@ time it is read, once.  It answers for the readers (``_stats``, ``_tensors``,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import warnings
@@ -19,7 +20,7 @@ from tensortape.recorder import format as fmt
 from tensortape.recorder.errors import ConfigError, RecorderError, StoreFormatError, TensortapeWarning
 
 from . import _damage
-from ._source import open_source
+from ._source import open_source, said
 from ._tables import Tables, for_version
 
 __all__ = ["RunIndex"]
@@ -42,9 +43,12 @@ class RunIndex:
                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                                    ) from e
         self._valid: set[str] = set()
-        self._damage: dict[str, tuple[list, np.ndarray, list[str]]] = {}
+        self._damage = _damage.Ledger()
+        self._refusing: str | None = None       # what copies the chunks as stored (``refusing``)
+        self._steps: dict[str, np.ndarray] = {}  # a table's steps, read by its check
         self._current: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
         self._pyramids: dict[tuple[str, int, int], list] = {}
+        self.source.sink = self._undecodable
 
     def _open(self) -> None:
         self.source = open_source(self.path)
@@ -141,14 +145,16 @@ class RunIndex:
 
     def _read_rows(self, path: str, rank: int) -> tuple[np.ndarray, np.ndarray]:
         n = self.checked_rows(path, rank)
-        steps = np.asarray(self.source.array(path + "/step")[:n]) if n else np.zeros(0, np.int64)
+        steps = self._steps.pop(path, None)
+        if steps is None:
+            steps = np.asarray(self.source.array(path + "/step")[:n]) if n else np.zeros(0, np.int64)
         runs = self.states[rank].rerecorded
         recordings = None
         if runs:
             recordings = np.asarray(self.source.array(f"{path}/{fmt.RECORDING}")[:n]) \
                 if self.source.has(f"{path}/{fmt.RECORDING}") else np.zeros(n, np.int64)
         current = fmt.current_rows(steps, recordings, runs)
-        lost = self._damage[path][1] if path in self._damage else None
+        lost = self._damage.lost(path)
         return (current if lost is None else current[~lost[current]]), steps
 
     def pyramid(self, path: str, rank: int, grain: int, rows: np.ndarray):
@@ -181,6 +187,13 @@ class RunIndex:
             got[1] = n
         return arr, n
 
+    def distrust(self, path: str, rank: int, grain: int, error: Exception) -> None:
+        """A stored pyramid level that failed to read (``error``): its grains are read
+        from the rows from now on, as of a store without one; said once."""
+        self._pyramids[(path, rank, grain)] = [None, 0]
+        warnings.warn(f"tensortape: {self.path}: {error}; the map reads the rows instead",
+                      TensortapeWarning, stacklevel=3)
+
     def _level(self, path: str, grain: int):
         """The array of a stats table's pyramid level, if it is one this reader reads."""
         if self.tables.version != 3:
@@ -198,8 +211,9 @@ class RunIndex:
     def checked_rows(self, path: str, rank: int) -> int:
         """A table's committed rows, once its arrays are checked against them: each
         array is there, holds the committed rows, and a row has a sane size.  A
-        chunk of them that is missing is damage, named once in a warning: its rows
-        read as missing (``_damage``; ``damage``)."""
+        chunk of them that is missing, or of its key columns that cannot be decoded,
+        is damage, named once in a warning: its rows read as missing (``_damage``;
+        ``damage``)."""
         n = self.table_rows(path)
         if path in self._valid or not n:
             return n
@@ -223,42 +237,90 @@ class RunIndex:
             raise StoreFormatError(f"{self.path!r}: table {path} cannot be read "
                                    f"({type(e).__name__}: {e})") from e
         self._valid.add(path)
+        self._say(notes, stacklevel=4)
+        return n
+
+    def _say(self, notes: list[str], stacklevel: int) -> None:
+        """One warning naming damage found."""
         if notes:
             shown = "; ".join(notes[:3]) + (f"; and {len(notes) - 3} more" if len(notes) > 3 else "")
             warnings.warn(f"tensortape: {self.path}: {shown}; the rest of the run reads as "
-                          f"recorded", TensortapeWarning, stacklevel=3)
-        return n
+                          f"recorded", TensortapeWarning, stacklevel=stacklevel)
+
+    def _undecodable(self, where: str, key: str, box, error: Exception, fill):
+        """The source's sink (``_source.Guarded``): a stored object of the array at
+        ``where`` that cannot be decoded.  In a table's column it is damage (held
+        while the table is checked, else named in a warning now), and its cells read
+        as missing (``_damage.missing``); elsewhere (a pyramid level, a bundle), and
+        under ``refusing``, it is not salvaged (None, or a refusal)."""
+        path, _, column = where.rpartition("/")
+        try:
+            table = fmt.parse_path(path)
+        except StoreFormatError:
+            return None
+        n = self.table_rows(path)
+        if not n or column not in self.tables.columns(path):
+            return None
+        (lo, hi), across = box[0], tuple(box[1:])
+        if lo >= n:                         # rows not committed: never read as recorded
+            return _damage.missing(column, fill)
+        d = _damage.Damage(path, column, key, (lo, min(hi, n)), across,
+                           why=f"cannot be read ({said(error)})")
+        if self._refusing:
+            self._refuse(self._refusing, [_damage.words(d, None, None)])
+        if path not in self._valid:         # the table's check names it
+            self._damage.hold(d)
+        else:
+            read = next((v for k, v in self._current.items() if k[1] == path), None)
+            self._say(self._damage.add(path, [d], n, read[1] if read else None,
+                                       self.stats_layers(table.kind, table.rank)
+                                       if table.section == "stats" else None), stacklevel=2)
+        return _damage.missing(column, fill)
 
     def damage(self, path: str, rank: int) -> list:
-        """The missing chunks of a table's committed rows (``_damage.Damage``)."""
+        """The damage known of a table's committed rows (``_damage.Damage``): its
+        missing chunks, and those found undecodable so far."""
         self.checked_rows(path, rank)
-        return self._damage[path][0] if path in self._damage else []
+        return self._damage.found(path)
 
     def damage_notes(self, ranks=None) -> list[str]:
-        """Every missing chunk of the committed rows of ``ranks`` (default: every
+        """Every known damage of the committed rows of ``ranks`` (default: every
         rank), in words: where, which rows and steps, and what reads as missing."""
         notes = []
         for r in self.ranks if ranks is None else ranks:
             st = self.states[r]
             for path, n in {**st.committed, **(st.nonfinite or {})}.items():
                 if n and self.damage(path, r):
-                    notes += self._damage[path][2]
+                    notes += self._damage.notes(path)
         return notes
 
+    def lost(self, path: str, rank: int) -> np.ndarray:
+        """Which of a table's committed rows damage keeps from being read (as known)."""
+        n = self.checked_rows(path, rank)
+        lost = self._damage.lost(path)
+        return np.zeros(n, bool) if lost is None else lost
+
     def lost_steps(self, path: str, rank: int) -> np.ndarray:
-        """The steps (where known) of a table's rows that a missing chunk keeps
-        from being read."""
-        self.checked_rows(path, rank)
-        if path not in self._damage:
+        """The steps (where known) of a table's rows that damage keeps from being read."""
+        lost = self.lost(path, rank)
+        if not lost.any():
             return np.zeros(0, np.int64)
         steps = self.current_rows(path, rank)[1]
-        return np.unique(steps[self._damage[path][1] & (steps >= 0)])
+        return np.unique(steps[lost & (steps >= 0)])
 
-    def refuse_damage(self, what: str) -> None:
-        """Raise ``StoreFormatError`` where a chunk of the committed rows is missing:
-        ``what`` copies the chunks as stored, and would write the lost rows as the
-        fill values a missing chunk reads as."""
-        notes = self.damage_notes()
+    @contextlib.contextmanager
+    def refusing(self, what: str):
+        """Within it, damage of the committed rows raises ``StoreFormatError``: a chunk
+        missing (at once) or found undecodable (when read).  ``what`` copies the chunks
+        as stored, and would write the lost rows as the values they read as."""
+        self._refuse(what, self.damage_notes())
+        self._refusing = what
+        try:
+            yield
+        finally:
+            self._refusing = None
+
+    def _refuse(self, what: str, notes: list[str]) -> None:
         if notes:
             more = f" and {len(notes) - 1} more" if len(notes) > 1 else ""
             raise StoreFormatError(f"{self.path!r} is damaged ({notes[0]}{more}); {what} copies "
@@ -267,8 +329,8 @@ class RunIndex:
 
     def unreadable(self, path: str, rank: int, columns, rows, col: int) -> np.ndarray:
         """Whether each of a table's ``rows`` is unreadable in layer column ``col``
-        of any of ``columns`` (its chunk is missing; ``_damage.STATS``: the
-        statistics, whichever way the format packs them)."""
+        of any of ``columns`` (known damage; ``_damage.STATS``: the statistics,
+        whichever way the format packs them)."""
         return _damage.cells(self.damage(path, rank), columns, rows, col)
 
     def _check_array(self, where: str, arr, n: int) -> None:
@@ -286,28 +348,28 @@ class RunIndex:
                                    f"refusing to read it")
 
     def _check_chunks(self, path: str, arrays: dict, n: int, table: fmt.TablePath) -> list[str]:
-        """A table's readable extents fit its data; and in a table that stores every
-        chunk (``fmt.EVERY_CHUNK``), each chunk its first ``n`` rows need that is
-        missing is damage (``_damage``): kept with the rows it makes unreadable; its
-        words are returned.  Each chunk read is checked by the source itself (a
-        regular file of a sane size)."""
+        """A table's readable extents fit its data; its key columns (``_damage.KEYS``)
+        are read, and each chunk of them that cannot be decoded is damage, as is, in
+        a table that stores every chunk (``fmt.EVERY_CHUNK``), each chunk its first
+        ``n`` rows need that is missing (``_damage``): kept with the rows it makes
+        unreadable; its words are returned.  Each chunk read is checked by the
+        source itself (a regular file of a sane size)."""
         every = bool(self.source.attrs(path).get(fmt.EVERY_CHUNK))
         data = arrays.get("data")
         rest = {k: v for k, v in arrays.items() if k != "data" or data.ndim < 2}
         found = _damage.find(self.source, path, rest, n, None) if every else []
+        keys = {k: np.asarray(v[:n]) for k, v in arrays.items() if k in _damage.KEYS}
+        found += [d for d in self._damage.take(path) if d not in found]
         extent = None
         if data is not None and data.ndim > 1:
-            extent = np.asarray(arrays["extent"][:n])[:, : data.ndim - 1]
+            extent = keys["extent"][:, : data.ndim - 1]
             extent = np.where(_damage.lost_rows(found, n, None)[:, None], 0, extent)
             if extent.size and ((extent < 0) | (extent > np.array(data.shape[1:]))).any():
                 raise StoreFormatError(f"{self.path!r}: {path}/extent claims a tensor larger "
                                        f"than {path}/data holds")
+            self._damage.extents[path] = extent
             if every:
                 found += _damage.find(self.source, path, {"data": data}, n, extent)
-        if not found:
-            return []
-        steps = np.asarray(arrays["step"][:n])
+        self._steps[path] = keys["step"]
         layers = self.stats_layers(table.kind, table.rank) if table.section == "stats" else None
-        notes = [_damage.words(d, steps, layers) for d in found]
-        self._damage[path] = (found, _damage.lost_rows(found, n, extent), notes)
-        return notes
+        return self._damage.add(path, found, n, keys["step"], layers)

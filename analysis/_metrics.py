@@ -11,6 +11,29 @@ __all__ = ["step_metrics", "tensor_metrics"]
 _APART = {"rel_l2": np.inf, "cosine": np.nan, "max_abs": np.inf, "sqnr_db": -np.inf}
 
 
+def _exact(x) -> np.ndarray:
+    """``x`` as float64 (complex128 where complex), every value kept: a signalling
+    NaN (float8's, as torch widens it) becomes a quiet one, as the cast's
+    "invalid value" says, and is no news."""
+    x = np.asarray(x)
+    with np.errstate(invalid="ignore"):
+        return x.astype(np.complex128 if np.iscomplexobj(x) else np.float64, copy=False)
+
+
+def _ldexp(x: np.ndarray, e: int) -> np.ndarray:
+    """``x`` times 2**e, exactly where the result is normal (complex: each part)."""
+    with np.errstate(under="ignore", over="ignore"):
+        return np.ldexp(x.view(np.float64), e).view(x.dtype)
+
+
+def _unit(x: np.ndarray) -> tuple[np.ndarray, int]:
+    """``x`` scaled by a power of two so that its largest magnitude lies in [0.5, 1),
+    and the exponent it was scaled by (0 for zeros)."""
+    m = float(np.max(np.abs(x.view(np.float64)))) if x.size else 0.0
+    e = int(np.frexp(m)[1]) if m else 0
+    return _ldexp(x, -e), e
+
+
 def tensor_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     """rel_l2, cosine, max_abs and SQNR (dB) of ``b`` against ``a``, over the
     elements finite in both.  The same NaN or Inf in both (NaN padding too) is
@@ -18,9 +41,13 @@ def tensor_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     or another shape, makes them as different as can be: ``rel_l2`` and
     ``max_abs`` inf, ``sqnr_db`` -inf, and ``cosine`` NaN (no angle between
     them).  Where either is all zeros (or nothing is left), ``cosine`` is 1
-    when both are, else 0."""
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
+    when both are, else 0.
+
+    Each of ``a``, ``b`` and their difference is scaled by a power of two
+    (exact) to a largest magnitude near 1 before its norm, so the metrics are
+    right for any finite values (no square overflows or underflows); a metric
+    is inf only where its value passes float64."""
+    a, b = _exact(a), _exact(b)
     if a.shape != b.shape:                 # not the same tensor
         return dict(_APART)
     a, b = a.ravel(), b.ravel()
@@ -30,13 +57,24 @@ def tensor_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
         if not (same | finite).all():
             return dict(_APART)
         a, b = a[finite], b[finite]
-    na, nd = np.linalg.norm(a), np.linalg.norm(b - a)
-    nb = np.linalg.norm(b)
+    (ua, ea), (ub, eb) = _unit(a), _unit(b)
+    with np.errstate(over="ignore"):
+        d = b - a                          # rounded once; inf only where it passes float64:
+    if np.isfinite(d).all():
+        ud, ed = _unit(d)
+    else:                                  # then, of halves (exact at that size)
+        ud, ed = _unit(_ldexp(b, -1) - _ldexp(a, -1))
+        ed += 1
+    na, nb, nd = (float(np.linalg.norm(x)) for x in (ua, ub, ud))
+    with np.errstate(over="ignore"):       # past float64: inf
+        rel = float(np.ldexp(nd / na, ed - ea)) if na else (0.0 if nd == 0 else np.inf)
+        biggest = float(np.ldexp(np.max(np.abs(ud)), ed)) if ud.size else 0.0
     return {
-        "rel_l2": nd / na if na else (0.0 if nd == 0 else np.inf),
-        "cosine": float(a @ b / (na * nb)) if na and nb else float(na == nb),
-        "max_abs": float(np.max(np.abs(b - a))) if a.size else 0.0,
-        "sqnr_db": float(20 * np.log10(na / nd)) if nd else np.inf,
+        "rel_l2": rel,
+        "cosine": float(np.clip(np.vdot(ua, ub).real / na / nb, -1, 1)) if na and nb
+        else float(na == nb),
+        "max_abs": biggest,
+        "sqnr_db": float(20 * (np.log10(na / nd) + (ea - ed) * np.log10(2))) if nd else np.inf,
     }
 
 
@@ -51,5 +89,5 @@ def step_metrics(a: dict, b: dict) -> dict[str, float] | None:
         return None
     if any(np.shape(a[k]) != np.shape(b[k]) for k in common):
         return dict(_APART)
-    flat = [np.concatenate([np.ravel(x[k]) for k in common]) for x in (a, b)]
+    flat = [np.concatenate([np.ravel(_exact(x[k])) for k in common]) for x in (a, b)]
     return tensor_metrics(*flat)

@@ -38,7 +38,6 @@ def migrate(old, new, progress=None, mode: str = "w-") -> str:
                           f"one: there is nothing to migrate (copy the folder for a copy)")
     listed = [(r, p, run.checked_rows(p, r)) for r in run.ranks
               for p, n in run.state(r).committed.items() if n]
-    run.index.refuse_damage("migrate")
 
     def tables():
         for rank, path, n in (progress(listed) if progress else listed):
@@ -46,7 +45,8 @@ def migrate(old, new, progress=None, mode: str = "w-") -> str:
     # the NaN/Inf counts of steps without statistics are not copied: the copy says so (its
     # map is placed from the kept events, ``format``), never that it holds them
     states = {r: dataclasses.replace(run.state(r), nonfinite=None) for r in run.ranks}
-    return write_run(new, run.attrs, states, tables(), mode=mode, source=run.path)
+    with run.index.refusing("migrate"):
+        return write_run(new, run.attrs, states, tables(), mode=mode, source=run.path)
 
 
 def _is_hdf5(run) -> bool:

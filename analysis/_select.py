@@ -1,17 +1,40 @@
-"""Choosing what to read: steps by a half-open slice, layer columns by glob
-patterns, and the words for what is not there."""
+"""Choosing what to read: steps by a half-open slice, layer columns by patterns
+(``tensortape.recorder.patterns``: a layer's own name, else a glob) or, for
+tensortape's own readers, by exact names (``Names``), and the words for what is
+not there.  Layer names as a coordinate (``layer_coord``) are Python strings, so any
+name (a trailing NUL too) reads back equal."""
 
 from __future__ import annotations
 
-import fnmatch
-
 import numpy as np
 
-from tensortape.recorder.errors import ConfigError
+from tensortape.recorder.errors import ConfigError, LayerNotFoundError
 from tensortape.recorder.format import KINDS
 from tensortape.recorder.patterns import closest, match_layers
 
-__all__ = ["columns_of", "missing", "steps_text", "within"]
+__all__ = ["Names", "chosen", "columns_of", "layer_coord", "missing", "one_layer", "steps_text",
+           "within"]
+
+
+class Names(tuple):
+    """Layer names, each meant exactly, never as a pattern: how tensortape's own
+    readers ask for the layers they name (``run.stats(kind, Names([layer]))``)."""
+
+
+def layer_coord(layers) -> np.ndarray:
+    """Layer names as a ``layer`` coordinate: an object array of the strings
+    themselves (numpy's fixed-width strings drop a trailing NUL)."""
+    out = np.empty(len(layers), object)
+    out[:] = list(layers)
+    return out
+
+
+def one_layer(ds):
+    """``ds`` of one layer without its ``layer`` dimension, the scalar ``layer``
+    coordinate the name itself (xarray's ``isel`` makes it a fixed-width string)."""
+    name = np.empty((), object)
+    name[()] = ds.layer.values[0]
+    return ds.isel(layer=0).assign_coords(layer=name)
 
 
 def within(obj, steps: slice | None):
@@ -40,19 +63,26 @@ def steps_text(steps) -> str:
     return f"{len(steps)} step{'s' if len(steps) > 1 else ''} ({shown})"
 
 
-def columns_of(names: list[str], layers, strict: bool = True) -> list[int]:
-    """The columns of ``names`` that ``layers`` (glob patterns) match; ``strict``:
-    each pattern must match one of them (not so for one rank of several, whose
-    patterns may match another rank's layers: a pipeline stage elsewhere)."""
+def chosen(held: list[str], layers, what: str = "layer with statistics") -> Names:
+    """The names of ``held`` that ``layers`` selects, in their order: ``Names`` as
+    they are (each must be held), else patterns (``match_layers``: each must
+    select one)."""
+    if isinstance(layers, Names):
+        for n in layers:
+            if n not in held:
+                raise LayerNotFoundError(missing(n, held, "statistics"))
+        return Names(n for n in held if n in set(layers))
+    return Names(match_layers(held, layers, what=what))
+
+
+def columns_of(held: list[str], layers, strict: bool = True) -> list[int]:
+    """The columns of ``held`` that ``layers`` selects (``chosen``); not ``strict``
+    (``Names`` of one rank of several, which may be another rank's layers: a
+    pipeline stage elsewhere), those of them it holds."""
     if layers is None:
-        return list(range(len(names)))
-    if strict:
-        chosen = set(match_layers(names, layers, what="layer with statistics"))
-    else:
-        patterns = [layers] if isinstance(layers, str) else list(layers)
-        chosen = {n for n in names if any(n == p or fnmatch.fnmatchcase(n, p)
-                                          for p in patterns)}
-    return [i for i, n in enumerate(names) if n in chosen]
+        return list(range(len(held)))
+    keep = set(chosen(held, layers) if strict else layers)
+    return [i for i, n in enumerate(held) if n in keep]
 
 
 def missing(layer: str, names: list[str], what: str) -> str:

@@ -6,12 +6,16 @@ executed: attributes are JSON, arrays are numbers.
 
 A chunk read that fails is made again only where the store may be changing
 under the reader (a live run, ``may_change``): a finished run's shard is never
-replaced, so a damaged one fails at once.
+replaced, so a damaged one fails at once.  Then the read is made a stored
+object (shard or chunk) at a time, and each object that cannot be decoded is
+handed to the source's ``sink`` (the run's index), which says what its cells
+read as (damage is local), or refuses.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import math
 import os
@@ -25,7 +29,7 @@ from tensortape.recorder import format as fmt
 from tensortape.recorder.quiet import quiet
 from tensortape.recorder.errors import StoreFormatError, StoreNotFoundError
 
-__all__ = ["open_source", "ZarrSource", "H5Source"]
+__all__ = ["open_source", "said", "ZarrSource", "H5Source"]
 
 JSON_ATTR = "tensortape_json"
 RETRIES = 5               # reads again of a chunk of a live run that fails (a shard replaced
@@ -74,9 +78,89 @@ class Guarded:
                 if attempt == RETRIES or self._source is None or not self._source.may_change():
                     break
                 time.sleep(PAUSE * 2 ** attempt)
-        raise StoreFormatError(f"{self._where}: a chunk cannot be read ({type(error).__name__}: "
-                               f"{str(error).splitlines()[0] if str(error) else ''}); the store "
-                               f"is damaged") from error
+        got = self._salvage(key)
+        if got is not None:
+            return got
+        raise StoreFormatError(f"{self._where}: a chunk cannot be read ({said(error)}); the "
+                               f"store is damaged") from error
+
+    def _salvage(self, key):
+        """``key`` read a stored object at a time, each that cannot be decoded as its
+        cells' fill (the source's ``sink``: where, the object's key and extent, the
+        error and the array's fill value -> the fill, or None: not salvaged).  None
+        where there is no sink, or a key of more than one index array."""
+        sink = getattr(self._source, "sink", None)
+        arr = self._array
+        shape = tuple(int(s) for s in arr.shape)
+        box = _box(key, shape)
+        if sink is None or box is None:
+            return None
+        box, rel = box
+        grid = tuple(int(c) for c in (getattr(arr, "shards", None) or arr.chunks or shape))
+        out = np.empty(tuple(hi - lo for lo, hi in box), arr.dtype)
+        spans = [range(lo // g, -(-hi // g)) if hi > lo else range(0)
+                 for (lo, hi), g in zip(box, grid)]
+        for index in itertools.product(*spans):
+            part = tuple(slice(max(lo, i * g), min(hi, (i + 1) * g))
+                         for (lo, hi), i, g in zip(box, index, grid))
+            at = tuple(slice(p.start - lo, p.stop - lo) for p, (lo, _) in zip(part, box))
+            try:
+                with quiet():
+                    out[at] = self._array[part]
+            except StoreFormatError:
+                raise
+            except Exception as e:
+                fill = sink(self._where, "c/" + "/".join(map(str, index)),
+                            tuple((i * g, min(s, (i + 1) * g)) for i, g, s in zip(index, grid, shape)),
+                            e, arr.fill_value)
+                if fill is None:
+                    return None
+                out[at] = fill
+        return out[rel]
+
+
+def said(error: Exception) -> str:
+    """An error in a few words: its class and its first sentence."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text.split('. ')[0]}"
+
+
+def _box(key, shape: tuple[int, ...]):
+    """The box a key reads (``(lo, hi)`` per axis) and the key within it, or None for
+    a key of more than one index array (numpy's and zarr's readings differ), a new
+    axis or a slice that steps backwards."""
+    key = key if isinstance(key, tuple) else (key,)
+    if any(k is Ellipsis for k in key):
+        i = key.index(Ellipsis)
+        key = key[:i] + (slice(None),) * (len(shape) - len(key) + 1) + key[i + 1:]
+    key = key + (slice(None),) * (len(shape) - len(key))
+    if len(key) != len(shape):
+        return None
+    box, rel, arrays = [], [], 0
+    for k, n in zip(key, shape):
+        if isinstance(k, (int, np.integer)):
+            i = int(k) + (n if k < 0 else 0)
+            box.append((i, i + 1))
+            rel.append(0)
+        elif isinstance(k, slice):
+            r = range(*k.indices(n))
+            if r.step < 0:
+                return None
+            lo, hi = (r[0], r[-1] + 1) if len(r) else (0, 0)
+            box.append((lo, hi))
+            rel.append(slice(0, hi - lo, r.step))
+        else:
+            k = np.asarray(k)
+            if k.dtype == bool:
+                k = np.flatnonzero(k)
+            if k.ndim != 1 or k.dtype.kind not in "iu" or arrays:
+                return None
+            arrays += 1
+            k = np.where(k < 0, k + n, k)
+            lo, hi = (int(k.min()), int(k.max()) + 1) if len(k) else (0, 0)
+            box.append((lo, hi))
+            rel.append(k - lo)
+    return box, tuple(rel)
 
 
 # this process's sources by location, the latest used last (where arrays are
@@ -99,6 +183,7 @@ def _reopen(location: str, path: str) -> Guarded:
 
 class ZarrSource:
     lock = False
+    sink = None          # what a chunk that cannot be decoded reads as (``Guarded._salvage``)
 
     def __init__(self, location: str):
         import zarr
@@ -226,6 +311,8 @@ def _checked_store(location: str):
 
 
 class H5Source:
+    sink = None
+
     def __init__(self, location: str):
         import h5py
         from dask.utils import SerializableLock

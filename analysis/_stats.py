@@ -9,11 +9,10 @@ import xarray as xr
 from tensortape.recorder import format as fmt
 from tensortape.recorder.errors import ConfigError, LayerNotFoundError
 from tensortape.recorder.histogram import bin_centers, bin_edges
-from tensortape.recorder.patterns import match_layers
 
 from . import _damage
 from ._index import RunIndex
-from ._select import columns_of, missing, steps_text
+from ._select import chosen, columns_of, layer_coord, missing, steps_text
 from ._tables import as_slice
 
 __all__ = ["Statistics", "counts"]
@@ -84,10 +83,11 @@ class Statistics:
         ix = self.index
         if rank is not None or len(ix.ranks) < 2 or layers is None:
             return self._across(rank, lambda r: self._stats(kind, layers, r), kind)
-        # every pattern matches a layer of some rank; a rank is read where one does
+        # the layers asked for, of every rank's (each pattern selects a layer of some
+        # rank); a rank is read where it holds one
         held = [r for r in ix.ranks if kind in ix.kinds_of(r)]
-        match_layers(list(dict.fromkeys(n for r in held for n in ix.stats_layers(kind, r))),
-                     layers, what="layer with statistics on any rank")
+        layers = chosen(list(dict.fromkeys(n for r in held for n in ix.stats_layers(kind, r))),
+                        layers, what="layer with statistics on any rank")
         return self._across(rank, lambda r: self._stats(kind, layers, r, strict=False), kind,
                             lambda r: bool(columns_of(ix.stats_layers(kind, r), layers,
                                                       strict=False)))
@@ -107,7 +107,8 @@ class Statistics:
                 continue
             raw = ix.tables.stat(path, s, rows, idx)
             data[s] = (("step", "layer"), counts(raw) if s in fmt.COUNT_STATS else raw.astype(dtype))
-        ds = xr.Dataset(data, coords={"step": steps, "layer": [names[i] for i in idx]})
+        ds = xr.Dataset(data, coords={"step": steps,
+                                      "layer": layer_coord([names[i] for i in idx])})
         ds.attrs.update(kind=kind, rank=rank)
         return ds.isel(layer=_execution_order([names[i] for i in idx], ix.layers_of(rank)))
 
@@ -125,7 +126,7 @@ class Statistics:
             for j, i in enumerate(idx):
                 mask[:, j] = ix.unreadable(path, rank, _damage.STATS, rows, i)
         out = xr.DataArray(mask, dims=("step", "layer"), name="damaged",
-                           coords={"step": steps, "layer": [names[i] for i in idx]})
+                           coords={"step": steps, "layer": layer_coord([names[i] for i in idx])})
         return out.isel(layer=_execution_order([names[i] for i in idx], ix.layers_of(rank)))
 
     def histogram(self, layer: str, kind: str = "activations", step=None,

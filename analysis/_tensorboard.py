@@ -29,6 +29,7 @@ from tensortape.recorder import format as fmt
 from tensortape.recorder.errors import ConfigError
 
 from ._scalars import logged
+from ._select import Names, one_layer
 
 __all__ = ["to_tensorboard"]
 
@@ -105,7 +106,7 @@ def _layer(writer, run, kind: str, layer: str, protos) -> None:
     """One layer's histograms and statistics, a block of steps at a time."""
     Event, Summary, HistogramProto = protos
     hist = run.histogram(layer, kind)
-    stats = run.stats(kind, [layer]).isel(layer=0)
+    stats = one_layer(run.stats(kind, Names([layer])))
     limits = _limits(hist.bin_lo.values, hist.bin_hi.values)
     steps = hist.step.values
     for start in range(0, len(steps), BLOCK_STEPS):

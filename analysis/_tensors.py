@@ -124,7 +124,11 @@ class Tensors:
                               f"{'it has' if not m else f'micro-batch {m} has'} full tensors at "
                               f"step{'s' * (len(steps) > 1)} {', '.join(map(str, steps[:8]))}{', ...' if len(steps) > 8 else ''}")
         row = out.isel(step=int(hits[0]))
-        return row.isel({d: slice(0, int(e)) for d, e in zip(dims[1:], extent[hits[0]])}).compute()
+        got = row.isel({d: slice(0, int(e)) for d, e in zip(dims[1:], extent[hits[0]])}).compute()
+        if ix.lost(path, rank)[rows[hits[0]]]:    # its chunk found undecodable as it was read
+            raise ConfigError(f"{_where(layer, kind, step, m)} has no full tensor"
+                              f"{self._why(path, rank, step)}")
+        return got
 
     def micro_batches(self, layer: str, kind: str, step: int, rank: int) -> dict[int, np.ndarray]:
         """Every micro-batch's full tensor of one step: micro-batch -> numpy array at
@@ -143,10 +147,12 @@ class Tensors:
             got = np.asarray(data[(int(rows[i]), *(slice(0, int(e)) for e in
                                                    extent[i, : data.ndim - 1]))])
             out[int(micros[i])] = decode_bits(got, logical) if logical in fmt.BITS_DTYPES else got
-        return out
+        lost = ix.lost(path, rank)            # a chunk found undecodable as it was read
+        return {m: v for i, (m, v) in zip(at, out.items()) if not lost[rows[i]]}
 
     def _why(self, path: str, rank: int, step) -> str:
-        """Why a step has no full tensor, where a missing chunk is the reason."""
+        """Why a step has no full tensor, where damage is the reason."""
         if step in set(self.index.lost_steps(path, rank).tolist()):
-            return " (its chunk is missing: the store is damaged there; see `tensortape info`)"
+            return (" (its chunk is missing or cannot be read: the store is damaged there; "
+                    "see `tensortape info`)")
         return ""

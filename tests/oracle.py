@@ -219,8 +219,10 @@ class Oracle:
         self.capture, self.stats_every, self.tensors_every = set(capture), stats_every, tensors_every
         self.ring, self.on_nonfinite = ring, on_nonfinite
         patterns = [layers] if isinstance(layers, str) else layers
-        self.modules = [(n, m) for n, m in model.named_modules()
-                        if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        names = {n for n, _ in model.named_modules()}     # a module's name selects it alone,
+        self.modules = [(n, m) for n, m in model.named_modules()       # else a glob
+                        if n in patterns or any(p not in names and fnmatch.fnmatchcase(n, p)
+                                                for p in patterns)]
         self.step = None
         self.paused = 0
         self.micro = 0

@@ -1,9 +1,14 @@
-"""Damage is local: a chunk missing from a run's committed rows makes only its rows
-unreadable.  They read as missing (NaN, counts -1; a full tensor or a row whose
-step is lost is not there) and are named, in `info` and in a warning; every other
-row reads exactly as a pristine copy of the run does, through every reader.
+"""Damage is local: a chunk missing from a run's committed rows, or there but
+undecodable (corrupt, truncated), makes only its rows unreadable.  They read as
+missing (NaN, counts -1; a full tensor or a row whose step is lost is not there)
+and are named, in `info` and in a warning; every other row reads exactly as a
+pristine copy of the run does, through every reader.  An undecodable chunk is
+found when it is read (opening a run reads no chunk): its table's key columns
+(step, micro-batch, extent, scalar name) when the table is first read, the rest
+when their rows are; a full tensor's, as its rows are read, which then read as
+its padding (NaN) there.
 
-The truth is the pristine copy, and which rows the deleted chunk held, read with
+The truth is the pristine copy, and which rows the damaged chunk held, read with
 zarr itself."""
 import json
 import math
@@ -64,7 +69,7 @@ def pristine(tmp_path_factory):
     return path
 
 
-# the chunk deleted: (table, column, chunk key), under rank0/
+# the chunk damaged: (table, column, chunk key), under rank0/
 CASES = {
     "statistics": ("stats/activations", "stats", "c/0/0/0"),
     "histograms": ("stats/activations", "hist", "c/1/0/0"),
@@ -76,6 +81,14 @@ CASES = {
     "scalars' values": ("scalars", "value", "c/1"),
     "scalars' names": ("scalars", "name", "c/0"),
 }
+KEYS = ("step", "micro", "extent", "name")      # read when their table is first read
+# how a chunk is damaged: deleted, or there but undecodable
+HOW = {"missing": os.remove,
+       "corrupt": lambda f: Path(f).write_bytes(b"\x28\xb5\x2f\xfdgarbage"),
+       "truncated": lambda f: os.truncate(f, os.path.getsize(f) // 2)}
+DAMAGES = [*(("missing", c) for c in sorted(CASES)),
+           *(("corrupt", c) for c in sorted(CASES)),
+           ("truncated", "statistics"), ("truncated", "full tensors' micro-batches")]
 
 
 def held_rows(store, table, column, key):
@@ -115,13 +128,15 @@ def cli_json(*args):
     return json.loads(r.stdout), r.stderr, r.exit_code
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_a_missing_chunk_reads_as_missing_and_the_rest_as_recorded(pristine, tmp_path, case):
+@pytest.mark.parametrize("how, case", DAMAGES)
+def test_a_damaged_chunk_reads_as_missing_and_the_rest_as_recorded(pristine, tmp_path, how, case):
+    """Before (how: corrupt, truncated): an undecodable chunk refused the whole run."""
     table, column, key = CASES[case]
     damaged = str(tmp_path / "damaged.zarr")
     shutil.copytree(pristine, damaged)
     chunk = f"rank0/{table}/{column}/{key}"
-    os.remove(os.path.join(damaged, chunk))
+    HOW[how](os.path.join(damaged, chunk))
+    said = "is missing" if how == "missing" else "cannot be read ("
     lo, hi, lost = held_rows(pristine, table, column, key)
     lost = set(np.asarray(lost).tolist())
     assert lost and hi > lo
@@ -130,9 +145,10 @@ def test_a_missing_chunk_reads_as_missing_and_the_rest_as_recorded(pristine, tmp
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = library_reads(damaged)
-    said = [str(w.message) for w in caught]
-    assert said and all(w.category is TensortapeWarning for w in caught), said
-    assert all(chunk in s and "the rest of the run reads as recorded" in s for s in said)
+    warned = [str(w.message) for w in caught]
+    assert warned and all(w.category is TensortapeWarning for w in caught), warned
+    assert all(f"{chunk} {said}" in s and "the rest of the run reads as recorded" in s
+               for s in warned), warned
 
     section = table.split("/")
     for k in want["kinds"]:                                # statistics: NaN and -1 where lost
@@ -161,6 +177,13 @@ def test_a_missing_chunk_reads_as_missing_and_the_rest_as_recorded(pristine, tmp
         if name[0] != "tensor":
             continue
         lost_here = lost if table == f"tensors/{name[1]}/{name[2]}" else set()
+        if how != "missing" and column == "data" and lost_here:    # found as its rows are read:
+            g = got[name]                                          # its padding, NaN, there
+            hit = np.isin(g.step.values, list(lost_here))
+            assert g.step.values.tolist() == w.step.values.tolist() and hit.any()
+            assert np.isnan(g.values[hit]).all()
+            same(g.values[~hit], w.values[~hit])
+            continue
         if lost_here >= set(w.step.values.tolist()):
             assert name not in got                          # every row lost: no such layer
             continue
@@ -184,8 +207,10 @@ def test_a_missing_chunk_reads_as_missing_and_the_rest_as_recorded(pristine, tmp
 
     # the command line: info names the chunk; nan and compare read the rest as recorded
     info, err, code = cli_json("info", damaged, "--format", "json")
-    assert code == 0 and len(info["damaged"]) == 1 and info["damaged"][0].startswith(chunk)
-    assert f"warning: {damaged}: {chunk} is missing" in err
+    named = how == "missing" or column in KEYS               # else found only when read
+    assert code == 0 and len(info["damaged"]) == named and (
+        not named or info["damaged"][0].startswith(f"{chunk} {said}")), info["damaged"]
+    assert (f"warning: {damaged}: {chunk} {said}" in err) == named, err
     assert cli_json("info", pristine, "--format", "json")[0]["damaged"] == []
     nan_w, _, code_w = cli_json("nan", pristine, "--format", "json")
     nan_g, _, code_g = cli_json("nan", damaged, "--format", "json")

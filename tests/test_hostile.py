@@ -1,4 +1,6 @@
-"""Damaged and hostile stores: refused with one line, by open_run and by every command."""
+"""Hostile stores: refused with one line, by open_run and by every command.  A
+damaged one (a chunk missing, corrupt or truncated) is not refused: its damage is
+local (tests/test_damage.py), here too."""
 import json
 import os
 import pickle
@@ -107,11 +109,12 @@ HOSTILE = {
     "an extent of 10^12 x 10^12": lambda s: _extent(s, [10 ** 12, 10 ** 12]),
     "a chunk linked to /dev/zero": _symlink_to_dev_zero,
     "a 10 GB sparse chunk": lambda s: os.truncate(_data_chunk(s), 10 << 30),
-    # damaged stores
+}
+# a chunk missing, corrupt or truncated is damage, read as missing where it lies
+DAMAGED = {
     "a corrupt chunk": lambda s: Path(_data_chunk(s)).write_bytes(b"\x28\xb5\x2f\xfdgarbage"),
     "a truncated chunk": lambda s: os.truncate(_data_chunk(s), os.path.getsize(_data_chunk(s)) // 2),
 }
-# a missing chunk is damage, read as missing where it lies (tests/test_damage.py)
 
 # Every command on every hostile store, in one child process (under a 3 GiB address-space
 # limit); each command's exit status and stderr come back as JSON.
@@ -143,7 +146,7 @@ def _limit_memory():
 def _hostile(good, where, case):
     store = os.path.join(where, "bad.zarr")
     shutil.copytree(good, store)
-    HOSTILE[case](store)
+    {**HOSTILE, **DAMAGED}[case](store)
     return store
 
 
@@ -151,7 +154,7 @@ def _hostile(good, where, case):
 def commands_on(good, tmp_path_factory):
     """Every reading command on every hostile store: case -> [(args, exit status, stderr)]."""
     stores, commands = {}, {}
-    for case in sorted(HOSTILE):
+    for case in sorted({**HOSTILE, **DAMAGED}):
         where = str(tmp_path_factory.mktemp("cli"))
         store = stores[case] = _hostile(good, where, case)
         commands[case] = [
@@ -192,3 +195,30 @@ def test_an_hdf5_header_on_garbage_is_refused(tmp_path):
     f.write_bytes(b"\x89HDF\r\n\x1a\n" + os.urandom(256))
     with pytest.raises(RecorderError):
         open_run(str(f))
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_a_corrupt_or_truncated_chunk_is_local_damage(good, tmp_path, case, commands_on):
+    """Before: refused like a hostile store, by open_run and every command.  Now its
+    rows read as missing, named in a warning, and the rest as recorded; only the
+    HDF5 export (which copies chunks as stored) refuses, in one line."""
+    import numpy as np
+    from tensortape.recorder.errors import TensortapeWarning
+    store = _hostile(good, str(tmp_path), case)
+    chunk = os.path.relpath(_data_chunk(store), store)
+    run, want = open_run(store), open_run(good)
+    np.testing.assert_array_equal(run.stats().compute()["mean"], want.stats().compute()["mean"])
+    with pytest.warns(TensortapeWarning, match=f"{chunk} cannot be read .* full tensors missing"):
+        got = run.tensor("0", "activations").compute()
+    lost = np.isnan(got.values).all(axis=tuple(range(1, got.ndim)))
+    assert lost.any()
+    np.testing.assert_array_equal(got.values[~lost], want.tensor("0").values[~lost])
+    np.testing.assert_array_equal(run.tensor("2").values, want.tensor("2").values)
+    stores, results = commands_on
+    for args, code, err in results[case]:
+        assert "Traceback" not in err and "MemoryError" not in err, (args, err[-800:])
+        if args[0] == "export":                   # copies chunks as stored: refuses
+            assert code == 2 and err.strip().splitlines()[-1].startswith("Error: "), (args, err)
+            assert "refuses a damaged run" in err and chunk in err, err
+        else:
+            assert code in (0, 1), (args, code, err)

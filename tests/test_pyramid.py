@@ -324,6 +324,20 @@ def test_a_table_widened_by_a_writer_without_pyramids_is_read_from_its_rows(tmp_
     check_served(path, (7, 0, 128))
 
 
+def test_a_corrupt_chunk_of_the_pyramid_is_read_from_the_rows(tmp_path):
+    """Before: a pyramid level's chunk that cannot be decoded refused the map.  Now
+    the map reads those grains from the rows, and says so once."""
+    from tensortape.recorder.errors import TensortapeWarning
+    path = record(str(tmp_path / "src.zarr"), range(357), spike=300, nan_step=301)
+    for grain in (64, 8):
+        chunk = os.path.join(path, TABLE, f"pyramid{grain}", "c", "0", "0", "0")
+        assert os.path.isfile(chunk)
+        with open(chunk, "wb") as f:
+            f.write(b"\x28\xb5\x2f\xfdgarbage")
+    with pytest.warns(TensortapeWarning, match="cannot be read.*the map reads the rows instead"):
+        check_served(path, (12, 8, 330))
+
+
 CHILD = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, sys.argv[2])

@@ -250,7 +250,7 @@ def test_histogram_and_stats_are_the_runs_own_numbers(diverged, serve):
 def test_scalars_answer_empty_for_a_run_without_them(diverged, serve):
     s = serve(diverged)
     status, sc = s.get("scalars")
-    assert status == 200 and sc["step"] == []
+    assert status == 200 and sc == {"step": [], "values": {}, "nonfinite": {}}
 
 
 def test_scalars_are_the_runs_logged_values(spiky, serve):
@@ -258,8 +258,8 @@ def test_scalars_are_the_runs_logged_values(spiky, serve):
     status, sc = s.get("scalars")
     ds = open_run(spiky).scalars()
     assert status == 200 and sc["step"] == list(range(0, STEPS, 7)) == ds.step.values.tolist()
-    assert sc["lr"] == [0.1 / (1 + step) for step in sc["step"]]          # bit-exact
-    assert sc["loss"] == ds["loss"].values.tolist()
+    assert sc["values"]["lr"] == [0.1 / (1 + step) for step in sc["step"]]          # bit-exact
+    assert sc["values"]["loss"] == ds["loss"].values.tolist()
 
 
 def test_compare_map_marks_the_first_divergence(diverged, stable, serve):
@@ -309,7 +309,26 @@ def test_scalars_say_which_logged_values_are_non_finite(tmp_path, serve):
     _, sc = serve(path).get("scalars")
     assert sc["nonfinite"] == {"loss": [i for i, v in enumerate(losses) if not math.isfinite(v)],
                                "lr": []}
-    assert [as_float(v) for v in sc["lr"]][1] != [as_float(v) for v in sc["lr"]][1]   # missing: NaN
+    assert math.isnan(as_float(sc["values"]["lr"][1]))                   # missing: NaN
+
+
+@pytest.mark.parametrize("name", ["nonfinite", "values", "step"])
+def test_a_scalar_keeps_its_values_whatever_its_name(tmp_path, serve, name):
+    """Before: a scalar named ``nonfinite`` was overwritten by the answer's own
+    ``nonfinite`` key, and its values were lost."""
+    model = nn.Linear(2, 2)
+    path = str(tmp_path / "names.zarr")
+    logged = {name: [0.5, math.inf, -2.0], "loss": [math.nan, 1.0, 3.0]}
+    with Recorder(model, path, tensors_every=None, capture=("activations",)) as rec:
+        for step in range(3):
+            with rec.step(step), torch.no_grad():
+                model(torch.ones(1, 2))
+                rec.log({k: v[step] for k, v in logged.items()})
+    status, sc = serve(path).get("scalars")
+    shown = {"step": "step'"}.get(name, name)       # run.scalars()' coordinate, renamed
+    assert status == 200 and sc["step"] == [0, 1, 2] and set(sc) == {"step", "values", "nonfinite"}
+    assert sc["values"] == {shown: [0.5, "inf", -2.0], "loss": ["nan", 1.0, 3.0]}
+    assert sc["nonfinite"] == {shown: [1], "loss": [0]}
 
 
 # --- refusals ---------------------------------------------------------------------------------

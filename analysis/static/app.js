@@ -316,16 +316,16 @@ async function loadScalars() {
   const box = $("scalars");
   try {
     const sc = await api("scalars", { run: S.run });
-    const names = Object.keys(sc).filter(k => k !== "step" && k !== "nonfinite");
-    const bad = Object.values(sc.nonfinite || {}).reduce((a, b) => a + b.length, 0);
+    const names = Object.keys(sc.values);
+    const bad = Object.values(sc.nonfinite).reduce((a, b) => a + b.length, 0);
     box.querySelector(".caption").textContent = sc.step.length ? `${names.length} scalars over ${sc.step.length} steps` +
       (bad ? `; ${bad} non-finite values logged (pink dotted lines)` : "") : "no scalars recorded";
     box.querySelector(".grid").replaceChildren(...(sc.step.length ? names : []).map(k => {
       const c = el("canvas");
-      const bad = (sc.nonfinite || {})[k] || [];          // logged NaN/Inf: pink dotted lines
+      const bad = sc.nonfinite[k] || [];                  // logged NaN/Inf: pink dotted lines
       c.dataset.name = k;
       c.dataset.bad = JSON.stringify(bad);
-      Chart.lines(c, [{ x: sc.step, y: sc[k], color: Chart.COLORS.lines[1] }], { title: k, width: 380, height: 150, marker: S.sel && S.sel.step, bad, badLines: true });
+      Chart.lines(c, [{ x: sc.step, y: sc.values[k], color: Chart.COLORS.lines[1] }], { title: k, width: 380, height: 150, marker: S.sel && S.sel.step, bad, badLines: true });
       return c;
     }));
   } catch (e) { fail("scalars", e); }
