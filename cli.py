@@ -684,8 +684,7 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
 @click.option("--no-browser", is_flag=True, help="do not open a browser")
 def serve(run, run_b, host, port, no_browser):
     """Serve a browser view of RUN (or of RUN and RUN_B side by side), read-only."""
-    import ipaddress
-    from tensortape.analysis._serve import make_server     # here: --help and the other commands skip it
+    from tensortape.analysis._serve import loopback, make_server   # here: --help and the rest skip it
     paths = [run] + ([run_b] if run_b else [])
     try:
         server = make_server(paths, host, port)
@@ -694,11 +693,7 @@ def serve(run, run_b, host, port, no_browser):
     except OSError as e:
         raise click.BadParameter(f"cannot listen on {host}:{port} ({e.strerror or e})",
                                  param_hint="--port") from None
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
+    if not loopback(host):
         click.echo(f"warning: serving on {host}, which is not loopback: the view has no "
                    f"authentication, anyone who reaches {host} can read these runs", err=True)
     name, bound = server.server_address[:2]

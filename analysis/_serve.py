@@ -31,7 +31,7 @@ from . import _api
 from ._run import open_run
 from ._stats import Statistics
 
-__all__ = ["Served", "make_server"]
+__all__ = ["Served", "allowed_host", "loopback", "make_server"]
 
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
           "/app.js": ("app.js", "text/javascript; charset=utf-8"),
@@ -179,6 +179,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         url = urlsplit(self.path)
+        host = self.headers.get("Host")
+        if not allowed_host(host, self.server.server_address[0]):
+            return self._json(403, {"error": f"Host {host!r} is not this server's own name; "
+                                             f"open the URL tensortape serve printed (a page "
+                                             f"of another site is refused: DNS rebinding)"})
         if url.path in STATIC:
             name, ctype = STATIC[url.path]
             return self._send(200, self.static[name], ctype)
@@ -196,6 +201,32 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:          # a store that changed under a read: say so, keep serving
             return self._json(500, {"error": f"{type(e).__name__}: {_line(e)}"})
         self._json(HTTPStatus.OK, out)
+
+
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+
+def allowed_host(header: str | None, bound: str) -> bool:
+    """Whether a request whose ``Host`` is ``header`` may be answered by a server bound
+    to ``bound``: on a loopback address, only when it names the bound address,
+    ``localhost``, ``127.0.0.1`` or ``[::1]`` (any port), as Jupyter does: a page of
+    another site whose name it rebinds to 127.0.0.1 sends its own name.  A server
+    bound elsewhere was asked to be reached by any name (and warned of it)."""
+    if not loopback(bound) or header is None:      # no Host: HTTP/1.0, never a browser
+        return True
+    name = header.strip().lower()
+    name = name[:name.index("]") + 1] if name.startswith("[") and "]" in name \
+        else name.rpartition(":")[0] if name.rpartition(":")[2].isdigit() else name
+    own = f"[{bound}]" if ":" in bound else bound
+    return name in LOCAL_NAMES or name == own.lower()
+
+
+def loopback(address: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
 
 
 def _line(e: Exception) -> str:

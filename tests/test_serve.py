@@ -422,6 +422,51 @@ def test_serving_never_writes_into_the_store(spiky, serve):
     assert snapshot() == before
 
 
+def _with_host(url: str, path: str, host: str | None) -> tuple[int, bytes]:
+    """GET ``path`` from the server at ``url`` with this ``Host`` header (None: none)."""
+    import http.client
+    u = urllib.parse.urlsplit(url)
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    try:
+        c.putrequest("GET", path, skip_host=True)
+        if host is not None:
+            c.putheader("Host", host)
+        c.endheaders()
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("path", ["/api/runs", "/api/map", "/", "/app.js"])
+def test_a_page_of_another_site_rebound_to_loopback_is_refused(spiky, serve, path):
+    """DNS rebinding: the browser sends the attacker's name as Host; only the server's
+    own names are answered (any port), as Jupyter does."""
+    s = serve(spiky)
+    port = s.server.server_address[1]
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example",
+                 f"localhost.evil.example:{port}", "[::2]", f"10.0.0.1:{port}"):
+        status, body = _with_host(s.url, path, host)
+        assert status == 403, (host, status)
+        assert "DNS rebinding" in json.loads(body)["error"]
+        assert b"spiky" not in body and b"first" not in body     # nothing of the run
+    for host in (f"127.0.0.1:{port}", "127.0.0.1", f"localhost:{port}", "LOCALHOST", "[::1]",
+                 f"[::1]:{port}", None):
+        assert _with_host(s.url, path, host)[0] == 200, host
+
+
+def test_a_server_bound_beyond_loopback_answers_any_host(spiky):
+    from tensortape.analysis._serve import make_server
+    server = make_server([spiky], "0.0.0.0", 0, warm=False)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert _with_host(url, "/api/runs", "tensortape.lan:8765")[0] == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # --- the command ---------------------------------------------------------------------------------
 def _ctrl_c_as_on_a_terminal():
     """In the child before it starts: SIGINT's default disposition, which Python then
