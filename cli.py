@@ -564,30 +564,9 @@ def plot(ctx, run, layer, kind, plot_type, stat, step, steps, scale, density, ou
 
 
 def _say_replay(found: dict) -> None:
-    """What ``on_nonfinite="replay"`` found: the op, its line and its inputs."""
-    if not found.get("op"):
-        of = f" of {found['module'] or '(root)'}" if "module" in found else ""
-        _out(f"replay{of}: {found.get('note')}")
-        return
-    where = f"{found.get('module') or '(root)'} ({found.get('module_class')})"
-    if found.get("phase") == "backward":
-        _out(f"made by {found['op']} in {found.get('node', '?')}, in the backward of "
-             f"{where}; the forward op that made that node, at "
-             f"{found.get('forward_source', '?')}")
-        if found.get("forward_code"):
-            _out(f"    {found['forward_code']}")
-    else:
-        _out(f"made by {found['op']} in {where}, at {found.get('source')}")
-        if found.get("code"):
-            _out(f"    {found['code']}")
-        if found.get("library_source"):
-            _out(f"  the op's line in the library: {found['library_source']}")
-            if found.get("library_code"):
-                _out(f"    {found['library_code']}")
-    for i, t in enumerate(found.get("inputs", [])):
-        stats = ", ".join(f"{k} {t[k]:.4g}" if isinstance(t[k], float) else f"{k} {t[k]}"
-                          for k in ("min", "max", "abs_max", "nan", "posinf", "neginf") if k in t)
-        _out(f"  input {i}: {t['dtype']}{t['shape']}  {stats}")
+    """What ``on_nonfinite="replay"`` found: the op, its two lines and its inputs."""
+    from tensortape.analysis._events import replay_lines
+    _out("\n".join(replay_lines(found)))
 
 
 @cli.command()

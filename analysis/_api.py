@@ -23,6 +23,7 @@ from tensortape.recorder.histogram import ZERO_BIN
 from tensortape.recorder.errors import RecorderError
 
 from ._between import Between
+from ._events import replay_lines
 from ._numbers import number
 from ._stats import Statistics
 from ._grains import BLOCK, GRAIN, Grains, MapColumns, read as _read, reduce as _reduce
@@ -101,6 +102,8 @@ def _run(run, size) -> dict:
     if first is not None:
         event = {k: v for k, v in first.to_json().items() if k not in ("history", "same_step")}
         event["same_step"] = len(first.same_step)
+        if first.replay:            # as ``tensortape nan`` prints it: both lines
+            event["replay_lines"] = replay_lines(first.replay)
     has_scalars = bool(len(scalars(run)["step"]))
     return {"path": run.path, "name": run.name, "status": run.status, "kinds": kinds,
             "layers": run.layers, "ranks": run.ranks,

@@ -53,9 +53,7 @@ function eventText(ev, run) {
   let t = `first non-finite: step ${ev.step}, layer ${ev.layer} (${ev.kind}, ${ev.phase}, rank ${ev.rank}): ` +
     `${ev.nan} NaN, ${ev.posinf} +Inf, ${ev.neginf} -Inf` +
     (ev.same_step ? `; ${ev.same_step} more at that step` : "");
-  const rp = ev.replay;
-  if (rp && rp.op) t += `\nreplay: made by ${rp.op} in ${rp.module || "(root)"}, at ${rp.source || rp.forward_source || "?"}`;
-  else if (rp && rp.note) t += `\nreplay: ${rp.note}`;
+  if (ev.replay_lines) t += "\nreplay: " + ev.replay_lines.join("\n");
   return t;
 }
 
