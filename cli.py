@@ -345,16 +345,23 @@ def record(ctx, out, mode, layers, capture, tensors_every, stats_every, ring, on
 def watch(run, interval, pattern, kind):
     """Follow RUN while it is recorded: latest statistics per layer, non-finite alerts,
     steps per second. Ends when the run is closed."""
+    import shutil
     from tensortape.analysis._watch import render, snapshots
     live = sys.stdout.isatty()
     view = None
-    for view in snapshots(run, interval, pattern, kind):
-        if live:                       # the first alert of each (layer, kind) stays on screen
-            click.clear()
-            _out("\n".join(render(view, pinned=True)))
-        else:                          # piped: a status line a refresh, alerts as they come
-            lines = render(view)
-            _out("\n".join([lines[0]] + [x for x in lines if x.startswith("ALERT")]))
+    try:
+        for view in snapshots(run, interval, pattern, kind):
+            if live:                   # the first alert of each (layer, kind) stays on screen
+                size = shutil.get_terminal_size()
+                click.clear()
+                _out("\n".join(render(view, size.columns, pinned=True, height=size.lines)))
+            else:                      # piped: a status line a refresh, alerts as they come
+                lines = render(view)
+                _out("\n".join([lines[0]] + [x for x in lines if x.startswith("ALERT")]))
+    except KeyboardInterrupt:          # Ctrl-C: the user is done watching; the run goes on
+        _out(f"stopped watching {run}" + (f" (status {view['status']}, step {view['step']})"
+                                          if view and "status" in view else ""))
+        return
     if view is not None and not live:
         _out("\n".join(render(dict(view, alerts=[]))[1:]))
     _out(f"run {view['status'] if view else 'unknown'}: {run}")
