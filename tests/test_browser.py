@@ -25,7 +25,7 @@ CHROMIUM = next((p for p in (os.environ.get("TENSORTAPE_CHROMIUM"), shutil.which
                  if p and os.path.exists(p)), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium found (apt-get install "
                                 "chromium, or set TENSORTAPE_CHROMIUM)")
-NONFINITE_RGB = [0xff, 0x2d, 0x75]         # chart.js's colour of a non-finite cell
+NONFINITE_RGB = [0xff, 0x2d, 0x75]         # heat.js's colour of a non-finite cell
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_layers_filter_by_glob_sort_by_peak_and_a_hover_shows_the_stored_value(p
     import json
     import urllib.request
     pg = page.open(runs["ok"])
-    with urllib.request.urlopen(pg.url.rstrip("/") + "/api/map?stat=abs_max&width=1000") as r:
+    with urllib.request.urlopen(pg.url.split("?")[0].rstrip("/") + "/api/map?stat=abs_max&width=1000") as r:
         m = json.loads(r.read())
     pg.fill("#filter", "encoder.layers.0.*")
     labels = pg.locator("#map-labels div").all_inner_texts()
@@ -254,15 +254,16 @@ def test_jump_shows_every_step_and_no_infinite_or_stray_tick(page, blowup):
     assert f"steps 0–{BLOWUP - 1} ({BLOWUP} steps" in title, title
     shown = [pg.input_value(f"#{i}") or pg.get_attribute(f"#{i}", "placeholder") for i in ("start", "stop")]
     assert shown == ["0", str(BLOWUP - 1)]                # the fields say what the title says
-    ticks = json.loads(pg.get_attribute("[data-testid=histogram] canvas", "data-ticks"))
+    ticks = json.loads(pg.get_attribute("[data-testid=histogram] .chart", "data-ticks"))
     assert ticks and not any("Infinity" in t or "NaN" in t for t in ticks), ticks
-    ys = json.loads(pg.get_attribute("[data-testid=evolution] canvas[data-stat=min]", "data-yticks"))
+    pg.wait_for_selector("[data-testid=evolution][data-complete]")
+    ys = json.loads(pg.get_attribute("[data-testid=evolution] [data-stat=min]", "data-yticks"))
     v = [float(t) for t in ys]
     gap = v[1] - v[0]                                     # evenly spaced, 0 where 0 is meant
     assert all(abs((b - a) - gap) <= 1e-6 * abs(gap) for a, b in zip(v, v[1:])), ys
     assert all(t == "0" for t, x in zip(ys, v) if abs(x) < gap / 2), ys
     # the user's axis: a min of -3.4e38 over data near 0 (a running sum of ticks gave -3.8e22)
-    got = pg.evaluate("() => Chart.ticks(-3.4e38, -0.5, 4).map(Chart.short)")
+    got = pg.evaluate("() => Heat.ticks(-3.4e38, -0.5, 4).map(Heat.short)")
     assert got == ["-3.0e+38", "-2.0e+38", "-1.0e+38", "0"], got
 
 

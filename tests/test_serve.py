@@ -393,13 +393,30 @@ def test_no_path_outside_the_page_is_served(spiky, serve, path):
 
 
 def test_the_page_is_self_contained(spiky, serve):
+    """Every file the page loads is served from the package; the page's own code names
+    no other site; the vendored uPlot is the one its fetch script recorded (sha256),
+    fetches nothing, and names only its own home in its licence header."""
+    import hashlib
+    import re
+    from tensortape.analysis._serve import STATIC
     s = serve(spiky)
     status, page, ctype = s.raw("/")
     assert status == 200 and ctype.startswith("text/html")
-    for asset in ("/app.js", "/chart.js", "/app.css"):
-        assert s.raw(asset)[0] == 200
-    text = page.decode() + s.raw("/app.js")[1].decode() + s.raw("/chart.js")[1].decode()
-    assert "http://" not in text and "https://" not in text and "innerHTML" not in text
+    loaded = re.findall(r'(?:src|href)="(/[^"]*)"', page.decode())
+    assert loaded and set(loaded) <= set(STATIC), loaded
+    vendor = os.path.join(ROOT, "analysis", "static", "vendor")
+    with open(os.path.join(vendor, "SHA256SUMS")) as f:
+        sums = dict(reversed(line.split()) for line in f if not line.startswith("#"))
+    for path in STATIC:
+        status, body, _ = s.raw(path)
+        assert status == 200, path
+        text = body.decode()
+        if path.startswith("/vendor/"):
+            assert hashlib.sha256(body).hexdigest() == sums[path.rsplit("/", 1)[1]], path
+            assert set(re.findall(r"https?://[^\s\"')]*", text)) <= {"https://github.com/leeoniya/uPlot"}
+            assert not re.search(r"fetch\(|XMLHttpRequest|import\(|innerHTML|WebSocket", text), path
+        else:
+            assert "http://" not in text and "https://" not in text and "innerHTML" not in text, path
 
 
 def test_a_layer_named_like_html_is_returned_as_data(spiky, serve):
