@@ -12,9 +12,12 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from tensortape.analysis import first_divergence, open_run
+from tensortape.recorder import Recorder
 
 from test_serve import ROOT, XSS, record_spiky
 
@@ -294,3 +297,157 @@ def test_two_runs_nan_against_nan_is_drawn_non_finite_and_each_runs_first_named(
     col = list(steps).index(first.step)
     x = box["x"] + (col + 0.5) * box["width"] / len(steps)
     assert pixel(pg, x, label["y"] + label["height"] / 2, "compare-map") == NONFINITE_RGB
+
+
+# --- what the page draws, against the samples; its link; its labels ---------------------------------
+@pytest.fixture(scope="module")
+def embedding(tmp_path_factory):
+    from test_views import Feed, STEPS, samples
+    model = nn_sequential_feed(Feed)
+    path = str(tmp_path_factory.mktemp("browser") / "embed.zarr")
+    with Recorder(model, path, capture="activations", tensors_every=None) as rec:
+        for step in range(STEPS):
+            with rec.step(step):
+                model(torch.from_numpy(samples(step)))
+    return path
+
+
+def nn_sequential_feed(feed):
+    model = torch.nn.Sequential()
+    model.add_module("embed", feed())
+    return model
+
+
+def drawn_pixel(pg, selector, x, y):
+    """The colour at (x, y) of the canvas uPlot drew in ``selector`` (x, y in its plot's
+    data: ``u.valToPos``)."""
+    return pg.evaluate("""([sel, x, y]) => {
+        const c = document.querySelector(sel + ' canvas'), u = document.querySelector(sel)._u;
+        const px = u.valToPos(x, 'x', true), py = u.valToPos(y, 'y', true);
+        const d = c.getContext('2d').getImageData(px, py, 1, 1).data;
+        return d[3] === 0 ? [255, 255, 255] : Array.from(d).slice(0, 3);     // transparent: the page
+    }""", [selector, x, y])
+
+
+def test_a_gaussian_is_one_bell_of_densities_on_a_linear_axis_as_the_png(page, embedding):
+    """An embedding's output, N(0, 0.028): the page's bars are the PNG's (density per unit
+    of value), ticks are values evenly spaced (no -4.7e-9 beside -1.7e-16), and the bell
+    is drawn: filled at its top, white beside it at that height."""
+    import json
+    from test_views import png_bars, samples
+    pg = page.open(embedding)
+    pg.goto(pg.url.split("?")[0] + "?layer=embed&step=3")          # a link to that cell
+    pg.wait_for_selector("[data-testid=histogram][data-step='3']")
+    bars = json.loads(pg.get_attribute("[data-testid=histogram] .chart", "data-bars"))
+    lo, hi, height = (np.array([float(v) for v in bars[k]]) for k in ("lo", "hi", "height"))
+    png = png_bars(open_run(embedding), 3, "linear")
+    np.testing.assert_array_equal(lo, png[0])
+    np.testing.assert_allclose(height, png[2], rtol=1e-12)
+    x = samples(3).astype(float)
+    count = ((x[:, None] >= lo) & (x[:, None] < hi)).sum(axis=0)
+    np.testing.assert_allclose(height[:-1], (count / (x.size * (hi - lo)))[:-1], rtol=1e-12)
+    ticks = [float(t) for t in json.loads(pg.get_attribute("[data-testid=histogram] .chart", "data-ticks"))]
+    gaps = np.diff(ticks)
+    assert len(ticks) >= 4 and np.allclose(gaps, gaps[0], rtol=1e-9), ticks
+    assert all(t == 0 or abs(t) >= 1e-3 for t in ticks), ticks
+    top = int(np.argmax(height))
+    centre = (lo[top] + hi[top]) / 2
+    assert abs(centre) < 0.02
+    blue = drawn_pixel(pg, "[data-testid=histogram] .chart", centre, height[top] / 2)
+    white = drawn_pixel(pg, "[data-testid=histogram] .chart", 0.09, height[top] / 2)
+    assert blue[2] > 200 and blue[0] < 200 and white == [255, 255, 255], (blue, white)
+    assert "per unit of value" in pg.inner_text("[data-testid=histogram]")
+    pg.select_option("#scale", "symlog")
+    pg.wait_for_selector("[data-testid=histogram][data-scale=symlog]")
+    assert "per decade" in pg.inner_text("[data-testid=histogram]")
+    assert "0" in json.loads(pg.get_attribute("[data-testid=histogram] .chart", "data-ticks"))
+
+
+def test_a_link_restores_the_view_runs_kind_statistic_filter_zoom_and_cell(page, runs):
+    first = open_run(runs["nan"]).first_nonfinite()
+    pg = page.open(runs["nan"])
+    pg.select_option("#kind", first.kind)
+    pg.select_option("#stat", "std")
+    pg.wait_for_function("() => document.getElementById('map-title').textContent.startsWith('std of')")
+    pg.fill("#filter", "encoder.*")
+    pg.fill("#start", "2")
+    pg.fill("#stop", "12")
+    pg.click("#zoom")
+    pg.wait_for_function("() => document.getElementById('map').dataset.first === '2'")
+    box = pg.locator(f"[data-testid=first-nonfinite-cell][data-step='{first.step}']").bounding_box()
+    pg.mouse.click(*centre(box))
+    pg.wait_for_selector(f"[data-testid=histogram][data-step='{first.step}']")
+    pg.select_option("#scale", "symlog")
+    link = pg.url
+    other = page.context.browser.new_page(viewport={"width": 1300, "height": 1000})
+    try:
+        other.goto(link)
+        other.wait_for_selector("body[data-ready='1']", timeout=60000)
+        other.wait_for_selector(f"[data-testid=histogram][data-step='{first.step}']")
+        assert other.input_value("#kind") == first.kind and other.input_value("#stat") == "std"
+        assert other.input_value("#filter") == "encoder.*" and other.input_value("#scale") == "symlog"
+        assert other.eval_on_selector("#map", "c => [c.dataset.first, c.dataset.last]") == ["2", "12"]
+        assert other.get_attribute("[data-testid=histogram]", "data-layer") == first.layer
+        labels = other.locator("#map-labels div").all_inner_texts()
+        assert labels and all(t.startswith("encoder.") for t in labels)
+        mark = other.locator("[data-testid=selected-cell]")
+        assert (mark.get_attribute("data-layer"), mark.get_attribute("data-step")) == (first.layer, str(first.step))
+    finally:
+        other.close()
+
+
+WIDE = 60                     # blocks of two layers: 120 rows
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """120 layers with Llama's names, 300 steps; a scalar logged each step, two once."""
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList(torch.nn.ModuleDict(
+                {"mlp": torch.nn.ModuleDict({"down_proj": torch.nn.Linear(4, 4)}),
+                 "post_attention_layernorm": torch.nn.LayerNorm(4)}) for _ in range(WIDE))
+
+        def forward(self, x):
+            for b in self.model.layers:
+                x = b["post_attention_layernorm"](b["mlp"]["down_proj"](x))
+            return x
+    model = Blocks()
+    path = str(tmp_path_factory.mktemp("browser") / "wide.zarr")
+    with Recorder(model, path, layers="model.layers.*.*", capture="activations",
+                  tensors_every=None) as rec:
+        for step in range(300):
+            with rec.step(step), torch.no_grad():
+                model(torch.randn(2, 4))
+                rec.log({"loss": 1.0 / (step + 1)})
+        rec.log({"train_runtime": 12.5, "total_flos": 3.0e9})
+    return path
+
+
+def test_a_hundred_layers_keep_readable_labels_round_step_ticks_and_numbers_apart(page, wide):
+    import re
+    pg = page.open(wide)
+    names = open_run(wide).layers
+    labels = pg.locator("#map-labels div")
+    assert labels.count() == 2 * WIDE
+    for i in (0, 1, 77, 2 * WIDE - 1):
+        d = labels.nth(i)
+        name, text = d.get_attribute("title"), d.inner_text()
+        assert name == names[i] and d.get_attribute("data-layer") == name      # full on hover
+        assert d.bounding_box()["height"] >= 12 and d.is_visible()
+        pattern = re.compile(".*".join(map(re.escape, text.split("…"))) + "$")
+        assert pattern.match(name) and re.findall(r"\d+", text) == re.findall(r"\d+", name), text
+    label = labels.nth(2 * WIDE - 1)                 # the last row: scrolled to, it shows
+    label.scroll_into_view_if_needed()
+    assert label.is_visible()
+    ticks = [int(t) for t in pg.locator("#map-axis span").all_inner_texts()]
+    assert len(ticks) >= 3
+    k = ticks[1] - ticks[0]
+    assert all(t % k == 0 for t in ticks) and str(k).strip("0") in ("1", "2", "5"), ticks
+    # one-off values are a table, not charts of one point
+    assert pg.locator("[data-testid=scalars] .chart").count() == 1
+    rows = pg.locator("[data-testid=scalars] table.once tr").all_inner_texts()
+    assert sorted(r.split()[0] for r in rows) == ["total_flos", "train_runtime"]
+    assert "logged once" in pg.inner_text("[data-testid=scalars] .caption")

@@ -315,10 +315,12 @@ async function showHistogram(layer, step, asked) {
     caption("histogram", h.absent ? `${layer} did not run at step ${step}` :
       `${layer} (${h.kind}) at step ${step}: ${h.total.toLocaleString()} finite values in ${h.bars.lo.length} bars` +
       (zeros.length ? `; ${zeros.join("; ")}` : "") + `; NaN ${h.nan} · +Inf ${h.posinf} · -Inf ${h.neginf}` +
+      `\n${h.ylabel} over ${h.xlabel}` +
       (h.bulk ? "\nmost values are in three bars: the symlog scale shows the bulk" : ""));
     box.dataset.step = step;
     box.dataset.layer = layer;
     box.dataset.nan = h.nan;
+    box.dataset.scale = h.scale;
     Charts.histogram(box.querySelector(".chart"), h, { width: 560, height: 250, title: "" });
     Charts.nonfinite(box.querySelector(".side"), [h.nan, h.posinf, h.neginf]);
   } catch (e) { caption("histogram", `could not load: ${e.message}`); }

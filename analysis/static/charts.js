@@ -115,6 +115,7 @@ const Charts = (() => {
         }],
       },
     }, [xs, ...shown], el);
+    el._u = u;
     u.over.addEventListener("mouseleave", () => tip(u, null));
     el.dataset.log = log ? "1" : "0";
     el.dataset.drawn = JSON.stringify({ x: xs, y: shown });     // null: a gap, not a value
@@ -168,6 +169,7 @@ const Charts = (() => {
         }],
       },
     }, [xs, ys], el);
+    el._u = u;
     u.over.addEventListener("mouseleave", () => tip(u, null));
     return u;
   }
