@@ -148,6 +148,32 @@ def cli(debug):
     """Record and study what flows through a PyTorch model (tensortape)."""
 
 
+# --- warnings ----------------------------------------------------------------------------
+def _reading(command):
+    """A reading command whose tensortape warnings (a damaged store, runs not
+    alike) are each said once, as a line ``warning: ...`` on stderr, when issued."""
+    import functools
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        import warnings
+        from tensortape.recorder.errors import TensortapeWarning
+        said, show = set(), warnings.showwarning
+
+        def say(message, category, *rest, **kw):
+            if not issubclass(category, TensortapeWarning):
+                return show(message, category, *rest, **kw)
+            text = str(message).removeprefix("tensortape: ")
+            if text not in said:
+                said.add(text)
+                click.echo(f"warning: {text}", err=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", TensortapeWarning)
+            warnings.showwarning = say
+            return command(*args, **kwargs)
+    return run
+
+
 # --- arguments -------------------------------------------------------------------------
 def _open(path):
     from tensortape.analysis import open_run
@@ -280,24 +306,34 @@ def _size(text: str, flag: str):
     return n
 
 
+# record's options that are the Recorder's arguments of the same name, passed as they are
+RECORDER_FLAGS = ("mode", "tensors_every", "stats_every", "ring", "on_nonfinite", "max_samples")
+
+
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="the run to write")
 @click.option("--mode", type=click.Choice(["w-", "w", "a"]), default="w-", show_default=True,
               help="w-: create a new run; w: overwrite a tensortape run (never other files); "
-                   "a: append steps to a run (a resumed job)")
+                   "a: continue a run (a resumed job): its steps go on from the step after "
+                   "the run's last, unless --start-step")
+@click.option("--start-step", type=click.IntRange(min=0), default=None,
+              help="the first step's number (default: 0, or with --mode a the step after the "
+                   "run's last); each optimizer step adds 1")
 @click.option("--layers", multiple=True, help="glob pattern of layers (repeatable; default all)")
 @click.option("--capture", multiple=True, type=click.Choice(KINDS),
               help="what to record (repeatable; default activations and gradients)")
 @click.option("--tensors-every", type=click.IntRange(min=0), default=None,
-              help="persist full tensors every N steps (0: statistics only; default 1)")
+              help="persist full tensors every N steps (default 0: statistics only, and the "
+                   "ring dumped at a NaN/Inf)")
 @click.option("--stats-every", type=click.IntRange(min=1), default=1, show_default=True,
               help="statistics and histograms every N steps (non-finite values are counted "
                    "at every step)")
-@click.option("--ring", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--ring", type=click.IntRange(min=0), default=None,
               help="keep the full tensors of the K steps before the current one in memory, "
-                   "written out when a NaN/Inf appears (with --on-nonfinite dump)")
+                   "written out when a NaN/Inf appears (default: 2 where --on-nonfinite "
+                   "dumps, else 0; more needs --on-nonfinite dump, raise or replay)")
 @click.option("--on-nonfinite", type=click.Choice(["record", "dump", "raise", "replay"]),
-              default="record", show_default=True,
+              default="dump", show_default=True,
               help="on a NaN/Inf: record the event; dump: also write the ring and the step's "
                    "full tensors; raise: dump, then stop training with NonFiniteError; replay: "
                    "dump, and name the op and the line that made it (tensortape nan shows it)")
@@ -313,25 +349,27 @@ def _size(text: str, flag: str):
                    "nothing), let the script train unrecorded instead of stopping it")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 @click.pass_context
-def record(ctx, out, mode, layers, capture, tensors_every, stats_every, ring, on_nonfinite,
-           max_bytes, max_samples, keep_going, command):
+def record(ctx, out, mode, start_step, layers, capture, tensors_every, stats_every, ring,
+           on_nonfinite, max_bytes, max_samples, keep_going, command):
     """Record an unchanged training script: tensortape record -o RUN -- python train.py ARGS.
 
     The model is found at its first forward with grad enabled; a step is one optimizer
     step. Exits with the script's exit status (130 after Ctrl-C), or 2 with one line
-    when it cannot record."""
+    when it cannot record. SIGTERM (a scheduler's preemption) closes the run as
+    'interrupted', then ends the process by SIGTERM as it would end python (status 143
+    in a shell), unless the script's own SIGTERM handler decides otherwise."""
     from tensortape.recorder.script import run_script
-    if _given(ctx, "ring") and ring and on_nonfinite == "record":
-        raise TensortapeError("--ring keeps steps for a dump; with --on-nonfinite record "
-                               "nothing is dumped: add --on-nonfinite dump (or raise, replay)")
-    kw = dict(layers=list(layers) or "*", stats_every=stats_every, ring=ring,
-              on_nonfinite=on_nonfinite, mode=mode, max_samples=max_samples,
-              max_bytes=_size(max_bytes, "--max-bytes"),
-              tensors_every=None if tensors_every == 0 else (tensors_every or 1))
+    # the flags given, as the Recorder's arguments (the others: the Recorder's defaults)
+    kw = {name: ctx.params[name] for name in RECORDER_FLAGS if _given(ctx, name)}
+    if layers:
+        kw["layers"] = list(layers)
     if capture:
         kw["capture"] = tuple(capture)
+    if _given(ctx, "max_bytes"):
+        kw["max_bytes"] = _size(max_bytes, "--max-bytes")
     with command_line():                           # messages name --flags, not arguments
-        status = run_script(list(command), out, keep_going=keep_going, **kw)
+        status = run_script(list(command), out, keep_going=keep_going, start_step=start_step,
+                            **kw)
     sys.exit(status)
 
 
@@ -342,6 +380,7 @@ def record(ctx, out, mode, layers, capture, tensors_every, stats_every, ring, on
 @click.option("--layer", "pattern", default=None,
               help="glob pattern of layers to show (default: all)")
 @kind_option
+@_reading
 def watch(run, interval, pattern, kind):
     """Follow RUN while it is recorded: latest statistics per layer, non-finite alerts,
     steps per second. Ends when the run is closed."""
@@ -370,12 +409,14 @@ def watch(run, interval, pattern, kind):
 @cli.command()
 @click.argument("run")
 @format_option
+@_reading
 def info(run, fmt):
     """Layers x kinds, steps, size on disk, status and events of RUN."""
     from dask.utils import format_bytes
     r = _open(run)
     s = r.summary()
     s["disk_bytes"] = r.disk_bytes()
+    s["config"] = r.config
     if fmt == "json":
         return _json(s)
     _out(f"run      {run}")
@@ -384,6 +425,8 @@ def info(run, fmt):
         _out(f"resumed  {s['recordings'] - 1} time{'s' * (s['recordings'] > 2)} (mode a): "
              f"{s['recordings']} recordings; a step recorded again reads as its latest")
     _out(f"model    {s['model_class']}    torch {s['torch_version']}")
+    if s["config"]:
+        _out(f"records  {_config_words(s['config'])}")
     raw, disk = s["bytes_raw"], s["disk_bytes"]
     ratio = f"    (full tensors recorded: {format_bytes(raw)}, {raw / disk:.2f}x the store)" \
         if disk and raw else ""
@@ -410,11 +453,30 @@ def info(run, fmt):
         _table(["rank", "last step", "events", "dropped"],
                [[p["rank"], p["last_step"], p["events_total"], p["dropped"]]
                 for p in s["per_rank"]])
+    if s["damaged"]:
+        _out(f"damaged: {_n(len(s['damaged']), 'chunk')} of the committed rows missing from "
+             f"the store; the rest reads as recorded:")
+        for note in s["damaged"]:
+            _out(f"  {note}")
     for key, what in (("dropped", "captures dropped (see drop_reasons in --format json)"),
                       ("outside_steps", "forward passes outside a step"),
                       ("over_budget", "full tensors not stored (max_bytes)")):
         if s[key]:
             _out(f"{what}: {s[key]}")
+
+
+def _config_words(c: dict) -> str:
+    """What the run was recorded to keep, from its stored configuration."""
+    every = lambda n: "every step" if n == 1 else f"every {n} steps"     # noqa: E731
+    tensors = "none" if c.get("tensors_every") is None else every(c["tensors_every"])
+    ring = c.get("ring", 0)
+    dump = (f", the ring of {_n(ring, 'step')} before and the step itself at a NaN/Inf"
+            if ring and c.get("on_nonfinite") != "record" else
+            ", the step itself at a NaN/Inf" if c.get("on_nonfinite") != "record" else "")
+    return (f"{', '.join(c.get('capture', ()))}: statistics {every(c.get('stats_every', 1))}; "
+            f"full tensors {tensors}{dump} (on_nonfinite={c.get('on_nonfinite')!r}, "
+            f"tensors_every={c.get('tensors_every')!r}, ring={ring}, "
+            f"max_bytes={c.get('max_bytes')!r})")
 
 
 def _n(count: int, noun: str) -> str:
@@ -443,6 +505,7 @@ def _status_words(s: dict) -> str:
 @click.option("--scalars", is_flag=True, help="the run's logged scalars (loss, lr, ...) instead: "
               "a row per step")
 @click.pass_context
+@_reading
 def stats(ctx, run, kind, pattern, step, steps, fmt, scalars):
     """Per-step statistics of RUN: a row per (step, layer); counts are integers."""
     from tensortape.analysis._select import within
@@ -484,6 +547,7 @@ def stats(ctx, run, kind, pattern, step, steps, fmt, scalars):
 @click.option("--around", type=click.IntRange(min=0), default=3, show_default=True,
               help="steps of history to show")
 @format_option
+@_reading
 def nan(run, around, fmt):
     """Post-mortem: the first non-finite (step, layer, kind), across every rank; exit 1
     if any, 0 if clean."""
@@ -499,13 +563,13 @@ def nan(run, around, fmt):
         ranks = len(r.ranks) > 1
         where = f" on rank {first.rank}" if ranks else ""
         _out(f"first non-finite: step {first.step}{where}, layer {first.layer}, {first.kind} "
-             f"({first.phase}, micro-batch {first.micro}): {first.nan} NaN, "
+             f"({first.phase}); in micro-batch {first.micro}: {first.nan} NaN, "
              f"{first.posinf} +Inf, {first.neginf} -Inf")
         if first.replay:
             _say_replay(first.replay)
         if first.history is not None:
             _out(f"\n{first.layer} ({first.kind}) in the steps before step {first.step}, "
-                 f"and at it:")
+                 f"and at it; each step whole (its micro-batches together):")
             h = first.history[["mean", "std", "abs_max", "norm", "nan", "posinf", "neginf"]]
             df = h.to_dataframe().drop(columns="layer", errors="ignore")
             for c in ("nan", "posinf", "neginf"):
@@ -514,8 +578,8 @@ def nan(run, around, fmt):
         if first.same_step:
             _out(f"\nalso non-finite at step {first.step}:")
             for e in first.same_step[:20]:
-                _out(f"  {f'rank {e.rank}: ' if ranks else ''}{e.layer} ({e.kind}): "
-                     f"{e.nan} NaN, {e.posinf} +Inf, {e.neginf} -Inf")
+                _out(f"  {f'rank {e.rank}: ' if ranks else ''}{e.layer} ({e.kind}), in "
+                     f"micro-batch {e.micro}: {e.nan} NaN, {e.posinf} +Inf, {e.neginf} -Inf")
             if len(first.same_step) > 20:
                 _out(f"  ... and {len(first.same_step) - 20} more")
     sys.exit(0 if first is None else 1)
@@ -545,6 +609,7 @@ def nan(run, around, fmt):
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, writable=True),
               help="PNG file to write")
 @click.pass_context
+@_reading
 def plot(ctx, run, layer, kind, plot_type, stat, step, steps, scale, density, output):
     """Plot a layer of RUN into a PNG file."""
     _refuse(ctx, only_for=[
@@ -593,6 +658,7 @@ def _say_replay(found: dict) -> None:
 @click.option("--strict", is_flag=True,
               help="refuse (exit 2) runs that are not alike: other model classes, other "
                    "recorded layers, or a shared layer of another shape")
+@_reading
 def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
     """Compare two runs layer by layer; exit 1 when they diverge, 0 when they agree.
 
@@ -601,26 +667,20 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
     metric at its worst step. Runs that share no layer of KIND: exit 2. Runs not alike
     (model classes, recorded layers, shapes): a warning, and only the shared layers
     whose shapes agree are compared (--strict: exit 2)."""
-    import warnings
-    from tensortape.analysis import compare_runs, first_divergence, plot_comparison
-    from tensortape.analysis._compare import summarize
-    from tensortape.recorder.errors import TensortapeWarning
+    from tensortape.analysis import compare_runs, plot_comparison
+    from tensortape.analysis._compare import divergence, summarize
     a, b = _open(run_a), _open(run_b)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", TensortapeWarning)
-        try:
-            ds = compare_runs(a, b, kind=kind, layers=pattern, rank=rank, strict=strict,
-                              progress=_progress("comparing tensors"))
-            first = first_divergence(a, b, rtol=rtol, kinds=[kind], layers=pattern, rank=rank)
-        finally:                     # said once each, before an error's line too
-            for text in dict.fromkeys(str(w.message) for w in caught):
-                click.echo(f"warning: {text.removeprefix('tensortape: ')}", err=True)
+    ds = compare_runs(a, b, kind=kind, layers=pattern, rank=rank, strict=strict,
+                      progress=_progress("comparing tensors"))
+    first = divergence(ds, rtol)
     table = summarize(ds)
     stats_steps = [int(x) for x in ds.step.values]
     by = None
-    if first is not None:
-        by = "full tensors" if "rel_l2" in ds and not math.isnan(
-            float(ds["rel_l2"].sel(step=first[0], layer=first[1]))) else "statistics"
+    if first is not None:           # what shows it: the statistics, the full tensors, or both
+        at = dict(step=first[0], layer=first[1])
+        shown = [what for what, v in (("statistics", "stat_rel"), ("full tensors", "rel_l2"))
+                 if v in ds and float(ds[v].sel(**at)) > rtol]
+        by = " and ".join(shown)
     if fmt == "json":
         from tensortape.analysis._numbers import number as json_number
         _json({"first_divergence": None if first is None else {"step": first[0],
@@ -640,8 +700,8 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
             _out(f"first divergence: step {first[0]}, layer {first[1]} ({kind}), shown by {by}")
             if by == "statistics" and ds.attrs["tensor_steps"] and bool(
                     (ds["rel_l2"].fillna(0) <= rtol).all()):
-                _out("  the full tensors agree at every step both runs hold them; the verdict "
-                     "follows the statistics at the steps without full tensors")
+                _out("  the full tensors agree at every step both runs hold them (every "
+                     "micro-batch); the statistics differ")
         _out(f"compared {kind} of {ds.sizes['layer']} layers both runs hold:")
         _out(f"  statistics (delta_*, stat_rel): {ds['stat_rel'].attrs['covers'][12:]}")
         _out("  full tensors (rel_l2, cosine, max_abs, sqnr_db): " +
@@ -668,6 +728,7 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
 @click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,
               help="port to listen on (0: a free one)")
 @click.option("--no-browser", is_flag=True, help="do not open a browser")
+@_reading
 def serve(run, run_b, host, port, no_browser):
     """Serve a browser view of RUN (or of RUN and RUN_B side by side), read-only."""
     from tensortape.analysis._serve import loopback, make_server   # here: --help and the rest skip it
@@ -705,6 +766,7 @@ def serve(run, run_b, host, port, no_browser):
 @click.option("--force", is_flag=True, help="overwrite OUT if it exists")
 @click.option("--format", "to", type=click.Choice(["hdf5", "tensorboard"]), default="hdf5",
               show_default=True, help="tensorboard: event files in the folder OUT")
+@_reading
 def export(run, out, force, to):
     """Export RUN to one HDF5 file OUT (open_run reads it back with the same API), or
     with --format tensorboard to TensorBoard event files in the folder OUT."""

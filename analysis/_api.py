@@ -234,7 +234,8 @@ def _compare_nonfinite(ds, names: list, metric: str, i0: int, i1: int) -> np.nda
     raw = sel(metric).astype(np.float64)
     if metric in TENSOR_METRICS:     # NaN: no full tensor in both runs there, not compared
         return np.isinf(raw) | (~np.isnan(raw) & sel("nonfinite"))
-    ran = ~(sel("absent_a") & sel("absent_b"))
+    ran = ~(sel("absent_a") & sel("absent_b")) & ~sel("unreadable")   # a missing chunk:
+    # not compared, no difference
     return np.isinf(raw) | (ran & (np.isnan(raw) | sel("nonfinite")))
 
 
@@ -249,7 +250,7 @@ def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=
     absolute value; the largest of a column's steps), over their common steps and
     layers, and ``first_divergence`` of ``kind``.  ``cache``: a dict that keeps
     the comparison between calls (the caller clears it when a run changes)."""
-    from ._compare import compare_runs, first_divergence
+    from ._compare import compare_runs, divergence
     _stat(metric, COMPARE_METRICS)
     key = (kind, rank, rtol)
     if cache is not None and key in cache:
@@ -259,7 +260,7 @@ def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=
             if kind not in r.kinds:
                 raise NotFound(f"no kind {kind!r} in {r.path}")
         ds = compare_runs(a, b, kind, rank=rank)
-        first = first_divergence(a, b, rtol=rtol, kinds=[kind], rank=rank)
+        first = divergence(ds, rtol)
         if cache is not None:
             cache[key] = (ds, first)
     if metric not in ds:

@@ -10,39 +10,21 @@ import xarray as xr
 from tensortape.recorder import format as fmt
 from tensortape.recorder.errors import ConfigError
 
+from ._metrics import step_metrics, tensor_metrics
 from ._run import Run, open_run
 from ._select import steps_text
 
-__all__ = ["compare_runs", "first_divergence", "plot_comparison", "tensor_metrics"]
+__all__ = ["compare_runs", "divergence", "first_divergence", "plot_comparison", "step_metrics",
+           "tensor_metrics"]
 
 _METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
 
 
-def tensor_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
-    """rel_l2, cosine, max_abs and SQNR (dB) of ``b`` against ``a``, over the
-    elements finite in both.  The same NaN or Inf in both (NaN padding too) is
-    the same; a non-finite element the other run does not share makes them as
-    different as can be, as does another shape."""
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    apart = {"rel_l2": np.inf, "cosine": np.nan, "max_abs": np.inf, "sqnr_db": -np.inf}
-    if a.shape != b.shape:                 # not the same tensor
-        return apart
-    a, b = a.ravel(), b.ravel()
-    finite = np.isfinite(a) & np.isfinite(b)
-    if not finite.all():
-        same = (np.isnan(a) & np.isnan(b)) | (np.isinf(a) & (a == b))
-        if not (same | finite).all():
-            return apart
-        a, b = a[finite], b[finite]
-    na, nd = np.linalg.norm(a), np.linalg.norm(b - a)
-    nb = np.linalg.norm(b)
-    return {
-        "rel_l2": nd / na if na else (0.0 if nd == 0 else np.inf),
-        "cosine": float(a @ b / (na * nb)) if na and nb else float(na == nb),
-        "max_abs": float(np.max(np.abs(b - a))) if a.size else 0.0,
-        "sqnr_db": float(20 * np.log10(na / nd)) if nd else np.inf,
-    }
+def _tensors_differ(a: "Run", b: "Run", layer: str, kind: str, step: int, rtol: float) -> bool:
+    """Whether the full tensors of (``layer``, ``kind``) at ``step`` differ: their
+    ``rel_l2`` over every micro-batch both runs hold is above ``rtol``."""
+    m = step_metrics(a.micro_batches(layer, kind, step), b.micro_batches(layer, kind, step))
+    return m is not None and not m["rel_l2"] <= rtol
 
 
 def _common(a: Run, b: Run, kind: str, layers) -> tuple[list[str], np.ndarray]:
@@ -152,6 +134,15 @@ def _absent(st: xr.Dataset) -> xr.DataArray:
     return st["count"] < 0
 
 
+def _both_stats(a: Run, b: Run, kind: str, names: list[str], steps):
+    """Both runs' statistics of ``names`` at ``steps``, and where either reads them
+    as missing because their chunk is missing from its store (``Run.damaged``):
+    damage is no difference, and is not compared."""
+    sa, sb = (r.stats(kind, names).sel(step=steps).compute() for r in (a, b))
+    unread = a.damaged(kind, names).sel(step=steps) | b.damaged(kind, names).sel(step=steps)
+    return sa, sb, unread
+
+
 def _relative(sa: xr.Dataset, sb: xr.Dataset) -> xr.DataArray:
     """Per (step, layer), the largest relative difference of any statistic, as
     ``first_divergence`` measures it: |b - a| / max(|a|, |b|); NaN against a
@@ -184,17 +175,22 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     """An ``xr.Dataset`` (step, layer) over the steps and layers both runs hold.
 
     Where both hold full tensors: ``rel_l2``, ``cosine``, ``max_abs``,
-    ``sqnr_db`` (NaN elsewhere); at every common step: ``delta_<stat>`` (b - a)
-    of the statistics (counts as int64), and ``stat_rel``, the largest relative
-    difference of any statistic (what ``first_divergence`` tests where there are
-    no full tensors).  Each variable's ``covers`` attribute, and the dataset's
-    ``tensor_steps``/``tensor_layers``, say which steps and layers it covers.
+    ``sqnr_db`` of the step's tensors, every micro-batch both runs hold together
+    as one batch (``step_metrics``; NaN elsewhere; for NaN and Inf, see
+    ``tensor_metrics``); at every common step: ``delta_<stat>`` (b - a) of the
+    statistics (counts as int64), and ``stat_rel``, the largest relative
+    difference of any statistic.  ``first_divergence`` tests both: ``stat_rel``
+    at every step, ``rel_l2`` where it is a number.  Each variable's ``covers``
+    attribute, and the dataset's ``tensor_steps``/``tensor_layers``, say which
+    steps and layers it covers.
 
     A layer that did not run at a step (an expert with no tokens) is marked in
     ``absent_a``/``absent_b``; where either is set, ``delta_<stat>`` is no
     difference (NaN, and 0 for counts), and ``stat_rel`` is infinite where the
     layer ran in one run only (the runs differ) and NaN where it ran in neither
-    (not compared, not a divergence).
+    (not compared, not a divergence).  Statistics that either run reads as
+    missing because their chunk is missing from its store are marked in
+    ``unreadable``: not compared (``delta_<stat>`` as above, ``stat_rel`` NaN).
 
     a, b: run paths, URLs or ``Run`` objects.  kind: the kind compared.
     layers: glob pattern(s) narrowing the layers (default: all both runs hold).
@@ -212,16 +208,19 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     if not names or not len(steps):
         raise _no_common(a, b, [kind], layers, notes)
     _say(_unlike(a, b, notes))
-    sa = a.stats(kind, names).sel(step=steps).compute()
-    sb = b.stats(kind, names).sel(step=steps).compute()
-    gone = _absent(sa) | _absent(sb)         # not a difference of the statistics there
+    sa, sb, unread = _both_stats(a, b, kind, names, steps)
+    gone = _absent(sa) | _absent(sb) | unread      # not a difference of the statistics there
     out = xr.Dataset({f"delta_{s}": xr.where(gone, 0 if s in fmt.COUNT_STATS else np.nan,
                                              sb[s] - sa[s]) for s in fmt.STATS})
-    out["stat_rel"] = _relative(sa, sb)
+    out["stat_rel"] = _relative(sa, sb).where(~unread)
     out["nonfinite"] = (sum(sa[k].clip(min=0) for k in fmt.COUNT_STATS[1:]) > 0) | \
         (sum(sb[k].clip(min=0) for k in fmt.COUNT_STATS[1:]) > 0)
     out["absent_a"], out["absent_b"] = _absent(sa), _absent(sb)
+    out["unreadable"] = unread
     stats_cover = f"statistics: {steps_text(steps)} x {len(names)} layers"
+    if bool(unread.any()):
+        stats_cover += (f", less {int(unread.sum())} (step, layer) unreadable (a chunk missing "
+                        f"from the store)")
     for v in out.data_vars:
         out[v].attrs["covers"] = stats_cover
     tensor_steps, tensor_layers = set(), []
@@ -238,8 +237,10 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
             sb_t = b.steps(kind, tensors=True, layer=layer)
             for s in np.intersect1d(np.intersect1d(sa_t, sb_t), tsteps):
                 i = int(np.nonzero(steps == s)[0][0])
-                m = tensor_metrics(a.tensor(layer, kind, step=int(s)).values,
-                                   b.tensor(layer, kind, step=int(s)).values)
+                m = step_metrics(a.micro_batches(layer, kind, int(s)),
+                                 b.micro_batches(layer, kind, int(s)))
+                if m is None:
+                    continue
                 for k, v in m.items():
                     vals[k][i, j] = v
                 tensor_steps.add(int(s))
@@ -258,12 +259,15 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
     """The first (step, layer) where the runs differ, or None.
 
     Steps in order; within a step, forward kinds before gradients, each in
-    execution order.  ``rel_l2 > rtol`` decides where both runs hold the full
-    tensor; otherwise any statistic differing by more than ``rtol`` relatively.
-    ``kinds`` and ``layers`` (glob patterns) narrow the search; ``rank`` picks
-    the rank of each run (default: each run's first).  Raises ``ConfigError``
-    when the runs share no (layer, kind) with common steps.  Runs not alike: as
-    in ``compare_runs`` (only the shared layers whose shapes agree; ``strict``).
+    execution order.  A capture differs where any statistic differs by more
+    than ``rtol`` relatively (``compare_runs``' ``stat_rel``), or, where both
+    runs hold its full tensors, where their ``rel_l2`` over every micro-batch
+    both hold is above ``rtol``: a full tensor never hides a difference of the
+    statistics, which cover every micro-batch.  ``kinds`` and ``layers`` (glob
+    patterns) narrow the search; ``rank`` picks the rank of each run (default:
+    each run's first).  Raises ``ConfigError`` when the runs share no (layer,
+    kind) with common steps.  Runs not alike: as in ``compare_runs`` (only the
+    shared layers whose shapes agree; ``strict``).
     """
     a, b = _runs(a, b, rank)
     order = {n: i for i, n in enumerate(a.layers)}
@@ -275,11 +279,12 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
         names, notes = _alike(a, b, kind, layers, names, steps, strict)
         unlikes.append(notes)
         if names and len(steps):
-            sa = a.stats(kind, names).sel(step=steps).compute()
-            sb = b.stats(kind, names).sel(step=steps).compute()
-            per_kind[kind] = (sorted(names, key=lambda n: order.get(n, 1 << 30)), steps,
-                              _relative(sa, sb), set(a.tensor_layers(kind)),
-                              set(b.tensor_layers(kind)))
+            sa, sb, unread = _both_stats(a, b, kind, names, steps)
+            names = sorted(names, key=lambda n: order.get(n, 1 << 30))
+            held = [set(r.tensor_layers(kind)) for r in (a, b)]
+            per_kind[kind] = (names, steps, _relative(sa, sb).where(~unread).sel(layer=names)
+                              .transpose("step", "layer").values,
+                              [n in held[0] and n in held[1] for n in names])
     if not per_kind:
         raise _no_common(a, b, kinds or asked, layers, next((u for u in unlikes if u), ()))
     for text in dict.fromkeys(_unlike(a, b, u) for u in unlikes if u):
@@ -297,20 +302,33 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
         for kind in kinds:
             if kind not in per_kind:
                 continue
-            names, steps, rel, ta, tb = per_kind[kind]
-            if step not in steps:
+            names, steps, rel, both = per_kind[kind]
+            at = np.nonzero(steps == step)[0]
+            if not len(at):
                 continue
-            for layer in names:
-                if layer in ta and layer in tb and has_tensor(a, kind, layer, step) \
-                        and has_tensor(b, kind, layer, step):
-                    m = tensor_metrics(a.tensor(layer, kind, step=step).values,
-                                       b.tensor(layer, kind, step=step).values)
-                    if not m["rel_l2"] <= rtol:
-                        return step, layer
-                    continue
-                if float(rel.sel(step=step, layer=layer)) > rtol:   # compare_runs' stat_rel
+            for j, layer in enumerate(names):
+                if rel[at[0], j] > rtol:                      # compare_runs' stat_rel
+                    return step, layer
+                if both[j] and has_tensor(a, kind, layer, step) and \
+                        has_tensor(b, kind, layer, step) and \
+                        _tensors_differ(a, b, layer, kind, step, rtol):
                     return step, layer
     return None
+
+
+def divergence(ds: xr.Dataset, rtol: float = 1e-3) -> tuple[int, str] | None:
+    """``first_divergence`` of one kind, read from its ``compare_runs`` answer
+    (which has scanned the full tensors already): the first (step, layer), in
+    step order, then execution order, where ``stat_rel`` or ``rel_l2`` is above
+    ``rtol``; or None."""
+    differ = ds["stat_rel"] > rtol
+    if "rel_l2" in ds:
+        differ = differ | ~(ds["rel_l2"].isnull() | (ds["rel_l2"] <= rtol))
+    hits = np.argwhere(differ.transpose("step", "layer").values)
+    if not len(hits):
+        return None
+    i, j = hits[0]
+    return int(ds.step.values[i]), str(ds.layer.values[j])
 
 
 _LOWEST_IS_WORST = ("cosine", "sqnr_db")
@@ -319,7 +337,8 @@ _LOWEST_IS_WORST = ("cosine", "sqnr_db")
 def summarize(ds: xr.Dataset) -> xr.Dataset:
     """``compare_runs``'s result per layer, each metric at its worst step: the
     largest ``rel_l2``, ``max_abs`` and ``|delta_<stat>|``, the smallest ``cosine``
-    and ``sqnr_db``; ``worst_step``, the step whose statistics differ most
+    and ``sqnr_db`` (``cosine`` NaN where the tensors are apart at a step:
+    ``tensor_metrics``); ``worst_step``, the step whose statistics differ most
     (``stat_rel``), and ``rel_l2_step``, the full-tensor step with the largest
     ``rel_l2``.  Steps are int64 (-1: none), counts int64."""
     cols = [c for c in ("rel_l2", "cosine", "max_abs", "sqnr_db", "delta_mean", "delta_std",
@@ -327,6 +346,9 @@ def summarize(ds: xr.Dataset) -> xr.Dataset:
     out = xr.Dataset({c: ds[c].min("step") if c in _LOWEST_IS_WORST else
                       (abs(ds[c]) if c.startswith("delta_") else ds[c]).max("step")
                       for c in cols})
+    if "cosine" in out:      # NaN at a step compared (tensors apart) is the worst: no angle
+        apart = (ds["rel_l2"].notnull() & ds["cosine"].isnull()).any("step")
+        out["cosine"] = out["cosine"].where(~apart)
     out["stat_rel"] = ds["stat_rel"].max("step")
     out["worst_step"] = ("layer", _argmax_step(ds["stat_rel"]))
     if "rel_l2" in ds:
@@ -380,7 +402,7 @@ def plot_comparison(a, b, layer, kind="activations", stat="std", rtol: float = 1
         bad = sum(st[k].clip(min=0) for k in fmt.COUNT_STATS[1:])
         lines.append(st[stat].assign_coords(nonfinite=bad, absent=_absent(st))
                      .assign_attrs(layer=layer, kind=kind))
-    first = first_divergence(a, b, rtol=rtol, kinds=[kind]) if first is False else first
+    first = divergence(ds, rtol) if first is False else first
     names = [os.path.basename(r.path.rstrip("/")) or r.path for r in (a, b)]
     if names[0] == names[1]:
         names = [_short_path(r.path) for r in (a, b)]

@@ -20,7 +20,8 @@ COUNTERS = ("events_total", "dropped", "outside_steps", "over_budget", "bytes_ra
 def summary(index: RunIndex, statistics: Statistics, tensors: Tensors,
             rank: int | None = None) -> dict:
     """The layers and steps of ``rank`` (default: the first), and, with no rank
-    asked, the events and counters of every rank, with a line per rank."""
+    asked, the events and counters of every rank, with a line per rank;
+    ``damaged``: each chunk missing from the committed rows, in words."""
     every = rank is None and len(index.ranks) > 1
     rank = index.rank(rank)
     kinds = index.kinds_of(rank)
@@ -44,6 +45,7 @@ def summary(index: RunIndex, statistics: Statistics, tensors: Tensors,
             "recordings": max((index.states[r].recording for r in index.ranks), default=0) + 1,
             **_liveness(index, attrs.get("status")),
             "events": [e.to_json() for e in events_of(index, None if every else rank)],
+            "damaged": index.damage_notes(None if every else [rank]),
             **_counters(index, [r for r in index.ranks if every or r == rank]),
             "per_rank": [{"rank": r, "last_step": index.states[r].last_step,
                           **_counters(index, [r])} for r in index.ranks] if every else None}

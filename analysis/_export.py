@@ -50,6 +50,7 @@ def to_hdf5(run, path, progress=None) -> str:
         st = run.state(r)
         tables += [(p, run.checked_rows(p, r))
                    for p, n in {**st.committed, **(st.nonfinite or {})}.items() if n]
+    run.index.refuse_damage("the HDF5 export")
     path = os.fspath(path)
     partial = f"{path}.partial-{os.getpid()}"      # the file appears whole, or not at all
     try:
@@ -78,7 +79,10 @@ def _write(run, h5py, path: str, tables, progress) -> None:
                 rows = n if src.ndim and name not in fmt.BIN_COLUMNS else src.shape[0]
                 shape = (rows, *src.shape[1:]) if src.ndim else ()
                 chunks = tuple(max(1, min(c, s)) for c, s in zip(src.chunks, shape)) or None
+                # an empty dimension (every step's tensor had size 0 along it) is made
+                # resizable there: HDF5 takes no chunk larger than a fixed dimension
                 dst = group.create_dataset(name, shape=shape, dtype=src.dtype, chunks=chunks,
+                                           maxshape=tuple(s or None for s in shape) or None,
                                            compression="gzip", compression_opts=1,
                                            fillvalue=src.fill_value)
                 dst.attrs[JSON_ATTR] = json.dumps(dict(src.attrs))

@@ -11,29 +11,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
+import warnings
 
 import numpy as np
 
 from tensortape.recorder import format as fmt
-from tensortape.recorder.errors import ConfigError, RecorderError, StoreFormatError
+from tensortape.recorder.errors import ConfigError, RecorderError, StoreFormatError, TensortapeWarning
 
+from . import _damage
 from ._source import open_source
 from ._tables import Tables, for_version
 
 __all__ = ["RunIndex"]
-
-
-def _data_chunks(extent: np.ndarray, chunks: tuple[int, ...], shape, n: int):
-    """The chunk indices a data array's first ``n`` rows fill: in each block of
-    rows, the chunks that its rows' extents reach (never beyond the array)."""
-    for i in range(-(-n // chunks[0])):
-        block = extent[i * chunks[0]: (i + 1) * chunks[0]]
-        reach = block.max(axis=0) if len(block) else np.zeros(len(chunks) - 1, np.int64)
-        counts = [min(-(-int(e) // c), -(-int(s) // c))
-                  for e, c, s in zip(reach, chunks[1:], shape[1:])]
-        for inner in itertools.product(*map(range, counts)):
-            yield (i, *inner)
 
 
 class RunIndex:
@@ -53,6 +42,7 @@ class RunIndex:
                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                                    ) from e
         self._valid: set[str] = set()
+        self._damage: dict[str, tuple[list, np.ndarray, list[str]]] = {}
         self._current: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
         self._pyramids: dict[tuple[str, int, int], list] = {}
 
@@ -141,8 +131,9 @@ class RunIndex:
         """The committed rows of a table that a reader reads, and every row's step:
         of each step, only the rows of the latest recording that recorded it (a job
         resumed with mode="a" from an earlier checkpoint records steps again;
-        ``fmt.current_rows``).  Read once: a run reads the committed rows of when
-        it was opened."""
+        ``fmt.current_rows``), less those a missing chunk makes unreadable
+        (``_damage``).  Read once: a run reads the committed rows of when it was
+        opened."""
         got = self._current.get((rank, path))
         if got is None:
             got = self._current[(rank, path)] = self._read_rows(path, rank)
@@ -156,7 +147,9 @@ class RunIndex:
         if runs:
             recordings = np.asarray(self.source.array(f"{path}/{fmt.RECORDING}")[:n]) \
                 if self.source.has(f"{path}/{fmt.RECORDING}") else np.zeros(n, np.int64)
-        return fmt.current_rows(steps, recordings, runs), steps
+        current = fmt.current_rows(steps, recordings, runs)
+        lost = self._damage[path][1] if path in self._damage else None
+        return (current if lost is None else current[~lost[current]]), steps
 
     def pyramid(self, path: str, rank: int, grain: int, rows: np.ndarray):
         """A stats table's stored pyramid level of ``grain`` rows a grain, and how many
@@ -174,14 +167,15 @@ class RunIndex:
             return None, 0
         if int(arr.shape[1]) != int(self.source.array(f"{path}/stats").shape[1]):
             return None, 0          # widened by a writer that kept no pyramid (an older one)
-        covered = min(self.states[rank].pyramid.get(path, 0), self.checked_rows(path, rank))
+        covered = min(self.states[rank].pyramid.get(path, 0), self.checked_rows(path, rank),
+                      *(d.rows[0] for d in self.damage(path, rank)))   # a grain of rows
         head = np.asarray(rows[:covered])
         moved = np.flatnonzero(head != np.arange(len(head)))
         n = min((int(moved[0]) if len(moved) else len(head)) // grain, int(arr.shape[0]))
         if n > got[1]:
             shard = int((getattr(arr, "shards", None) or arr.chunks)[0])
             where = f"{path}/{fmt.pyramid_level(grain)}"
-            if self.source.missing_chunk(where, (f"c/{i}/0/0" for i in range(-(-n // shard)))):
+            if self.source.missing_chunks(where, (f"c/{i}/0/0" for i in range(-(-n // shard)))):
                 got[0] = None               # a partial copy: the rows are read instead
                 return None, 0
             got[1] = n
@@ -203,7 +197,9 @@ class RunIndex:
     # --- checks -------------------------------------------------------------------
     def checked_rows(self, path: str, rank: int) -> int:
         """A table's committed rows, once its arrays are checked against them: each
-        array is there, holds the committed rows, and a row has a sane size."""
+        array is there, holds the committed rows, and a row has a sane size.  A
+        chunk of them that is missing is damage, named once in a warning: its rows
+        read as missing (``_damage``; ``damage``)."""
         n = self.table_rows(path)
         if path in self._valid or not n:
             return n
@@ -220,14 +216,60 @@ class RunIndex:
                 if width < len(self.states[rank].stats_layers.get(table.kind, [])):
                     raise StoreFormatError(f"{self.path!r}: {path} has {width} layer columns, "
                                            f"fewer than its layer names")
-            self._check_chunks(path, arrays, n)
+            notes = self._check_chunks(path, arrays, n, table)
         except RecorderError:
             raise
         except Exception as e:
             raise StoreFormatError(f"{self.path!r}: table {path} cannot be read "
                                    f"({type(e).__name__}: {e})") from e
         self._valid.add(path)
+        if notes:
+            shown = "; ".join(notes[:3]) + (f"; and {len(notes) - 3} more" if len(notes) > 3 else "")
+            warnings.warn(f"tensortape: {self.path}: {shown}; the rest of the run reads as "
+                          f"recorded", TensortapeWarning, stacklevel=3)
         return n
+
+    def damage(self, path: str, rank: int) -> list:
+        """The missing chunks of a table's committed rows (``_damage.Damage``)."""
+        self.checked_rows(path, rank)
+        return self._damage[path][0] if path in self._damage else []
+
+    def damage_notes(self, ranks=None) -> list[str]:
+        """Every missing chunk of the committed rows of ``ranks`` (default: every
+        rank), in words: where, which rows and steps, and what reads as missing."""
+        notes = []
+        for r in self.ranks if ranks is None else ranks:
+            st = self.states[r]
+            for path, n in {**st.committed, **(st.nonfinite or {})}.items():
+                if n and self.damage(path, r):
+                    notes += self._damage[path][2]
+        return notes
+
+    def lost_steps(self, path: str, rank: int) -> np.ndarray:
+        """The steps (where known) of a table's rows that a missing chunk keeps
+        from being read."""
+        self.checked_rows(path, rank)
+        if path not in self._damage:
+            return np.zeros(0, np.int64)
+        steps = self.current_rows(path, rank)[1]
+        return np.unique(steps[self._damage[path][1] & (steps >= 0)])
+
+    def refuse_damage(self, what: str) -> None:
+        """Raise ``StoreFormatError`` where a chunk of the committed rows is missing:
+        ``what`` copies the chunks as stored, and would write the lost rows as the
+        fill values a missing chunk reads as."""
+        notes = self.damage_notes()
+        if notes:
+            more = f" and {len(notes) - 1} more" if len(notes) > 1 else ""
+            raise StoreFormatError(f"{self.path!r} is damaged ({notes[0]}{more}); {what} copies "
+                                   f"the chunks as stored, so it refuses a damaged run (its lost "
+                                   f"rows would read as recorded values in the copy)")
+
+    def unreadable(self, path: str, rank: int, columns, rows, col: int) -> np.ndarray:
+        """Whether each of a table's ``rows`` is unreadable in layer column ``col``
+        of any of ``columns`` (its chunk is missing; ``_damage.STATS``: the
+        statistics, whichever way the format packs them)."""
+        return _damage.cells(self.damage(path, rank), columns, rows, col)
 
     def _check_array(self, where: str, arr, n: int) -> None:
         """An array holds ``n`` rows of a dtype tensortape writes, each of a sane size."""
@@ -243,32 +285,29 @@ class RunIndex:
             raise StoreFormatError(f"{self.path!r}: {where} claims {row} bytes a row; "
                                    f"refusing to read it")
 
-    def _check_chunks(self, path: str, arrays: dict, n: int) -> None:
-        """A table's extents fit its data; and in a table that stores every chunk
-        (``fmt.EVERY_CHUNK``), each chunk its first ``n`` rows need is there (a
-        half-copied store is refused, not read as NaN).  Each chunk read is checked
-        by the source itself (a regular file of a sane size)."""
+    def _check_chunks(self, path: str, arrays: dict, n: int, table: fmt.TablePath) -> list[str]:
+        """A table's readable extents fit its data; and in a table that stores every
+        chunk (``fmt.EVERY_CHUNK``), each chunk its first ``n`` rows need that is
+        missing is damage (``_damage``): kept with the rows it makes unreadable; its
+        words are returned.  Each chunk read is checked by the source itself (a
+        regular file of a sane size)."""
+        every = bool(self.source.attrs(path).get(fmt.EVERY_CHUNK))
         data = arrays.get("data")
+        rest = {k: v for k, v in arrays.items() if k != "data" or data.ndim < 2}
+        found = _damage.find(self.source, path, rest, n, None) if every else []
         extent = None
         if data is not None and data.ndim > 1:
             extent = np.asarray(arrays["extent"][:n])[:, : data.ndim - 1]
+            extent = np.where(_damage.lost_rows(found, n, None)[:, None], 0, extent)
             if extent.size and ((extent < 0) | (extent > np.array(data.shape[1:]))).any():
                 raise StoreFormatError(f"{self.path!r}: {path}/extent claims a tensor larger "
                                        f"than {path}/data holds")
-        if not self.source.attrs(path).get(fmt.EVERY_CHUNK):
-            return
-        for name, arr in arrays.items():
-            if name == fmt.RECORDING:    # given to a table with committed rows, which are all
-                continue                 # recording 0's: a chunk not yet written reads as 0
-            # the objects of a sharded array are its shards
-            chunks = tuple(int(c) for c in (getattr(arr, "shards", None) or arr.chunks))
-            if name == "data" and extent is not None:
-                need = _data_chunks(extent, chunks, arr.shape, n)
-            else:                        # the first chunk across of each block of rows
-                need = ((i, *(0,) * (len(chunks) - 1)) for i in range(-(-n // chunks[0])))
-            missing = self.source.missing_chunk(f"{path}/{name}",
-                                                ("c/" + "/".join(map(str, i)) for i in need))
-            if missing is not None:
-                raise StoreFormatError(f"{self.path!r}: chunk {path}/{name}/{missing} of the "
-                                       f"committed rows is missing; the store is incomplete "
-                                       f"(a partial copy?)")
+            if every:
+                found += _damage.find(self.source, path, {"data": data}, n, extent)
+        if not found:
+            return []
+        steps = np.asarray(arrays["step"][:n])
+        layers = self.stats_layers(table.kind, table.rank) if table.section == "stats" else None
+        notes = [_damage.words(d, steps, layers) for d in found]
+        self._damage[path] = (found, _damage.lost_rows(found, n, extent), notes)
+        return notes

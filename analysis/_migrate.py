@@ -38,6 +38,7 @@ def migrate(old, new, progress=None, mode: str = "w-") -> str:
                           f"one: there is nothing to migrate (copy the folder for a copy)")
     listed = [(r, p, run.checked_rows(p, r)) for r in run.ranks
               for p, n in run.state(r).committed.items() if n]
+    run.index.refuse_damage("migrate")
 
     def tables():
         for rank, path, n in (progress(listed) if progress else listed):

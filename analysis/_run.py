@@ -157,6 +157,14 @@ class Run:
         (each read only when its values are)."""
         return self._statistics.stats(kind, layers, rank)
 
+    def damaged(self, kind: str = "activations", layers=None,
+                rank: int | None = None) -> xr.DataArray:
+        """Where the statistics of one rank (default: the first) read as missing
+        because their chunk is missing from the store: a bool ``xr.DataArray``
+        (step, layer) aligned with ``stats(kind, layers, rank)``.  It tells damage
+        from a layer that did not run, which reads the same (NaN, counts -1)."""
+        return self._statistics.damaged(kind, layers, rank)
+
     def histogram(self, layer: str, kind: str = "activations", step=None,
                   rank: int | None = None) -> xr.DataArray:
         """Counts in the shared bins: dims (step, bin); ``bin`` holds each bin's centre
@@ -178,6 +186,13 @@ class Run:
         recording, whole: none of an older recording's micro-batches.
         """
         return self._tensors.tensor(layer, kind, step, micro, self._rank(rank))
+
+    def micro_batches(self, layer: str, kind: str = "activations", step: int = 0,
+                      rank: int | None = None) -> dict[int, np.ndarray]:
+        """Every micro-batch's full tensor of one step, read at once: a dict from
+        micro-batch to a numpy array at its true shape (bfloat16 and float8 decoded
+        to float32); empty where the step holds no full tensor of ``layer``."""
+        return self._tensors.micro_batches(layer, kind, int(step), self._rank(rank))
 
     # --- non-finite values -----------------------------------------------------------
     def events_of(self, rank: int | None = None) -> list[NonFiniteEvent]:

@@ -151,17 +151,28 @@ class ZarrSource:
             node = self.root[path] if path else self.root
             return [k for k, _ in node.groups()]
 
-    def missing_chunk(self, path: str, keys) -> str | None:
-        """The first of ``keys`` (``c/0/1``, ...) that the array at ``path`` does not
-        store, or None."""
+    def missing_chunks(self, path: str, keys) -> list[str]:
+        """The ``keys`` (``c/0/1``, ...) that the array at ``path`` does not store.
+        While the run may change (``may_change``), a chunk not yet seen is looked
+        for again (``RETRIES``, the pauses doubling) before it counts as missing."""
+        keys = list(keys)
+        missing = self._absent(path, keys)
+        for attempt in range(RETRIES):
+            if not missing or not self.may_change():
+                break
+            time.sleep(PAUSE * 2 ** attempt)
+            missing = self._absent(path, missing)
+        return missing
+
+    def _absent(self, path: str, keys: list[str]) -> list[str]:
         base = "/".join(p for p in (self.root.path, path) if p)
         import zarr
         store = self.root.store
         if isinstance(store, zarr.storage.LocalStore):   # one lstat a key: no directory listing
-            return next((k for k in keys if not os.path.lexists(store.root / base / k)), None)
+            return [k for k in keys if not os.path.lexists(store.root / base / k)]
         from zarr.core.sync import collect_aiterator
         stored = {k[len(base) + 1:] for k in collect_aiterator(store.list_prefix(base + "/c/"))}
-        return next((k for k in keys if k not in stored), None)
+        return [k for k in keys if k not in stored]
 
 
 def _status(group) -> object:
@@ -237,8 +248,8 @@ class H5Source:
     def has(self, path: str) -> bool:
         return path in self.file
 
-    def missing_chunk(self, path: str, keys) -> None:
-        return None          # an export is one file that HDF5 checks itself
+    def missing_chunks(self, path: str, keys) -> list[str]:
+        return []            # an export is one file that HDF5 checks itself
 
     def groups(self, path: str = "") -> list[str]:
         import h5py

@@ -11,6 +11,7 @@ from tensortape.recorder.errors import ConfigError, LayerNotFoundError
 from tensortape.recorder.histogram import bin_centers, bin_edges
 from tensortape.recorder.patterns import match_layers
 
+from . import _damage
 from ._index import RunIndex
 from ._select import columns_of, missing, steps_text
 from ._tables import as_slice
@@ -110,6 +111,23 @@ class Statistics:
         ds.attrs.update(kind=kind, rank=rank)
         return ds.isel(layer=_execution_order([names[i] for i in idx], ix.layers_of(rank)))
 
+    def damaged(self, kind: str, layers, rank: int | None) -> xr.DataArray:
+        """(step, layer) as ``stats`` of one rank reads them: True where the
+        statistics read as missing because their chunk is missing (``_damage``)."""
+        ix = self.index
+        rank = ix.rank(rank)
+        ix.kind(kind, rank)
+        path, rows, steps = self.rows(kind, rank)
+        names = ix.stats_layers(kind, rank)
+        idx = columns_of(names, layers)
+        mask = np.zeros((len(rows), len(idx)), bool)
+        if ix.damage(path, rank):
+            for j, i in enumerate(idx):
+                mask[:, j] = ix.unreadable(path, rank, _damage.STATS, rows, i)
+        out = xr.DataArray(mask, dims=("step", "layer"), name="damaged",
+                           coords={"step": steps, "layer": [names[i] for i in idx]})
+        return out.isel(layer=_execution_order([names[i] for i in idx], ix.layers_of(rank)))
+
     def histogram(self, layer: str, kind: str = "activations", step=None,
                   rank: int | None = None) -> xr.DataArray:
         ix = self.index
@@ -132,7 +150,11 @@ class Statistics:
         path, rows, steps = self.rows(kind, rank)
         lo, hi = bin_edges()
         hist = ix.tables.lazy(path + "/hist")[as_slice(rows), i]     # one indexing: one read
-        absent = np.isnan(ix.tables.stat(path, "count", rows, i))    # the layer did not run
+        # -1 where the layer did not run (no count, unless its statistics' chunk is
+        # missing: then the histogram reads as stored) or the histogram's chunk is missing
+        unread = ix.unreadable(path, rank, _damage.STATS, rows, i)
+        absent = np.isnan(ix.tables.stat(path, "count", rows, i)) & ~unread
+        absent |= ix.unreadable(path, rank, ("hist",), rows, i)
         hist = np.where(absent[:, None], -1, hist)
         out = xr.DataArray(hist, dims=("step", "bin"),
                            coords={"step": steps, "bin": bin_centers(),

@@ -30,17 +30,19 @@ class Tensors:
 
     def __init__(self, index: RunIndex):
         self.index = index
+        self._read: dict = {}
 
     def paths(self, kind: str, rank: int) -> dict[str, str]:
         """Layer name -> table path of the full tensors of one kind (not those whose
-        every row is of steps that a later recording recorded again)."""
+        every row is of steps that a later recording recorded again, or that a
+        missing chunk makes unreadable)."""
         ix = self.index
         out = {}
         again = bool(ix.states[rank].rerecorded)
         for p, n in ix.committed(rank).items():
             t = fmt.parse_path(p)
             if n and t.section == "tensors" and t.kind == kind:
-                if again and not len(ix.current_rows(p, rank)[0]):
+                if (again or ix.damage(p, rank)) and not len(ix.current_rows(p, rank)[0]):
                     continue
                 name = ix.source.attrs(p).get("name", t.node)
                 out[name if isinstance(name, str) else t.node] = p
@@ -71,26 +73,39 @@ class Tensors:
         data = self.index.source.array(path + "/data")
         return self.index.committed(rank)[path] * int(np.prod(data.shape[1:])) * data.dtype.itemsize
 
+    def _rows(self, path: str, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The rows a reader reads of a tensor table, ordered by (step, micro-batch):
+        of each, the latest recording's (``RunIndex.current_rows``); and their
+        steps, micro-batches and extents.  Read once."""
+        got = self._read.get((rank, path))
+        if got is None:
+            ix = self.index
+            n = ix.checked_rows(path, rank)
+            current, steps = ix.current_rows(path, rank)
+            micros = ix.tables.micros(path, n)
+            rows = current[fmt.latest_rows(np.stack([steps[current], micros[current]], axis=1))]
+            extent = np.asarray(ix.source.array(path + "/extent")[:n])[rows].astype(np.int64)
+            got = self._read[(rank, path)] = rows, steps[rows], micros[rows], extent
+        return got
+
     def tensor(self, layer: str, kind: str, step, micro: int | None, rank: int) -> xr.DataArray:
         ix = self.index
         path = self.path(layer, kind, rank)
         n = ix.checked_rows(path, rank)
-        current, steps = ix.current_rows(path, rank)
-        micros = ix.tables.micros(path, n)
+        rows, steps, micros, extent = self._rows(path, rank)
         m = 0 if micro is None else int(micro)
-        mine = current[micros[current] == m]
-        rows = mine[fmt.latest_rows(steps[mine])]
-        if not len(rows):
-            have = ", ".join(map(str, sorted(set(micros[current].tolist()))))
+        mine = micros == m
+        if not mine.any():
+            have = ", ".join(map(str, sorted(set(micros.tolist()))))
             raise ConfigError(f"{_where(layer, kind, None, m)} has no full tensor: its micro-batches "
                               f"(the forward passes of a step, from 0) are {have}")
-        steps, extent = steps[rows], np.asarray(ix.source.array(path + "/extent")[:n])[rows]
+        rows, steps, extent = rows[mine], steps[mine], extent[mine]
         data = ix.tables.lazy(path + "/data")[:n][as_slice(rows)]
         logical = dict(ix.source.array(path + "/data").attrs).get(fmt.LOGICAL_ATTR)
         if logical in fmt.BITS_DTYPES:
             data = data.map_blocks(decode_bits, logical, dtype=np.float32)
         dims = ("step", *(f"dim_{i}" for i in range(data.ndim - 1)))
-        extent = extent[:, : data.ndim - 1].astype(np.int64)
+        extent = extent[:, : data.ndim - 1]
         coords = {"step": steps, **{f"extent_{d}": ("step", extent[:, j])
                                     for j, d in enumerate(dims[1:])}}
         out = xr.DataArray(data, dims=dims, coords=coords, name=f"{layer} {kind}",
@@ -99,8 +114,34 @@ class Tensors:
             return out
         hits = np.nonzero(steps == step)[0]
         if not hits.size:
-            raise ConfigError(f"{_where(layer, kind, step, m)} has no full tensor; "
+            raise ConfigError(f"{_where(layer, kind, step, m)} has no full tensor"
+                              f"{self._why(path, rank, step)}; "
                               f"{'it has' if not m else f'micro-batch {m} has'} full tensors at "
                               f"step{'s' * (len(steps) > 1)} {', '.join(map(str, steps[:8]))}{', ...' if len(steps) > 8 else ''}")
         row = out.isel(step=int(hits[0]))
         return row.isel({d: slice(0, int(e)) for d, e in zip(dims[1:], extent[hits[0]])}).compute()
+
+    def micro_batches(self, layer: str, kind: str, step: int, rank: int) -> dict[int, np.ndarray]:
+        """Every micro-batch's full tensor of one step: micro-batch -> numpy array at
+        its true shape (bfloat16 and float8 decoded to float32), read directly (no
+        task graph); empty where the step has none."""
+        ix = self.index
+        path = self.path(layer, kind, rank)
+        rows, steps, micros, extent = self._rows(path, rank)
+        at = np.nonzero(steps == step)[0]
+        if not len(at):
+            return {}
+        data = ix.source.array(path + "/data")
+        logical = dict(data.attrs).get(fmt.LOGICAL_ATTR)
+        out = {}
+        for i in at:
+            got = np.asarray(data[(int(rows[i]), *(slice(0, int(e)) for e in
+                                                   extent[i, : data.ndim - 1]))])
+            out[int(micros[i])] = decode_bits(got, logical) if logical in fmt.BITS_DTYPES else got
+        return out
+
+    def _why(self, path: str, rank: int, step) -> str:
+        """Why a step has no full tensor, where a missing chunk is the reason."""
+        if step in set(self.index.lost_steps(path, rank).tolist()):
+            return " (its chunk is missing: the store is damaged there; see `tensortape info`)"
+        return ""

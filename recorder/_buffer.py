@@ -120,7 +120,9 @@ class StepBuffer:
             return
         if type(tensor) is not torch.Tensor and hasattr(tensor, "to_local"):
             tensor = tensor.to_local()          # a sharded DTensor (FSDP2): this rank's shard
-        capture = self.summarizer.take(kind, name, micro, tensor.detach(), state.plan)
+        if tensor.requires_grad:            # an activation (a gradient needs no detach)
+            tensor = tensor.detach()
+        capture = self.summarizer.take(kind, name, micro, tensor, state.plan)
         with self._lock:
             capture.order = len(self._captures)
             self._captures.append(capture)

@@ -9,10 +9,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, argument
 from .format import KINDS
 
 NONFINITE_POLICIES = ("record", "dump", "raise", "replay")
+DUMPING = ("dump", "raise", "replay")      # the policies that store the ring at a NaN/Inf
+# the defaults, chosen by measurement (docs/PERFORMANCE.md, "What the defaults cost"):
+# statistics every step, no full tensors but the ring's, dumped at a NaN/Inf
+TENSORS_EVERY = None
+RING = 2                                   # steps before the current one (``ring=None``:
+ON_NONFINITE = "dump"                      # this many where ``on_nonfinite`` dumps, else 0)
 OUTSIDE_POLICIES = ("warn", "ignore", "raise")
 ERROR_POLICIES = ("warn", "raise")
 MODES = ("w-", "w", "a")
@@ -29,21 +35,21 @@ def _choice(name: str, value, valid) -> None:
         raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(map(repr, valid))}")
 
 
-def _every(name: str, value, allow_none: bool) -> None:
+def _every(name: str, value, allow_none: bool, none: str = " or None") -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        extra = " or None" if allow_none else ""
+        extra = none if allow_none else ""
         raise ConfigError(f"{name}={value!r} is not valid; use a positive integer{extra}")
 
 
 @dataclass(frozen=True)
 class RecorderConfig:
     capture: tuple[str, ...] = ("activations", "gradients")
-    tensors_every: int | None = 1
+    tensors_every: int | None = TENSORS_EVERY
     stats_every: int = 1
-    ring: int = 0
-    on_nonfinite: str = "record"
+    ring: int = RING
+    on_nonfinite: str = ON_NONFINITE
     max_samples: int | None = None
     tensor_dtype: torch.dtype | None = None
     mode: str = "w-"
@@ -59,8 +65,9 @@ class RecorderConfig:
     close_timeout: float = 60.0
 
     @classmethod
-    def build(cls, *, capture=("activations", "gradients"), tensors_every=1, stats_every=1,
-              ring=0, on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
+    def build(cls, *, capture=("activations", "gradients"), tensors_every=TENSORS_EVERY,
+              stats_every=1, ring=None, on_nonfinite=ON_NONFINITE, max_samples=None,
+              tensor_dtype=None, mode="w-",
               flush_interval=5.0, max_pending_bytes=1 << 30, max_device_bytes=1 << 30,
               max_pinned_bytes=2 << 30, max_replay_bytes=1 << 30, compression="auto",
               outside_step="warn", max_bytes="auto", on_error="warn",
@@ -72,11 +79,25 @@ class RecorderConfig:
             _choice("capture", c, KINDS)
         if not capture:
             raise ConfigError(f"capture=() records nothing; use some of {', '.join(map(repr, KINDS))}")
-        _every("tensors_every", tensors_every, allow_none=True)
+        if type(tensors_every) is int and tensors_every == 0:
+            tensors_every = None                # 0 is None, as on the command line
+        _every("tensors_every", tensors_every, allow_none=True,
+               none=" or None (or 0) for statistics only")
         _every("stats_every", stats_every, allow_none=False)
-        if not isinstance(ring, int) or ring < 0:
-            raise ConfigError(f"ring={ring!r} is not valid; use an integer >= 0")
         _choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
+        if ring is None:                       # the default: a ring only where it is dumped
+            ring = RING if on_nonfinite in DUMPING else 0
+        if not isinstance(ring, int) or isinstance(ring, bool) or ring < 0:
+            raise ConfigError(f"{argument('ring', ring)} is not valid; use an integer >= 0, or "
+                              f"leave it out (the default: {RING} where "
+                              f"{argument('on_nonfinite', 'dump')} or another dumping policy "
+                              f"is given, else 0)")
+        if ring and on_nonfinite not in DUMPING:     # a ring no dump would ever store
+            dumps = ", ".join(argument("on_nonfinite", p) for p in DUMPING)
+            raise ConfigError(f"{argument('ring', ring)} keeps full tensors for a non-finite "
+                              f"dump, which {argument('on_nonfinite', on_nonfinite)} never makes; "
+                              f"pass one of {dumps} to store them, or "
+                              f"{argument('ring', 0)} to keep none")
         _every("max_samples", max_samples, allow_none=True)
         if isinstance(tensor_dtype, str):
             _choice("tensor_dtype", tensor_dtype, tuple(_DTYPES))
@@ -112,6 +133,17 @@ class RecorderConfig:
                    tensor_dtype, mode, float(flush_interval), max_pending_bytes,
                    max_device_bytes, max_pinned_bytes, max_replay_bytes, compression,
                    outside_step, max_bytes, on_error, float(close_timeout))
+
+    @classmethod
+    def check(cls, recorder_kwargs: dict) -> None:
+        """Validate the settings among a Recorder's keywords now (a callback's, the
+        command line's), before anything runs: ``ConfigError`` as ``build`` says."""
+        cls.build(**{k: v for k, v in recorder_kwargs.items() if k in cls.__dataclass_fields__})
+
+    @property
+    def dumps(self) -> bool:
+        """Whether a NaN/Inf stores the ring and the step's full tensors."""
+        return self.on_nonfinite in DUMPING
 
     def persists(self, step: int) -> bool:
         return self.tensors_every is not None and step % self.tensors_every == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from . import _overbudget
 from . import format as fmt
 
 __all__ = ["Journal", "Unsaved"]
@@ -36,7 +37,8 @@ class Unsaved:
     stats: dict                 # kind -> StatsRows
     bundle: tuple | None = None
     tensors: int = 0            # full-tensor rows stored (lost again at a new start)
-    over_budget: int = 0
+    over_budget: list = field(default_factory=list)   # due rows lost past max_bytes, as
+                                        # ``_overbudget`` runs (some of earlier steps)
     events_total: int | None = None     # non-finite captures (None: those in ``events``)
     earlier: list = field(default_factory=list)   # the steps merged into this one past the
                                         # bounds, as ``fmt.note_step`` runs (recording 0)
@@ -68,7 +70,8 @@ class Unsaved:
             drops[k] = drops.get(k, 0) + n
         return replace(later, layers=self.layers + later.layers, drops=drops,
                        outside=self.outside + later.outside, tensors=self.tensors + later.tensors,
-                       over_budget=self.over_budget + later.over_budget,
+                       over_budget=_overbudget.runs(_overbudget.each(later.over_budget),
+                                                    into=self.over_budget),
                        events_total=self.events_total + later.events_total,
                        earlier=self._steps_before(later))
 

@@ -8,9 +8,12 @@ A pure policy: no threads, no store, no warnings issued (it returns them as
 - A non-finite value under ``dump``/``raise``/``replay`` stores the ring's steps
   and the step's own (the ring is then emptied: each tensor is stored once).
 - ``max_bytes`` (resolved to bytes, ``_budget``): past that many bytes of full
-  tensors in all, the rows a step persists are counted (``over``) instead of
-  stored.  A non-finite dump is always stored (it is what the budget keeps room
-  for), and counts towards the budget.  At the first persisted step, one notice
+  tensors in all, the rows a step persists are not stored.  They are counted
+  (``over``: ``over_budget``, ``_overbudget``) once they are lost for good: at
+  once with no ring, else when their step leaves the ring undumped, or at
+  ``close``; a dump stores them.  A non-finite dump is always stored (it is
+  what the budget keeps room for), and counts towards the budget.  At the
+  first persisted step, one notice
   projects the size per 100 steps when the budget would be reached within
   ``SOON`` steps (or, with no budget, when that size passes ``GUARD_BYTES_PER_100``).
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from ._config import RecorderConfig
+from ._config import DUMPING, RecorderConfig
 from ._worker import Notice
 from .errors import argument
 
@@ -28,14 +31,14 @@ __all__ = ["Choice", "TensorPolicy"]
 
 GUARD_BYTES_PER_100 = 1 << 30  # no budget: warn when full tensors would pass this every 100 steps
 SOON = 1000                    # a budget: warn when it would be reached within this many steps
-DUMPING = ("dump", "raise", "replay")
 
 
 @dataclass
 class Choice:
-    """What to store now, as (step, rows); the rows past ``max_bytes``; notices."""
+    """What to store now, as (step, rows); the rows a step persisted that are now
+    lost past ``max_bytes``, as (step, count); notices."""
     tensors: list = field(default_factory=list)
-    over: int = 0
+    over: list = field(default_factory=list)
     notices: list[Notice] = field(default_factory=list)
 
     @property
@@ -51,8 +54,9 @@ class TensorPolicy:
         self.used = stored_bytes                 # bytes of full tensors stored, for max_bytes
         self.estimated = stored_bytes > 0
         self.spent = False                       # the budget's notice was given
-        # the full tensors of the steps before (None: already stored), dumped on a NaN/Inf
-        self.ring: collections.deque = collections.deque(maxlen=config.ring or None)
+        # the last steps' full tensors not stored, dumped on a NaN/Inf: (step, rows or None,
+        # how many of them the step persisted: past the budget, counted if never dumped)
+        self.ring: collections.deque = collections.deque()
 
     def choose(self, step: int, plan, rows: list, nonfinite: bool) -> Choice:
         """The rows of ``step`` (its plan, its full-tensor rows, whether it held a
@@ -61,10 +65,10 @@ class TensorPolicy:
         if plan is None:
             return out
         cfg = self.config
-        dump = nonfinite and cfg.on_nonfinite in DUMPING
+        dump = nonfinite and cfg.dumps
         if dump:
-            out.tensors = [(s, r) for s, r in self.ring if r]
-            self.ring = collections.deque(((s, None) for s, _ in self.ring), maxlen=self.ring.maxlen)
+            out.tensors = [(s, r) for s, r, _ in self.ring if r]
+            self.ring = collections.deque((s, None, 0) for s, _, _ in self.ring)
         stored = plan.persist or dump
         if plan.persist and rows and not self.estimated:
             self.estimated = True
@@ -81,11 +85,27 @@ class TensorPolicy:
             held = left if stored else rows
             for row in held:                     # the ring lives in ordinary host memory
                 row.snap.unpin()
-            self.ring.append((step, held or None))
+            if len(self.ring) == cfg.ring:
+                self._lose(out, *self.ring.popleft())
+            self.ring.append((step, held or None, len(left)))
         else:
             for row in left:
                 row.snap.release()
+            self._lose(out, step, left, len(left))
         return out
+
+    def close(self) -> list:
+        """The end of the recording: the ring's rows are never stored; the due ones,
+        as (step, count)."""
+        out = Choice()
+        while self.ring:
+            self._lose(out, *self.ring.popleft())
+        return out.over
+
+    @staticmethod
+    def _lose(out: Choice, step: int, rows, due: int) -> None:
+        if rows and due:
+            out.over.append((step, due))
 
     def _estimate(self, rows: list) -> list[Notice]:
         """At the first persisted step: a notice if full tensors would soon reach the
@@ -116,15 +136,13 @@ class TensorPolicy:
             f"{argument('max_bytes')} ({argument('max_bytes', None)}: no budget)"))]
 
     def _within_budget(self, out: Choice, step: int, rows: list) -> list:
-        """The rows ``step`` persists, as far as the budget goes; the rest counted
-        (``over``) and returned."""
+        """The rows ``step`` persists, as far as the budget goes; the rest returned."""
         mine, left = [], []
         for row in rows:
             if self.used + row.snap.nbytes <= self.limit:
                 self.used += row.snap.nbytes
                 mine.append(row)
                 continue
-            out.over += 1
             left.append(row)
             if not self.spent:
                 self.spent = True

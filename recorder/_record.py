@@ -63,7 +63,7 @@ class Plan:
     @classmethod
     def at(cls, config: RecorderConfig, step: int) -> "Plan":
         persist = config.persists(step)
-        keep = persist or config.ring > 0 or config.on_nonfinite != "record"
+        keep = persist or config.dumps          # a ring implies a dump (``_config``)
         return cls(step, config.stats_at(step), persist, keep)
 
 

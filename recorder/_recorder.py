@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import os
 import sys
-import weakref
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 
 from . import _exit, _scalars
 from . import format as fmt
-from ._config import RecorderConfig
+from ._config import ON_NONFINITE, TENSORS_EVERY, RecorderConfig
 from ._engines import engine_choice
 from ._quiet import quiet, warn
 from ._hooks import HookSet
@@ -77,11 +76,14 @@ class Recorder:
     stats_every: statistics and histograms at steps where ``step % stats_every == 0``
         (other steps still count NaN/Inf exactly).
     tensors_every: full tensors at steps where ``step % tensors_every == 0``;
-        ``None`` for statistics only.
+        ``None`` (the default) or 0 for statistics only (``--tensors-every 0``).
     ring: keep the full tensors of this many steps before the current one in
-        memory, for ``on_nonfinite="dump"``.
-    on_nonfinite: ``"record"`` (an event), ``"dump"`` (also store the ring and
-        the current step's full tensors), ``"raise"`` (dump, then raise
+        memory, stored at a NaN/Inf with the step's own.  ``None`` (the default):
+        2 where ``on_nonfinite`` dumps, else 0; a ring above 0 needs
+        ``on_nonfinite`` ``"dump"``, ``"raise"`` or ``"replay"`` (``ConfigError``
+        under ``"record"``).
+    on_nonfinite: ``"record"`` (an event), ``"dump"`` (the default: also store the
+        ring and the current step's full tensors), ``"raise"`` (dump, then raise
         ``NonFiniteError`` at the step's end), ``"replay"`` (dump, and name the
         aten op and the line that made the run's first NaN/Inf, in forward or
         backward: docs/GUIDE.md).
@@ -95,8 +97,9 @@ class Recorder:
     max_bytes: a budget for full tensors on disk, in bytes.  ``"auto"`` (the
         default): a tenth of the free space where the store is, at most 10 GB,
         printed when recording starts; ``None``: no budget.  Past it, the full
-        tensors a step persists are counted in ``over_budget`` instead; statistics,
-        histograms and the non-finite dump go on every step.
+        tensors a step persists are not stored (those no dump stores are counted in
+        ``over_budget``); statistics, histograms and the non-finite dump go on every
+        step.
     flush_interval: seconds between commits (a crash loses at most this much).
     max_pending_bytes: snapshot bytes queued for the writer before the training
         thread waits (nothing is dropped).
@@ -124,8 +127,9 @@ class Recorder:
     """
 
     def __init__(self, model: nn.Module, store, *, layers="*",
-                 capture=("activations", "gradients"), tensors_every=1, stats_every=1, ring=0,
-                 on_nonfinite="record", max_samples=None, tensor_dtype=None, mode="w-",
+                 capture=("activations", "gradients"), tensors_every=TENSORS_EVERY,
+                 stats_every=1, ring=None, on_nonfinite=ON_NONFINITE, max_samples=None,
+                 tensor_dtype=None, mode="w-",
                  metadata=None, outside_step="warn", max_bytes="auto", flush_interval=5.0,
                  max_pending_bytes=1 << 30, max_device_bytes=1 << 30, max_pinned_bytes=2 << 30,
                  max_replay_bytes=1 << 30, compression="auto", on_error="warn",
@@ -155,7 +159,6 @@ class Recorder:
         self._buffer: StepBuffer | None = None
         self._replayer: Replayer | None = None        # on_nonfinite="replay"
         self._closed = False
-        self._finalizer: weakref.finalize | None = None
         self._last_step: int | None = None           # the store's, for numbering steps
         self._own_last: int | None = None            # this Recorder's: steps must increase
         self._dropped_before = self._outside_before = 0
@@ -200,10 +203,7 @@ class Recorder:
                               keeper=self._buffer.keeper)
         self._model = None
         self._hooks.attach()
-        _exit.opened(self)
-        self._finalizer = weakref.finalize(self, _exit.forgotten, self._writer, self._hooks,
-                                           self._buffer, self.store_location)
-        self._finalizer.atexit = False           # _exit closes it, bounded
+        _exit.opened(self, self._writer, self._hooks, self._buffer)
         return self
 
     def close(self, status: str = fmt.STATUS_COMPLETE) -> None:
@@ -213,8 +213,6 @@ class Recorder:
             return
         self._closed = True
         _exit.closed(self)
-        if self._finalizer is not None:
-            self._finalizer.detach()
         try:
             if self._buffer is not None and self._buffer.state.step is not None:
                 self._end_step(raise_nonfinite=False)

@@ -34,12 +34,13 @@ class Stop(BaseException):
 class Tracker:
     """Finds the model, then turns optimizer steps into recorder steps."""
 
-    def __init__(self, store, kwargs: dict, keep_going: bool):
+    def __init__(self, store, kwargs: dict, keep_going: bool, start_step: int | None = None):
         self.store, self.kwargs = store, {"outside_step": "ignore", **kwargs}
         self.keep_going = keep_going
         self.recorder: Recorder | None = None
         self.scope = None
-        self.step = 0
+        self.first = start_step     # the first step's number; None: the recorder's next
+        self.loss = None            # the open step's: the sum of what backward() was called on
         self.next_pending = False
         self.depth = 0
         self.torch_call = torch.nn.Module.__call__
@@ -85,35 +86,43 @@ class Tracker:
             print(f"tensortape: not recording: {e}", file=sys.stderr)  # trains on
             return
         module.register_forward_pre_hook(self._model_forward, prepend=True)
-        self.scope = self.recorder.step(self.step)
+        self._begin()
 
     # --- steps ---------------------------------------------------------------------------
+    def _begin(self) -> None:
+        """A step begins: ``start_step`` first, then each the one after the last (the
+        first is 0, or under ``mode="a"`` the one after the store's last)."""
+        self.scope, self.first, self.loss = self.recorder.step(self.first), None, None
+
     @torch.compiler.disable
     def _model_forward(self, module, args):
         if self.next_pending and torch.is_grad_enabled():
             self.next_pending = False
-            self.scope = self.recorder.step(self.step)
+            self._begin()
 
     def _before_optimizer(self, optimizer, args, kwargs):
         if self.scope is not None:
             scope, self.scope = self.scope, None
             scope.__exit__(None, None, None)
-            self.step += 1
 
     def _after_optimizer(self, optimizer, args, kwargs):
         if self.recorder is not None and self.scope is None:
             self.next_pending = True
 
     def _wrap_backward(self, torch_backward):
-        """``Tensor.backward`` that logs a 0-dim tensor as the step's ``loss`` first."""
+        """``Tensor.backward`` that adds a 0-dim tensor to the step's ``loss`` first
+        (in float64 on its device, no sync: the sum over micro-batches)."""
         import functools
 
         @functools.wraps(torch_backward)
         def backward(tensor, *args, **kwargs):
-            if self.scope is not None and tensor.dim() == 0 and not torch.compiler.is_compiling():
+            if (self.scope is not None and tensor.dim() == 0 and tensor.is_floating_point()
+                    and not torch.compiler.is_compiling()):
                 try:
-                    self.recorder.log({"loss": tensor})
-                except Exception:                 # never into training (a complex loss)
+                    loss = tensor.detach().to(torch.float64, copy=True)
+                    self.loss = loss if self.loss is None else self.loss + loss
+                    self.recorder.log({"loss": self.loss})
+                except Exception:                 # never into training
                     pass
             return torch_backward(tensor, *args, **kwargs)
         return backward

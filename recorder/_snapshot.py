@@ -111,17 +111,17 @@ class Stager:
 
     def take(self, t: torch.Tensor, max_samples: int | None,
              dtype: torch.dtype | None) -> "Snapshot | str":
-        """A snapshot of ``t``, or the reason none was taken (a cap)."""
-        t = t.detach()
+        """A snapshot of a detached ``t``, or the reason none was taken (a cap)."""
         if max_samples is not None and t.dim() > 0:
             t = t[:max_samples]
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
+        if t.is_cpu and "cpu" not in COPIES:     # a clone (``clone()`` of a contiguous tensor
+            return Snapshot(t.clone() if t.is_contiguous() else   # is one, and costs less)
+                            t.clone(memory_format=torch.contiguous_format))
         copies = COPIES.get(t.device.type)
         if copies is None:
-            host = t.clone(memory_format=torch.contiguous_format) if t.device.type == "cpu" \
-                else t.to("cpu", copy=True)
-            return Snapshot(host)
+            return Snapshot(t.to("cpu", copy=True))
         nbytes = t.numel() * t.element_size()
         with self._lock:
             self._reclaim()
@@ -213,6 +213,11 @@ class Snapshot:
             self._copies.wait(self._event)
             self._event = None
         return self._host
+
+    def local(self) -> torch.Tensor | None:
+        """The copy when it is already whole in ordinary host memory (a CPU clone),
+        else None: a tiny capture's summary reads it instead of a copy of its own."""
+        return self._host if self._event is None and self._slot is None else None
 
     def unpin(self) -> None:
         """Move the copy into ordinary host memory and give its pinned slot back

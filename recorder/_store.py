@@ -36,7 +36,7 @@ from ._layout import (STATS_CHUNK_ROWS, existing_columns, fill_for, new_array, n
                       pyramid_columns, stats_columns, step_column, tensor_columns, to_numpy,
                       zstd_level)
 from ._pool import WritePool, write_threads
-from ._table import Pyramid, StatsTable, Table
+from ._table import Pyramid, Rows, StatsTable, Table
 from .histogram import NBINS
 
 __all__ = ["Compression", "RunStore"]
@@ -145,16 +145,18 @@ class RunStore:
         ``recording``: the rank's recording that records it (``fmt.RECORDING``)."""
         n = len(names)
         table = self.stats_table(fmt.stats_group(self.rank, kind), n, committed, recording)
-        index = {name: i for i, name in enumerate(names)}
-        rows = [index[layer] for layer in layers]
+        k = len(layers)
+        if names[:k] == layers:                  # the table's first layers, in order
+            rows = slice(0, k)
+        else:
+            index = {name: i for i, name in enumerate(names)}
+            rows = np.array([index[layer] for layer in layers], dtype=np.int64)
         row = np.full((n, len(fmt.STATS)), np.nan)
-        full = np.zeros((n, NBINS), dtype=np.int64)
         row[rows] = np.stack([np.asarray(stats[s], np.float64) for s in fmt.STATS], axis=1)
-        full[rows] = hist
         table.columns["stats"].grow_inner((n, len(fmt.STATS)))
         table.columns["hist"].grow_inner((n, NBINS))
-        table.append(_tagged({"step": np.int64(step), "stats": row, "hist": full}, table,
-                             recording))
+        table.append(_tagged({"step": np.int64(step), "stats": row, "hist": Rows(rows, hist)},
+                             table, recording))
 
     def append_nonfinite(self, kind: str, step: int, layers: list[str], counts: dict,
                          committed: int, recording: int = 0) -> None:

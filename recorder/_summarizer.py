@@ -53,8 +53,8 @@ from ._engine import Engine
 from ._engines import Engines
 from ._record import Block, Deferred, Meta, Packed, Plan
 from ._snapshot import Snapshot, Stager, unstorable
-from ._summary import (COUNTS, VECTOR, Form, Holds, batched_dtype, empty_summary, form, prepared,
-                       widened)
+from ._summary import (COUNTS, NARROW, VECTOR, Form, Holds, batched_dtype, empty_summary, form,
+                       prepared, widened)
 from .errors import TensortapeWarning
 
 __all__ = ["Capture", "EngineFailed", "Later", "Summarizer"]
@@ -105,6 +105,8 @@ class Summarizer:
         self._held = None if config.on_nonfinite in ("raise", "replay") else \
             _Held(min(_LATER_MAX, config.max_pending_bytes // 2))
         self._patience = _Patience(config.close_timeout / 3)
+        # a snapshot is the tensor itself, copied (no max_samples, no tensor_dtype)
+        self._same = config.max_samples is None and config.tensor_dtype is None
 
     def warm(self, model: torch.nn.Module) -> None:
         """Prepare the statistics engines for the float dtypes and devices of the
@@ -134,14 +136,16 @@ class Summarizer:
                 self.ledger.drop(reason)
         f, exp_bits, numel = form(tensor, plan.stats)
         vec = None
-        if f is _SMALL:
-            vec = widened(tensor).clone()
+        if f is _SMALL:                         # a copy: the snapshot, where it is one
+            vec = snap.local() if snap is not None and self._same else None
+            if vec is None or vec.dtype in NARROW:
+                vec = widened(tensor).clone()
         elif f is _EMPTY:
             f, vec = _SUMMARY, empty_summary()
         elif f is not _COUNT:
             engine = self.engines.for_tensor(tensor)
             try:
-                x = prepared(tensor, widen=not engine.narrow)
+                x = prepared(tensor)
                 if self._held is not None and engine.later(x.dtype) \
                         and (copy := self._held.copy(x)) is not None:   # to the writer
                     return Capture(0, kind, name, micro, exp_bits, numel, f, copy, snap, engine)

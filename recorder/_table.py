@@ -21,6 +21,7 @@ submitted (a new buffer takes its place).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import zarr
@@ -29,7 +30,16 @@ from . import format as fmt, pyramid
 from ._pool import Lane, WritePool
 from ._shards import Shards
 
-__all__ = ["Column", "Pyramid", "StatsTable", "Table"]
+__all__ = ["Column", "Pyramid", "Rows", "StatsTable", "Table"]
+
+
+class Rows(NamedTuple):
+    """A row given by some of its entries along its first axis (a statistics row's
+    layers): ``values[i]`` at ``index[i]``, the rest the fill value.  Put straight
+    into the column's buffer, converted there (a histogram's float64 counts become
+    int64): no dense row is made first."""
+    index: "np.ndarray | slice"
+    values: np.ndarray
 
 
 class Column:
@@ -67,8 +77,12 @@ class Column:
         self.drain()
         self.array.resize((rows, *self.array.shape[1:]))
 
-    def put(self, row: int, value: np.ndarray) -> None:
+    def put(self, row: int, value: "np.ndarray | Rows") -> None:
         """The value of ``row`` (a smaller one is padded with the fill value)."""
+        if isinstance(value, Rows):      # a row not put before: its buffer row holds the fill
+            self.buf[row - self.start, value.index] = value.values
+            self._filled(row)
+            return
         value = np.asarray(value)
         if self.chunk_rows == 1 and value.shape == self.buf.shape[1:]:
             self._submit(row, value[None])             # a whole chunk: no copy into the buffer
@@ -80,6 +94,10 @@ class Column:
             self.buf[(row - self.start, *map(slice, value.shape))] = value
         else:
             self.buf[row - self.start] = value
+        self._filled(row)
+
+    def _filled(self, row: int) -> None:
+        """``row`` is in the buffer: a whole chunk is written, a new buffer begun."""
         self.dirty = True
         if row + 1 - self.start == self.chunk_rows:
             self._submit(self.start, self.buf)

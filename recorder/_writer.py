@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from . import _scalars
+from . import _overbudget, _scalars
 from . import format as fmt
 from ._config import RecorderConfig
 from ._journal import Journal, Unsaved
@@ -86,7 +86,9 @@ class _Rows:
 
     # --- the Handler protocol ---------------------------------------------------------
     def put(self, record: StepRecord | CloseRecord) -> None:
-        u, tensors = self._unsaved(record)
+        self._keep(*self._unsaved(record))
+
+    def _keep(self, u: Unsaved, tensors: list) -> None:
         if self._fault is None and self.journal.full(u):
             try:
                 self._commit(None)         # bounds what a new start would write again
@@ -111,10 +113,12 @@ class _Rows:
         record.tensors = []                # stored now, or held by the ring: not kept for a restart
         scalars = _scalars.resolve(record.scalars, record.drops)
         return Unsaved(record.step, record.layers, record.drops, record.outside, resolved.events,
-                       resolved.stats, record.bundle, choice.rows, choice.over,
+                       resolved.stats, record.bundle, choice.rows, _overbudget.runs(choice.over),
                        scalars=scalars, counts=resolved.counts), choice.tensors
 
     def barrier(self, msg: Barrier) -> None:
+        if msg.final and (lost := _overbudget.runs(self.policy.close())):   # the ring's due
+            self._keep(Unsaved(None, [], {}, 0, [], {}, over_budget=lost), [])   # rows: lost
         if self._fault is not None:
             self._start_again(msg.status)
             return
@@ -209,10 +213,10 @@ class _Rows:
         for reason, n in u.drops.items():
             self._drop(reason, n)
         st.outside_steps += u.outside
-        st.over_budget += u.over_budget
         if self.upto is not None:
             own = [] if u.step is None else [[0, u.step, u.step, 0]]
             self._recorded_again([*u.earlier, *own])
+        _overbudget.count(st, u.over_budget)     # after the older counts were taken back
         st.events_total += u.events_total
         st.events.extend(dataclasses.replace(e, rank=st.rank)
                          for e in u.events[:max(fmt.MAX_EVENTS - len(st.events), 0)])
@@ -241,8 +245,8 @@ class _Rows:
         """This recording records the steps of ``runs`` (``fmt.note_step``'s, a
         record's and those merged into it); those up to ``upto`` an older recording
         may hold: noted in the state (readers then read none of the older rows
-        there), and the older recordings' events there are removed
-        (``events_total`` with them)."""
+        there), and the older recordings' events and ``over_budget`` there are
+        removed (``events_total`` with them)."""
         st = self.state
         spans = [(first, min(last, self.upto), stride) for _, first, last, stride in runs
                  if first <= self.upto]
@@ -251,6 +255,7 @@ class _Rows:
         for first, last, stride in spans:
             for step in range(first, last + 1, stride or 1):
                 fmt.note_step(st.rerecorded, st.recording, step)
+                _overbudget.take_back(st, step)
         kept = [e for e in st.events if not any(
             first <= e.step <= last and (e.step - first) % (stride or 1) == 0
             for first, last, stride in spans)]

@@ -254,7 +254,8 @@ def latest_rows(keys: np.ndarray) -> np.ndarray:
 def note_step(runs: list[list[int]], recording: int, step: int) -> None:
     """Add ``step``, recorded again by ``recording``, to ``runs``: arithmetic runs
     ``[recording, first, last, stride]`` (stride 0: one step), in recording order;
-    a recording's steps increase, so its steps recorded every k steps are one run."""
+    a recording's steps increase, so its steps recorded every k steps are one run.
+    (Any key in place of ``recording`` makes runs of the steps with that key.)"""
     if runs and runs[-1][0] == recording:
         run = runs[-1]
         if run[1] == run[2] and step > run[2]:
@@ -406,7 +407,9 @@ class RankState:
     dropped: int = 0
     drop_reasons: dict[str, int] = field(default_factory=dict)   # what ``dropped`` counts
     outside_steps: int = 0                                    # forward passes outside a step
-    over_budget: int = 0                                      # full tensors past max_bytes
+    over_budget: int = 0                     # full tensors due that no reader can read for max_bytes
+    over_budget_at: list[list[int]] = field(default_factory=list)   # where: runs [count, first,
+                                     # last, stride] (``note_step``'s), each step ``count`` of them
     last_step: int | None = None
     committed: dict[str, int] = field(default_factory=dict)
     stats_layers: dict[str, list[str]] = field(default_factory=dict)   # kind -> layer rows
@@ -444,6 +447,7 @@ class RankState:
                               for k, v in dict(d.get("drop_reasons", {})).items()},
                 outside_steps=integer(d.get("outside_steps", 0)),
                 over_budget=integer(d.get("over_budget", 0)),
+                over_budget_at=[step_run(r) for r in list(d.get("over_budget_at", []))],
                 last_step=None if d.get("last_step") is None else integer(d["last_step"]),
                 committed=committed,
                 stats_layers={str(k): strings(v) for k, v in dict(d.get("stats_layers", {})).items()},

@@ -71,7 +71,7 @@ class _Sink:
         t = tensor.detach()
         s = summarize(t, compile=False)
         stats = {k: (int(v[0]) if k in fmt.COUNT_STATS else float(v[0])) for k, v in s.stats.items()}
-        self.captures[(name, kind)] = Capture(t.to("cpu", copy=True), stats, s.hist[0])
+        self.captures[(name, kind)] = Capture(t.to("cpu", copy=True), stats, s.hist[0].astype(np.int64))
 
 
 def inspect_batch(model: nn.Module, watched, data, target=None, loss_fn=None, into=None):

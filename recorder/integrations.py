@@ -14,10 +14,15 @@ micro-batches are the step's micro-batches; the step ends just before the
 optimizer steps, so ``weight_grads`` are taken before the trainer zeroes them.
 Evaluation, prediction and sanity-check passes run outside any step: they are
 not recorded and never fail (``outside_step`` defaults to ``"ignore"`` here).
-The trainer's logged scalars are stored too (``rec.log``; ``run.scalars()``):
-Hugging Face's ``on_log`` logs (``loss``, ``learning_rate``, ``grad_norm``, ...)
-on the step just ended; Lightning's ``trainer.callback_metrics`` (what
-``self.log`` logged) at each training batch's end, as 0-dim tensors (no sync).
+The trainer's logged scalars are stored too (``rec.log``; ``run.scalars()``),
+each where and when the trainer logs it, once: Hugging Face's ``on_log`` logs
+(``loss``, ``learning_rate``, ``grad_norm``, eval metrics, ...) on the step just
+ended; Lightning's, as it hands them to its loggers (what ``self.log`` logged:
+training metrics every ``log_every_n_steps``, epoch and validation metrics when
+they are computed), taken from the one method that hands them over (its logger
+connector's ``log_metrics``, wrapped while the run records, whether or not a
+logger is configured), 0-dim tensors read with no sync.  Scalars logged before
+the first step (an evaluation at the start) are stored at the first step.
 
 Neither framework is imported until its callback is first used (each is an
 optional extra: ``tensortape[hf]``, ``tensortape[lightning]``).
@@ -26,6 +31,7 @@ optional extra: ``tensortape[hf]``, ``tensortape[lightning]``).
 from __future__ import annotations
 
 from . import _scalars
+from ._config import RecorderConfig
 from .errors import RecorderError
 
 __all__ = ["LightningCallback", "TrainerCallback"]
@@ -39,6 +45,8 @@ class _Session:
         self.recorder = None
         self.scope = None
         self.open_step: int | None = None
+        self.early: dict | None = {}          # logged before the recorder's first step
+                                              # (None: it has begun one)
 
     def start(self, model) -> None:
         """Training starts: a new Recorder.  A run this session recorded before (a
@@ -50,11 +58,15 @@ class _Session:
             self.close(failed=True)          # a no-op if it was closed
             kwargs = {**kwargs, "mode": "a"}
         self.recorder = Recorder(model, self.store, **kwargs).attach()
+        self.early = {}
 
     def begin_step(self, step: int) -> None:
         if self.recorder is not None and self.open_step != step:
             self.end_step()
             self.scope, self.open_step = self.recorder.step(int(step)), int(step)
+            early, self.early = self.early, None
+            if early:
+                self.recorder.log(early)
 
     def end_step(self) -> None:
         if self.scope is not None:
@@ -79,7 +91,9 @@ class _Session:
                 kept.update(_scalars.check({str(k): v}))
             except RecorderError:
                 pass
-        if kept:
+        if self.early is not None:
+            self.early.update(kept)            # no step yet: the first step's
+        elif kept:
             rec.log(kept)
 
     def close(self, failed: bool = False) -> None:
@@ -97,7 +111,9 @@ class _Holder:
         ``on_nonfinite``, ``mode``, ...; ``outside_step`` defaults to ``"ignore"``,
         since trainers run evaluation outside the steps).  The Recorder attaches
         when training starts and closes when it ends (``interrupted`` after an
-        exception)."""
+        exception).  Settings that conflict raise ``ConfigError`` here, not when
+        training starts."""
+        RecorderConfig.check(recorder_kwargs)
         self.session = _Session(store, recorder_kwargs)
 
     @property
@@ -178,6 +194,33 @@ def _trainer_callback():
     return TrainerCallback
 
 
+def _tap_logged(trainer, session) -> None:
+    """Lightning hands every scalar it logs to its loggers through one method, its
+    logger connector's ``log_metrics(metrics, step)`` (called whether or not a logger
+    is configured): wrapped on that instance, it hands them to ``session`` too, once
+    each, when they are logged.  ``step`` is Lightning's, and is the recorder's step
+    just ended (or open); a metric named ``step`` is Lightning's step, not a scalar."""
+    connector = getattr(trainer, "_logger_connector", None)
+    handed = getattr(connector, "log_metrics", None)
+    if handed is None or getattr(handed, "_tensortape", False):
+        return
+
+    def log_metrics(metrics, *args, **kwargs):
+        try:
+            session.log({k: v for k, v in dict(metrics).items() if k != "step"})
+        except Exception:                      # never into the training
+            pass
+        return handed(metrics, *args, **kwargs)
+    log_metrics._tensortape = True
+    connector.log_metrics = log_metrics
+
+
+def _untap_logged(trainer) -> None:
+    connector = getattr(trainer, "_logger_connector", None)
+    if getattr(getattr(connector, "log_metrics", None), "_tensortape", False):
+        del connector.log_metrics              # the class's method again
+
+
 def _lightning_callback():
     try:
         import lightning.pytorch as pl
@@ -189,6 +232,7 @@ def _lightning_callback():
 
         def on_train_start(self, trainer, pl_module):
             self.session.start(pl_module)
+            _tap_logged(trainer, self.session)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.session.begin_step(trainer.global_step)
@@ -196,15 +240,16 @@ def _lightning_callback():
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.session.micro_batch(False)
-            self.session.log(trainer.callback_metrics)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.session.end_step()
 
         def on_train_end(self, trainer, pl_module):
+            _untap_logged(trainer)
             self.session.close()
 
         def on_exception(self, trainer, pl_module, exception):
+            _untap_logged(trainer)
             self.session.close(failed=True)
 
     return LightningCallback

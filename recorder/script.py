@@ -13,13 +13,18 @@ The script runs in this process (``runpy``), unchanged:
   ends just before an optimizer steps, so ``weight_grads`` are still there,
   and the next begins at the model's next forward with grad enabled.  Forward
   passes without grad (evaluation) between them run outside any step: not
-  recorded, only counted.
-- **The loss**, the 0-dim tensor ``backward()`` is called on inside a step
-  (``torch.Tensor.backward``, wrapped while recording), is logged as ``loss``
-  (``rec.log``: read at the step's end, no sync; the last one of a step).
+  recorded, only counted.  Steps are numbered from ``start_step``, else from 0,
+  or under ``mode="a"`` from the step after the store's last (a resumed job
+  continues the run).
+- **The loss**: the 0-dim tensors ``backward()`` is called on inside a step
+  (``torch.Tensor.backward``, wrapped while recording) are summed (float64, on
+  their device) and logged as ``loss`` (``rec.log``: read at the step's end, no
+  sync): with gradient accumulation, the sum over the step's micro-batches.
 - The script's exit status and output are its own; the run is ``complete``
   when the script ends normally (or exits 0), else ``interrupted``.  Ctrl-C
-  ends it as ``interrupted`` with status 130 and no traceback.
+  ends it as ``interrupted`` with status 130 and no traceback; SIGTERM closes
+  the run as ``interrupted`` and ends the process by SIGTERM, as it would
+  python's (``_exit``: a SIGTERM handler of the script's own decides instead).
 - ``python -m pkg.mod`` is found as python finds it: ``sys.path[0]`` is the
   current folder (the script's folder for ``python script.py``) while it runs.
 - Before the script starts, the store is checked (its mode, and a probe write
@@ -37,18 +42,26 @@ import sys
 import traceback
 
 from ._script import Stop, Tracker, find_module, probe
+from ._config import RecorderConfig
 from ._root import check_mode
-from .errors import ConfigError, RecorderError
+from .errors import ConfigError, RecorderError, argument
 
 __all__ = ["run_script"]
 
 
-def run_script(command: list[str], store, keep_going: bool = False, **recorder_kwargs) -> int:
+def run_script(command: list[str], store, keep_going: bool = False,
+               start_step: int | None = None, **recorder_kwargs) -> int:
     """Run ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) here, recording its
     model into ``store``; returns the script's exit status (130 after Ctrl-C).
+    ``start_step``: the first step's number (None: 0, or the step after the store's
+    last under ``mode="a"``).
 
     Raises ``RecorderError`` (one line, in the CLI's words) when the script is
     missing, or when it cannot be recorded and ``keep_going`` is false."""
+    if start_step is not None and (type(start_step) is not int or start_step < 0):
+        raise ConfigError(f"{argument('start_step', start_step)} is not valid; use an "
+                          f"integer >= 0")
+    RecorderConfig.check(recorder_kwargs)              # settings that conflict: one line first
     if command and os.path.basename(command[0]).startswith("python"):
         command = command[1:]
     if not command:
@@ -79,7 +92,7 @@ def run_script(command: list[str], store, keep_going: bool = False, **recorder_k
     try:
         if as_module:
             find_module(target)
-        tracker = Tracker(store, recorder_kwargs, keep_going) if recording else None
+        tracker = Tracker(store, recorder_kwargs, keep_going, start_step) if recording else None
         try:
             if as_module:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)

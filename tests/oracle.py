@@ -16,6 +16,9 @@ every capture as the SPEC defines it, and computes from them:
   all of them in the order the store is handed them (a table's first row sets
   its dtype);
 - ``dropped``: gradients that arrived after their step ended;
+- ``scalars()``: what ``log`` was given, per step of its latest recording;
+- ``due()``, ``dumped()``: the full tensors ``tensors_every`` asks for, and those
+  a NaN/Inf dump stores whatever the budget (``max_bytes`` counts them apart);
 - ``outside``: forward passes of the root outside a step, and evaluation
   passes (the root called under ``no_grad``/``inference_mode``) inside one:
   neither is recorded.  A step whose passes all ran without grad (inference)
@@ -36,12 +39,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import fnmatch
+import math
+from fractions import Fraction
 
 import numpy as np
 import torch
 
 STATS = ("count", "mean", "std", "min", "max", "abs_max", "norm", "zero_frac", "nan", "posinf",
          "neginf")
+COUNTS = ("count", "nan", "posinf", "neginf")
 FORWARD, BACKWARD = ("inputs", "activations", "weights"), ("gradients", "weight_grads")
 
 
@@ -57,16 +63,21 @@ def bin_edges():
             np.concatenate([-lo_pos[::-1], [0.0], hi_pos]))
 
 
-def histogram(values: np.ndarray) -> np.ndarray:
-    """Counts of finite float64 values in the documented bins: [lo, hi) above zero,
-    (lo, hi] below it, exact zeros (either sign) in the zero bin."""
-    lo, hi = bin_edges()
-    v = values[np.isfinite(values)]
+def histogram(values: np.ndarray, edges=None) -> np.ndarray:
+    """Counts of finite float64 values in the documented bins (or ``edges``, a
+    ``(lo, hi)`` pair): [lo, hi) above zero, (lo, hi] below it, exact zeros (either
+    sign) in the zero bin."""
+    lo, _ = bin_edges() if edges is None else edges
+    return np.bincount(bin_index(values[np.isfinite(values)], edges), minlength=len(lo))
+
+
+def bin_index(v: np.ndarray, edges=None) -> np.ndarray:
+    """The bin of each finite value (as ``histogram`` counts them)."""
+    lo, hi = bin_edges() if edges is None else edges
     zero = len(lo) // 2
     idx = np.where(v > 0, np.searchsorted(lo, v, side="right") - 1,
                    np.searchsorted(hi, v, side="left"))
-    idx = np.where(v == 0, zero, idx)
-    return np.bincount(idx, minlength=len(lo))
+    return np.where(v == 0, zero, idx)
 
 
 def values(t: torch.Tensor) -> np.ndarray | None:
@@ -94,6 +105,100 @@ def statistics(parts: list[torch.Tensor]) -> dict:
         out.update(mean=f.mean(), std=f.std(), min=f.min(), max=f.max(), abs_max=np.abs(f).max(),
                    zero_frac=(f == 0).sum() / f.size)
     return out
+
+
+EPS = Fraction(1, 1 << 52)                  # float64's unit roundoff, times 2
+BIG = Fraction(np.finfo(np.float64).max)
+TINY = Fraction(1, 1 << 1074)               # float64's smallest subnormal
+SLACK = 8                                   # float64 sums of n terms: within SLACK * n * EPS
+
+
+def exact(parts: list[torch.Tensor]) -> dict:
+    """``statistics(parts)``, with the sums as exact ``Fraction``s: ``n`` finite
+    values, their ``sum``, ``sumsq`` and the ``spread`` (max - min) and ``size``
+    (largest magnitude) that bound the rounding of float64 sums of them."""
+    with np.errstate(over="ignore", invalid="ignore"):     # numpy's sums: replaced below
+        out = statistics(parts)
+    floats = [values(p) for p in parts if p.is_floating_point()]
+    v = np.concatenate(floats) if floats else np.zeros(0)
+    f = [Fraction(float(x)) for x in v[np.isfinite(v)]]
+    out.update(n=len(f), sum=sum(f, Fraction(0)), sumsq=sum((x * x for x in f), Fraction(0)),
+               spread=max(f) - min(f) if f else Fraction(0),
+               size=max(abs(x) for x in f) if f else Fraction(0))
+    return out
+
+
+def _fraction(x: float) -> Fraction | None:
+    return Fraction(float(x)) if math.isfinite(float(x)) else None
+
+
+def truth(stat: str, ex: dict):
+    """A statistic of ``exact``: a float where float64 holds it exactly, a Fraction
+    for a sum (``mean``; ``std``, ``norm`` and ``rms`` squared), NaN without a
+    finite value; ``rms`` (norm over the root of the finite count) and
+    ``nonfinite`` (NaN + Inf elements) are the browser map's."""
+    if stat == "nonfinite":
+        return ex["nan"] + ex["posinf"] + ex["neginf"]
+    n = ex["n"]
+    if stat not in ("mean", "std", "norm", "rms") or (n == 0 and stat != "norm"):
+        return ex[stat] if stat in ex else np.nan
+    mean = ex["sum"] / n if n else Fraction(0)
+    return {"mean": mean, "std": ex["sumsq"] / n - mean * mean if n else None,
+            "norm": ex["sumsq"], "rms": ex["sumsq"] / n if n else None}[stat]
+
+
+def agrees(stat: str, got: float, ex: dict, rel: float = 0.0, floor: float = 0.0) -> bool:
+    """Whether ``got``, a stored statistic, is the exact one (``exact``): counts, min,
+    max, abs_max and zero_frac equal (``-0 == 0``: engines may differ in a zero's
+    sign), NaN where there is no finite value; mean, std, norm and rms within the
+    rounding of float64 sums of ``n`` terms, bounded by the terms' size (a mean
+    that cancels is held to its terms, a variance to the squared spread) and, near
+    zero, by ``n`` of the smallest subnormals; finite wherever the truth is (inf only
+    where it passes float64).  ``rel``, ``floor``: a further relative and absolute
+    slack for the sums (a reader that rounds them to float32)."""
+    want, got = truth(stat, ex), float(got)
+    if not isinstance(want, Fraction):
+        return (math.isnan(got) and math.isnan(want)) or got == want
+    g, n = _fraction(got), ex["n"]
+    tol, tiny = SLACK * n * EPS + Fraction(rel) * 2, SLACK * n * TINY + Fraction(floor)
+    if stat == "mean":
+        return g is not None and abs(g - want) <= tol * ex["size"] + tiny
+    if want > BIG * BIG:                                    # the root passes float64
+        return got == math.inf
+    if g is None or g < 0:
+        return False
+    tol *= ex["spread"] * ex["spread"] + want if stat == "std" else want
+    return abs(g * g - want) <= tol or max(g - tiny, 0) ** 2 <= want <= (g + tiny) ** 2
+
+
+def at_least(stat: str, got: float, ex: dict) -> bool:
+    """Whether ``got`` is no smaller than the exact statistic (for a column of the map,
+    the largest of its steps)."""
+    want, got = truth(stat, ex), float(got)
+    if math.isnan(got):
+        return False
+    if not isinstance(want, Fraction):
+        return math.isnan(want) or got >= want
+    if got == math.inf:
+        return True
+    g = Fraction(got)
+    return g >= want if stat == "mean" else g >= 0 and g * g >= want
+
+
+def largest(stat: str, got: float, cells: list) -> bool:
+    """Whether ``got`` is the largest of ``cells`` (``exact`` dicts; None where the
+    layer did not run: counts -1, else NaN), as a column of several steps holds it:
+    it agrees with one of them and is no smaller than any other (each to its
+    rounding), NaN when none has a value."""
+    got = float(got)
+    if stat in COUNTS:
+        return got == max(-1 if c is None else truth(stat, c) for c in cells)
+    held = [c for c in cells if c is not None and not (
+        isinstance(truth(stat, c), float) and math.isnan(truth(stat, c)))]
+    if not held:
+        return math.isnan(got)
+    return (any(agrees(stat, got, c) for c in held)
+            and all(at_least(stat, got, c) or agrees(stat, got, c) for c in held))
 
 
 def leaves(obj, path=""):
@@ -127,6 +232,8 @@ class Oracle:
         self.latest = {}           # step -> the session of its latest recording
         self.dropped = 0
         self.outside = 0
+        self.logged = {}           # (session, step) -> {name: value}: rec.log's scalars
+        self.last = None           # the last step ended
         self.evaluating = False             # the root's call under no_grad, inside a step
         self.leaf_handles = []              # gradient hooks on leaf outputs, this step
         self.handles = [model.register_forward_pre_hook(self._root_pre)]
@@ -163,8 +270,16 @@ class Oracle:
                 for pname, p in m.named_parameters(recurse=False):
                     if p.grad is not None:
                         self._add("weight_grads", f"{self.label(name)}:{pname}", p.grad, self.step, 0)
+        self.last = self.step
         self.step = None
         self._drop_leaf_hooks()
+
+    def log(self, scalars: dict):
+        """``rec.log``: for the open step, or after it ended the last one; a name
+        logged twice keeps its last value, read as float64."""
+        step = self.step if self.step is not None else self.last
+        self.logged.setdefault((self.session, step), {}).update(
+            {k: float(v) for k, v in scalars.items()})
 
     def resume(self):
         """The recorder was closed, and a new one opened on the store (``mode="a"``)."""
@@ -304,8 +419,12 @@ class Oracle:
         return list(dict.fromkeys((c["step"], c["kind"], c["name"]) for c in self.live()
                                   if c["step"] % self.stats_every == 0))
 
+    def parts(self, step, kind, name):
+        """The tensors of a step's statistics (its micro-batches')."""
+        return [c["tensor"] for c in self._of(step, kind, name)]
+
     def stats(self, step, kind, name):
-        return statistics([c["tensor"] for c in self._of(step, kind, name)])
+        return statistics(self.parts(step, kind, name))
 
     def histogram(self, step, kind, name):
         parts = [c["tensor"] for c in self._of(step, kind, name) if c["tensor"].is_floating_point()]
@@ -319,13 +438,52 @@ class Oracle:
         return (int(np.isnan(v).sum()), int((v == np.inf).sum()), int((v == -np.inf).sum()))
 
     def events(self):
-        out = []
+        return [e[-1] for e in self.ordered_events()]
+
+    def ordered_events(self):
+        """The events, each as ``(step, backward, order, event)``: ``order`` is the
+        capture's place among its step's captures (execution order, every kind),
+        which orders the events of several ranks."""
+        out, order = [], collections.Counter()
         for c in self.live():
+            at = order[c["step"]]
+            order[c["step"]] += 1
             bad = self._nonfinite(c)
             if any(bad):
-                out.append((c["step"], c["kind"] in BACKWARD, c["seq"],
+                out.append((c["step"], c["kind"] in BACKWARD, at,
                             (c["step"], c["name"], c["kind"], c["micro"], *bad)))
-        return [e[-1] for e in sorted(out)]
+        return sorted(out)
+
+    def scalars(self):
+        """step -> {name: value} of each step's latest recording (none: absent)."""
+        return {step: values for (session, step), values in sorted(self.logged.items(),
+                                                                   key=lambda kv: kv[0][1])
+                if self.latest[step] == session}
+
+    def due(self):
+        """(kind, name, step, micro) of the full tensors ``tensors_every`` asks for, of
+        each step's latest recording."""
+        every = self.tensors_every
+        return {(c["kind"], c["name"], c["step"], c["micro"]) for c in self.live()
+                if every is not None and c["step"] % every == 0}
+
+    def dumped(self):
+        """(kind, name, step, micro) that a NaN/Inf dump stores, whatever the budget:
+        the step's own full tensors and those of the ``ring`` steps before it in its
+        recording (each step's latest recording)."""
+        if self.on_nonfinite not in ("dump", "raise"):
+            return set()
+        bad = {(c["session"], c["step"]) for c in self.caps if any(self._nonfinite(c))}
+        keep, before = set(), []
+        for s in self.steps:
+            if s is None:
+                before = []
+                continue
+            if s in bad:
+                keep.update([s, *(before[-self.ring:] if self.ring else [])])
+            before.append(s)
+        return {(c["kind"], c["name"], c["step"], c["micro"]) for c in self.live()
+                if (c["session"], c["step"]) in keep}
 
     def tensors(self):
         """(kind, name, step, micro) -> tensor, of the steps whose full tensors are stored

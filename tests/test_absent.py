@@ -430,7 +430,7 @@ def pipeline(tmp_path_factory):
         recs = []                      # every rank looks at the store before rank 0 makes it
         for rank in (0, 1):
             _fake_rank(rank)
-            recs.append(Recorder(models[rank], path, layers=PIPE_LAYERS, capture=KINDS))
+            recs.append(Recorder(models[rank], path, layers=PIPE_LAYERS, capture=KINDS, tensors_every=1))
         for rec in recs:
             rec.attach()
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]

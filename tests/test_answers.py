@@ -82,10 +82,10 @@ def test_unrelated_runs_cannot_be_compared(tmp_path):
     cnn = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8, 2))
     mlp = Scaled()
     stores = [str(tmp_path / "cnn.zarr"), str(tmp_path / "mlp.zarr")]
-    with Recorder(cnn, stores[0]) as rec:          # every layer, the root "(root)" too
+    with Recorder(cnn, stores[0], tensors_every=1) as rec:          # every layer, the root "(root)" too
         with rec.step(0):
             cnn(torch.randn(1, 1, 4, 4)).sum().backward()
-    with Recorder(mlp, stores[1]) as rec:
+    with Recorder(mlp, stores[1], tensors_every=1) as rec:
         with rec.step(0):
             mlp(torch.randn(2, 8)).sum().backward()
     for call in (lambda: compare_runs(*stores), lambda: first_divergence(*stores)):
@@ -155,7 +155,7 @@ def test_histogram_is_drawn_over_values_with_a_zero_tick_and_nonfinite_bars(tmp_
     model = nn.Linear(4, 64)
     store = str(tmp_path / "h.zarr")
     x = torch.randn(32, 4)
-    with Recorder(model, store, layers="", capture="activations") as rec:
+    with Recorder(model, store, layers="", capture="activations", tensors_every=1) as rec:
         with rec.step(0):
             model(x)
         bad = x.clone()
@@ -239,7 +239,9 @@ def test_watch_alerts_once_per_layer_and_kind_and_keeps_a_steady_rate(tmp_path):
     rates = [v["rate"] for v in views if v.get("rate") is not None]
     true_rate = 60 / seconds                     # a lower bound: start-up is in `seconds`
     assert rates and min(rates[len(rates) // 2:]) > 0              # never drops to 0 between commits
-    assert true_rate * 0.7 < rates[-1] < 25
+    # at most 20 steps a second are trained; a loaded machine commits in bursts, which the
+    # watcher sees as a faster rate for a while: the bound catches a rate of rows or layers
+    assert true_rate * 0.7 < rates[-1] < 40
     assert texts[-1][-1].startswith("non-finite so far: ")
 
 

@@ -125,3 +125,199 @@ def test_sigint_mid_step_keeps_what_the_step_captured(tmp_path):
     run = open_run(store)
     assert run.status == "interrupted" and run.steps().tolist() == [0, 1, 2]
     assert run.steps("gradients").tolist() == [0, 1, 2]
+
+
+# --- SIGTERM: a scheduler's preemption ---------------------------------------------------
+# Each child prints "done i" (flushed) once step i is handed over, and a line the test waits
+# for before it sends SIGTERM; nothing waits on the clock.
+TRAINER = """
+import os, signal, sys, threading, time
+import torch
+from tensortape import Recorder
+
+how, store = sys.argv[1], sys.argv[2]
+stop, handler = [], None
+if how == "own handler":                     # the user's own: stop after this step
+    def handler(signum, frame):
+        print("handler ran", flush=True)
+        stop.append(signum)
+    signal.signal(signal.SIGTERM, handler)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+if how == "inside a flush":                  # its writes wait at a gate the test's SIGTERM
+    import asyncio, zarr.storage             # opens: the signal comes inside rec.flush()
+    gate, original = threading.Event(), zarr.storage.LocalStore.set
+    gate.set()
+
+    async def gated(self, key, value, *args, **kwargs):
+        if not gate.is_set():
+            print("writing", flush=True)
+            while not gate.is_set():
+                await asyncio.sleep(0.01)
+        await original(self, key, value, *args, **kwargs)
+    zarr.storage.LocalStore.set = gated
+
+    def open_gate():                         # once the handler has taken the hooks away
+        while any(m._forward_hooks for m in model.modules()):
+            time.sleep(0.01)
+        gate.set()
+with Recorder(model, store, flush_interval=60, max_bytes=None) as rec:
+    for i in range(10**6):
+        with rec.step(i):
+            model(torch.randn(3, 4)).sum().backward()
+            if how == "in a step" and i == 4:
+                print("waiting", flush=True)
+                while True:
+                    time.sleep(0.01)
+        print("done", i, flush=True)
+        if stop:
+            break
+        if i == 3 and how == "inside a flush":
+            gate.clear()
+            threading.Thread(target=open_gate, daemon=True).start()
+            rec.flush()
+        if i == 3 and how == "own handler":
+            print("waiting", flush=True)
+            while not stop:
+                time.sleep(0.01)
+print("restored", signal.getsignal(signal.SIGTERM) is handler, flush=True)
+"""
+
+SCRIPT = """
+import signal, sys, time
+import torch
+if sys.argv[1] == "own handler":
+    def handler(signum, frame):
+        print("handler ran", flush=True)
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, handler)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(10**6):
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    print("done", i, flush=True)
+    if i == 3:
+        print("waiting", flush=True)
+        while True:
+            time.sleep(0.01)
+"""
+
+
+def terminated(tmp_path, command, wait_for):
+    """Run ``command``, SIGTERM it once it printed ``wait_for``; its exit status, the
+    lines it printed, its stderr."""
+    err = tmp_path / "stderr"
+    with open(err, "w") as errors:
+        p = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True, cwd=ROOT)
+        try:
+            lines = []
+            for line in p.stdout:
+                lines.append(line.strip())
+                if lines[-1] == wait_for:
+                    break
+            assert lines and lines[-1] == wait_for, (lines, err.read_text()[-3000:])
+            os.kill(p.pid, signal.SIGTERM)
+            rest, _ = p.communicate(timeout=300)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return p.returncode, lines + rest.splitlines(), err.read_text()
+
+
+def done(lines):
+    return [int(line.split()[1]) for line in lines if line.startswith("done ")]
+
+
+def closed_by_sigterm(store, steps, status="interrupted"):
+    run = open_run(store)
+    assert run.status == status
+    assert run.steps().tolist() == steps
+    assert run.steps("gradients").tolist() == steps
+    assert not os.path.exists(os.path.join(store, "tensortape.lock"))   # the claim is released
+
+
+@pytest.mark.parametrize("how,wait_for", [("in a step", "waiting"),
+                                          ("inside a flush", "writing")])
+def test_sigterm_closes_the_run_and_ends_the_process_by_sigterm(tmp_path, how, wait_for):
+    """Without a handler of the user's: every step handed over, and the open step, are
+    committed, the run is 'interrupted', and the process still ends by SIGTERM. Inside
+    a flush, the signal interrupts tensortape's own code (the handler takes no lock)."""
+    store = str(tmp_path / "run.zarr")
+    status, lines, err = terminated(tmp_path, [sys.executable, "-c", TRAINER, how, store],
+                                    wait_for)
+    assert status == -signal.SIGTERM, err[-3000:]
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err, err[-3000:]
+    trained = done(lines) + ([4] if how == "in a step" else [])   # the open step too
+    assert trained == list(range(len(trained))) and len(trained) >= 4
+    closed_by_sigterm(store, trained)
+
+
+def test_a_users_own_sigterm_handler_decides(tmp_path):
+    """The user's handler (installed before the Recorder) runs instead: it asks the loop
+    to stop after this step, so training and the recording go on to a normal end, and
+    the handler is the user's again after close."""
+    store = str(tmp_path / "run.zarr")
+    status, lines, err = terminated(tmp_path, [sys.executable, "-c", TRAINER, "own handler",
+                                               store], "waiting")
+    assert status == 0, err[-3000:]
+    assert "handler ran" in lines and lines[-1] == "restored True"
+    assert done(lines) == [0, 1, 2, 3, 4]                 # one more step after the signal
+    closed_by_sigterm(store, [0, 1, 2, 3, 4], status="complete")
+
+
+@pytest.mark.parametrize("how,status", [("default", -signal.SIGTERM), ("own handler", 143)])
+def test_record_closes_the_run_at_sigterm(tmp_path, how, status):
+    """`tensortape record` under SIGTERM: the run is closed 'interrupted' with every step
+    the script trained, and the exit is a SIGTERMed python's (or the script's handler's)."""
+    store = str(tmp_path / "run.zarr")
+    exe = shutil.which("tensortape")
+    cmd = [exe] if exe else [sys.executable, os.path.join(ROOT, "cli.py")]
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    got, lines, err = terminated(tmp_path, [*cmd, "record", "-o", store, "--tensors-every", "0",
+                                            "--", "python", str(script), how], "waiting")
+    assert got == status, err[-3000:]
+    assert ("handler ran" in lines) == (how == "own handler")
+    assert done(lines) == [0, 1, 2, 3]
+    closed_by_sigterm(store, [0, 1, 2, 3])
+
+
+def test_the_sigterm_handler_is_tensortapes_only_while_it_may_be(tmp_path):
+    """Installed by a Recorder attached on the main thread (not from another thread, not
+    over SIG_IGN), put back at close, and a handler the user installs after attach is
+    left in place."""
+    import threading
+    import torch
+    from tensortape import Recorder
+    model = torch.nn.Linear(2, 2)
+
+    def mine(signum, frame):
+        pass
+
+    def later(signum, frame):
+        pass
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        rec = Recorder(model, tmp_path / "thread.zarr", max_bytes=None)
+        worker = threading.Thread(target=rec.attach)
+        worker.start()
+        worker.join()
+        assert signal.getsignal(signal.SIGTERM) is mine     # not from another thread
+        rec.close()
+        with Recorder(model, tmp_path / "main.zarr", max_bytes=None):
+            assert signal.getsignal(signal.SIGTERM) not in (mine, signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGTERM) is mine     # put back
+        with Recorder(model, tmp_path / "later.zarr", max_bytes=None):
+            signal.signal(signal.SIGTERM, later)
+        assert signal.getsignal(signal.SIGTERM) is later    # the user's, left in place
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with Recorder(model, tmp_path / "ignored.zarr", max_bytes=None):
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert [open_run(tmp_path / f"{n}.zarr").status for n in ("thread", "main", "later")] \
+        == ["complete"] * 3

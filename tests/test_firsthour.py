@@ -21,7 +21,7 @@ from torch import nn
 from tensortape import cli
 from tensortape.analysis import compare_runs, open_run
 from tensortape.recorder import Recorder
-from tensortape.recorder.errors import StoreExistsError
+from tensortape.recorder.errors import ConfigError, StoreExistsError
 from tensortape.sample_runs.task import Sorter, record as record_demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +44,7 @@ class MLP(nn.Module):
 def _record_mlp(path, out=10, batch=(64, 12), steps=3, nan_at=None):
     torch.manual_seed(0)
     model = MLP(out)
-    with Recorder(model, str(path)) as rec:
+    with Recorder(model, str(path), tensors_every=1) as rec:
         for i in range(steps):
             with rec.step(i):
                 x = torch.randn(*batch, 6)
@@ -84,10 +84,34 @@ def test_flags_that_conflict_or_do_nothing_are_one_line_and_exit_2(tmp_path, arg
     assert ok.exit_code == 0 and out.exists(), ok.output
 
 
-def test_record_ring_without_a_dump_is_refused(tmp_path):
-    r = invoke("record", "-o", tmp_path / "r.zarr", "--ring", "3", "--", sys.executable, "-c", "1")
-    assert r.exit_code == 2 and "--ring" in r.output and "--on-nonfinite dump" in r.output
-    assert not (tmp_path / "r.zarr").exists()
+@pytest.mark.parametrize("policy", ["dump", "raise", "replay", "record"])
+def test_a_ring_that_no_dump_would_store_is_refused_by_its_values(tmp_path, policy):
+    """ring=N keeps copies of every tensor for a non-finite dump: under a policy that
+    never dumps it is refused in one line naming both arguments and the fixes, in
+    Python's words or the command line's, whichever values are given or defaulted."""
+    path = tmp_path / "r.zarr"
+    if policy != "record":
+        Recorder(MLP(), path, ring=3, on_nonfinite=policy).close()      # a ring to dump
+        return
+    for kw in (dict(ring=3, on_nonfinite="record"),):
+        with pytest.raises(ConfigError) as e:
+            Recorder(MLP(), path, **kw)
+        msg = str(e.value)
+        assert "\n" not in msg and "--" not in msg
+        for words in ("ring=3", "on_nonfinite='record'", "on_nonfinite='dump'", "ring=0"):
+            assert words in msg, msg
+    Recorder(MLP(), path, on_nonfinite="record").close()      # no ring: nothing to refuse
+    r = invoke("record", "-o", path, "--ring", "3", "--on-nonfinite", "record", "--",
+               sys.executable, "-c", "1")
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    for words in ("--ring 3", "--on-nonfinite record", "--on-nonfinite dump", "--ring 0"):
+        assert words in r.output, r.output
+    assert "ring=" not in r.output and not path.exists()
+    pl = pytest.importorskip("lightning.pytorch")
+    from tensortape.recorder.integrations import LightningCallback
+    with pytest.raises(ConfigError, match="on_nonfinite='record' never"):
+        LightningCallback(str(path), ring=3, on_nonfinite="record")                 # at construction, not mid-fit
+    assert pl and not path.exists()
 
 
 # --- 4. arguments named as the user wrote them --------------------------------------
@@ -99,7 +123,7 @@ def test_an_existing_run_names_the_flag_under_the_cli_and_the_argument_in_python
     assert r.exit_code == 2 and "pass --mode w to overwrite" in r.output
     assert "mode=" not in r.output
     with pytest.raises(StoreExistsError, match=r"pass mode='w' to overwrite") as e:
-        Recorder(MLP(), run).attach()
+        Recorder(MLP(), run, tensors_every=1).attach()
     assert "--mode" not in str(e.value)
 
 
@@ -227,7 +251,7 @@ def test_info_and_nan_wording(tmp_path):
     assert n.exit_code == 0 and n.output.startswith("clean: ")
     nan_run, _ = _record_mlp(tmp_path / "nan.zarr", batch=(4,), nan_at=2, steps=4)
     n = invoke("nan", nan_run, "--around", "1")
-    assert "in the steps before step 2, and at it:" in n.output
+    assert "in the steps before step 2, and at it; each step whole" in n.output
 
 
 KILLED = textwrap.dedent("""
@@ -320,8 +344,9 @@ def test_budget_warnings_state_the_unit_and_spell_none_as_the_cli_does(tmp_path)
     store = str(tmp_path / "run.zarr")
     row = 16 * 4                                   # one sample of Linear(8, 16)'s output
     p = subprocess.run([sys.executable, "-m", "tensortape", "record", "-o", store, "--layers", "0",
-                        "--capture", "activations", "--max-bytes", f"{row * 4}B", "--", "python",
-                        script, "4"], capture_output=True, text=True, cwd=ROOT)
+                        "--capture", "activations", "--tensors-every", "1", "--max-bytes",
+                        f"{row * 4}B", "--", "python", script, "4"], capture_output=True, text=True,
+                       cwd=ROOT)
     assert p.returncode == 3, p.stderr
     assert f"--max-bytes {row * 4} ({row * 4} bytes) of full tensors reached" in p.stderr, p.stderr
     assert "--max-bytes none: no budget" in p.stderr and "None" not in p.stderr, p.stderr

@@ -177,10 +177,10 @@ def test_appending_needs_the_current_format(tmp_path, old):
     old, _ = old
     m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     with pytest.raises(ConfigError, match="tensortape migrate"):
-        Recorder(m, old, layers=["0", "2"], mode="a").attach()
+        Recorder(m, old, layers=["0", "2"], mode="a", tensors_every=1).attach()
     new = str(tmp_path / "new.zarr")
     CliRunner().invoke(cli, ["migrate", old, new])
-    with Recorder(m, new, layers=["0", "2"], mode="a") as rec:
+    with Recorder(m, new, layers=["0", "2"], mode="a", tensors_every=1) as rec:
         with rec.step():
             m(torch.ones(3, 4)).sum().backward()
     run = open_run(new)

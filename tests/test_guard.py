@@ -126,12 +126,12 @@ def test_a_failing_triton_engine_gives_way_to_the_torch_kernels(tmp_store, monke
 
 def test_the_policies_a_user_chose_still_raise(tmp_store, tmp_path):
     m = model()
-    with Recorder(m, tmp_store, outside_step="raise") as rec:
+    with Recorder(m, tmp_store, outside_step="raise", tensors_every=1) as rec:
         with pytest.raises(InspectionError, match="outside a step"):
             m(batch(0))
     m = model()
     with pytest.raises(NonFiniteError, match="step 1"):
-        with Recorder(m, str(tmp_path / "b.zarr"), on_nonfinite="raise") as rec:
+        with Recorder(m, str(tmp_path / "b.zarr"), on_nonfinite="raise", tensors_every=1) as rec:
             for i in range(3):
                 with rec.step(i):
                     x = batch(i)

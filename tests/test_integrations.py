@@ -78,7 +78,7 @@ def test_hugging_face_trainer_records_optimizer_steps_and_no_evaluation(tmp_path
     model0 = copy.deepcopy(model)
     seen = TrainingBatches(model)
     store = str(tmp_path / "hf.zarr")
-    kw = dict(layers=LAYERS, capture=("activations", "gradients", "weight_grads"))
+    kw = dict(layers=LAYERS, capture=("activations", "gradients", "weight_grads"), tensors_every=1)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
         per_device_eval_batch_size=2, gradient_accumulation_steps=ACCUM, max_steps=STEPS,
@@ -132,7 +132,7 @@ def test_lightning_records_optimizer_steps_and_skips_validation(tmp_path):
     val = torch.utils.data.DataLoader(rows[:4], batch_size=2)
     store = str(tmp_path / "pl.zarr")
     kw = dict(layers=[f"model.{p}" for p in LAYERS],
-              capture=("activations", "gradients", "weight_grads"))
+              capture=("activations", "gradients", "weight_grads"), tensors_every=1)
     trainer = pl.Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUM, accelerator="cpu",
                          val_check_interval=ACCUM, num_sanity_val_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
@@ -173,7 +173,7 @@ def test_a_trainer_subclass_that_raises_closes_its_run(tmp_path):
             super().__init__(*args, **kwargs)
 
     store = str(tmp_path / "hf.zarr")
-    callback = TrainerCallback(store, layers=LAYERS, flush_interval=60.0)
+    callback = TrainerCallback(store, layers=LAYERS, flush_interval=60.0, tensors_every=1)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=10,
         save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,

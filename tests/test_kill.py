@@ -108,7 +108,7 @@ def test_a_run_killed_while_writing_its_root_is_no_run_yet_and_can_start_again(t
         assert "no run at" in str(e)
     import torch
     lin = torch.nn.Linear(2, 2)
-    with Recorder(lin, str(store)) as rec:
+    with Recorder(lin, str(store), tensors_every=1) as rec:
         with rec.step():
             lin(torch.ones(1, 2)).sum().backward()
     assert open_run(str(store)).steps().tolist() == [0]

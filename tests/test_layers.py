@@ -108,6 +108,8 @@ FOREIGN_PRIVATES = {
     "_schema",              # an OpOverload's schema: the op's name (replay's dispatch mode)
     "_call_s3",             # s3fs: reading the lock object with the call the store makes
     "_cache",               # a numba dispatcher's disk cache: where its compiled kernels are
+    "_nn",                  # torch._C._nn.flatten_dense_tensors: a step's tiny tensors made one
+    #                         vector in one call (what DDP's buckets use), not a reshape each
 }
 
 

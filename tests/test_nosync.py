@@ -92,7 +92,7 @@ def test_raise_waits_only_at_the_step_end(tmp_path, patched):
     forward and backward still read nothing back."""
     m = model()
     with pytest.raises(NonFiniteError):
-        with Recorder(m, str(tmp_path / "r.zarr"), on_nonfinite="raise") as rec:
+        with Recorder(m, str(tmp_path / "r.zarr"), on_nonfinite="raise", tensors_every=1) as rec:
             for i in range(4):
                 x = torch.randn(32, 64) if i < 3 else torch.full((32, 64), float("nan"))
                 with rec.step(i):

@@ -99,7 +99,7 @@ def test_a_tensor_is_read_at_the_steps_end_without_a_sync_at_log_time(tmp_path, 
 ])
 def test_bad_input_is_one_line_that_names_the_fix(tmp_path, bad, words):
     m = model()
-    with Recorder(m, str(tmp_path / "run.zarr"), max_bytes=None) as rec:
+    with Recorder(m, str(tmp_path / "run.zarr"), max_bytes=None, tensors_every=1) as rec:
         with rec.step(0):
             m(torch.randn(2, 4))
             with pytest.raises(ConfigError) as e:
@@ -155,6 +155,35 @@ def test_stats_scalars_prints_them(tmp_path):
     assert r.exit_code == 2 and "--layer" in r.output
 
 
+def test_scalars_named_as_a_coordinate_read_back_renamed(tmp_path):
+    """A scalar named ``step`` or ``rank`` (the coordinates of run.scalars(); ``step`` is
+    a common name to log) reads as ``step'``, ``rank'`` (a ``'`` more while that name is
+    logged too), in run.scalars(), ``stats --scalars`` and /api/scalars: before, each
+    of them (and so ``tensortape serve``) failed on such a run."""
+    from test_serve import Served
+    store, logged = str(tmp_path / "run.zarr"), {}
+
+    def log(rec, i, loss, inside):
+        if inside:
+            rec.log({"step": float(i), "rank": 0.5, "step'": -1.0 - i, "loss": loss})
+            logged[i] = {"step''": float(i), "rank'": 0.5, "step'": -1.0 - i,
+                         "loss": float(loss.detach())}
+    train(store, range(3), log)
+    ds = open_run(store).scalars()
+    assert list(ds.data_vars) == ["step''", "rank'", "step'", "loss"] and list(ds.coords) == ["step"]
+    assert as_dict(ds) == logged
+    r = CliRunner().invoke(cli.cli, ["stats", store, "--scalars", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output) == [{"step": s, **v} for s, v in logged.items()]
+    served = Served(store)
+    try:
+        status, body = served.get("scalars")
+    finally:
+        served.close()
+    assert status == 200 and body["step"] == [0, 1, 2], body
+    assert {k: body[k] for k in logged[0]} == {k: [logged[s][k] for s in range(3)] for k in logged[0]}
+
+
 def test_tensortape_record_stores_the_loss_backward_was_called_on(tmp_path):
     store = str(tmp_path / "run.zarr")
     exe = shutil.which("tensortape")
@@ -183,7 +212,58 @@ def test_tensortape_record_stores_the_loss_backward_was_called_on(tmp_path):
     assert open_run(h5).scalars().identical(ds)
 
 
-def test_hugging_face_trainer_stores_its_logged_loss(tmp_path):
+ACCUMULATING = """
+import sys
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+micro = int(sys.argv[1])
+for step in range(3):
+    total = 0.0
+    for _ in range(micro):
+        loss = model(torch.randn(5, 4)).pow(2).mean() / micro     # scaled for accumulation
+        loss.backward()
+        print("micro", repr(loss.item()))
+        total += loss.item()
+    print("step", repr(total))
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("micro", [2, 3])
+def test_tensortape_record_stores_the_sum_of_a_steps_scaled_losses(tmp_path, micro):
+    """Gradient accumulation with a scaled loss: the stored loss is the step's, the sum
+    over its micro-batches of what backward() was called on, as the script prints it
+    (and as exact rational arithmetic sums the values it printed)."""
+    from fractions import Fraction
+    script, store = tmp_path / "train.py", str(tmp_path / "run.zarr")
+    script.write_text(ACCUMULATING)
+    r = CliRunner().invoke(cli.cli, ["record", "-o", store, "--tensors-every", "0", "--",
+                                     "python", str(script), str(micro)], prog_name="tensortape")
+    assert r.exit_code == 0, r.output
+    printed = [line.split() for line in r.stdout.splitlines()]
+    steps, exact = [], Fraction(0)
+    for word, value in printed:
+        if word == "micro":
+            exact += Fraction(float(value))
+        else:
+            assert Fraction(float(value)) == exact       # the script's sum, exact here
+            steps.append(float(value))
+            exact = Fraction(0)
+    assert len(steps) == 3 and len(printed) == 3 * (micro + 1)
+    ds = open_run(store).scalars()
+    assert ds.step.values.tolist() == [0, 1, 2]
+    assert ds["loss"].values.tolist() == steps
+
+
+def test_hugging_face_trainer_stores_each_logged_scalar_once_as_its_log_history(tmp_path):
+    """Training logs every 2 steps, an evaluation at the start and every 3 steps, and
+    the summary at the end: each number of the Trainer's own ``state.log_history`` is
+    stored once, on the step just ended when it was logged (the evaluation at the start,
+    before any step, on the first), and nothing else is."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from tensortape.recorder.integrations import TrainerCallback
@@ -195,50 +275,101 @@ def test_hugging_face_trainer_stores_its_logged_loss(tmp_path):
             for _ in range(8)]
     store = str(tmp_path / "hf.zarr")
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=4,
-        save_strategy="no", report_to=[], use_cpu=True, logging_steps=1, disable_tqdm=True,
-        learning_rate=1e-3)
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=6,
+        save_strategy="no", report_to=[], use_cpu=True, logging_steps=2, disable_tqdm=True,
+        learning_rate=1e-3, eval_strategy="steps", eval_steps=3, eval_on_start=True)
     class Noter(transformers.TrainerCallback):       # another callback logs a value that is
         def on_log(self, args, state, control, logs=None, **kwargs):   # no number: skipped,
             logs["phase"] = np.array("warmup")        # never raised into the training
-    trainer = transformers.Trainer(model=gpt, args=args, train_dataset=data,
+    trainer = transformers.Trainer(model=gpt, args=args, train_dataset=data, eval_dataset=data[:4],
                                    callbacks=[Noter(), TrainerCallback(store,
-                                                                       layers="transformer.h.0.mlp")])
+                                                                       layers="transformer.h.0.mlp", tensors_every=1)])
     trainer.train()
-    history = {e["step"] - 1: e for e in trainer.state.log_history if "loss" in e}
-    assert sorted(history) == [0, 1, 2, 3]
+    want = {}
+    for e in trainer.state.log_history:      # on_log's step is the one just ended
+        for name, v in e.items():             # (a later value of a name at a step wins)
+            if name not in ("step", "phase"):
+                want[(max(e["step"] - 1, 0), name)] = float(v)
+    assert {name for _, name in want} >= {"loss", "grad_norm", "eval_loss", "train_runtime"}
+    assert sorted(s for s, name in want if name == "eval_loss") == [0, 2, 5]
+    stored = _stored(store)
+    assert stored == want
+
+
+def _stored(store) -> dict:
+    """{(step, name): value} of the run's scalars, where one was logged."""
     ds = open_run(store).scalars()
-    for step, e in history.items():          # on_log's step is the one just ended
-        for name in ("loss", "learning_rate", "grad_norm"):
-            assert float(ds[name].sel(step=step)) == float(e[name]), (step, name)
+    return {(int(s), name): float(v) for name in ds.data_vars
+            for s, v in zip(ds.step.values, ds[name].values) if not np.isnan(v)}
 
 
-def test_lightning_stores_what_self_log_logged(tmp_path):
-    pl = pytest.importorskip("lightning.pytorch")
-    seen = {}
-
+def _lightning(pl):
+    """A LightningModule logging a training metric every step (``seen``: its values by
+    step), its epoch mean, and a validation metric."""
     class Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = model()
+            self.net, self.seen = model(), {}
 
         def training_step(self, batch, i):
             loss = self.net(batch).pow(2).mean()
             self.log("train_loss", loss)
-            seen[self.global_step] = float(loss.detach())
+            self.log("train_mean", loss, on_step=False, on_epoch=True)
+            self.seen[self.global_step] = float(loss.detach())
             return loss
+
+        def validation_step(self, batch, i):
+            self.log("val_loss", self.net(batch).pow(2).mean())
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=1e-2)
+    return Module()
 
+
+def _loaders():
+    g = torch.Generator().manual_seed(0)
+    return (torch.utils.data.DataLoader(torch.randn(16, 4, generator=g), batch_size=2),
+            torch.utils.data.DataLoader(torch.randn(6, 4, generator=g), batch_size=2))
+
+
+def test_lightning_stores_what_self_log_logged(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
     from tensortape.recorder.integrations import LightningCallback
     store = str(tmp_path / "pl.zarr")
-    data = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
     trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[LightningCallback(store, layers="net.0")],
+                         log_every_n_steps=1,          # no logger: what Lightning logs all the same
+                         callbacks=[LightningCallback(store, layers="net.0", tensors_every=1)],
                          default_root_dir=str(tmp_path))
-    trainer.fit(Module(), data)
+    module = _lightning(pl)
+    trainer.fit(module, *_loaders())
     ds = open_run(store).scalars()
+    seen = module.seen
     assert ds.step.values.tolist() == sorted(seen)
     np.testing.assert_array_equal(ds["train_loss"].values, [seen[s] for s in sorted(seen)])
+
+
+def test_lightning_stores_each_logged_scalar_once_at_its_step_as_its_csv_logger_does(tmp_path):
+    """Two epochs of 8 steps, a training metric every 3 steps, an epoch mean, and a
+    validation at each epoch's end: tensortape's scalars are, name for name and step
+    for step, what Lightning's own CSVLogger wrote (a validation value once, at its
+    step, the last one too), whatever the trainer keeps in ``callback_metrics``."""
+    pl = pytest.importorskip("lightning.pytorch")
+    import csv
+    from lightning.pytorch.loggers import CSVLogger
+    from tensortape.recorder.integrations import LightningCallback
+    logger = CSVLogger(str(tmp_path), name="csv")
+    store = str(tmp_path / "pl.zarr")
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=logger, log_every_n_steps=3,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[LightningCallback(store, layers="net.0")])
+    trainer.fit(_lightning(pl), *_loaders())
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        written = {(int(row["step"]), name): float(v) for row in csv.DictReader(f)
+                   for name, v in row.items() if v and name not in ("step", "epoch")}
+    assert {name for _, name in written} == {"train_loss", "train_mean", "val_loss"}
+    assert sorted(s for s, name in written if name == "val_loss") == [7, 15]
+    stored = _stored(store)
+    assert stored == written
+    assert "log_metrics" not in vars(trainer._logger_connector)     # Lightning's own again

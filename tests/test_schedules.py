@@ -169,7 +169,7 @@ CONFIGS = [       # every setting is covered; hypothesis draws one an example, t
     dict(layers=["0.cast", "0.seq", "0.clip", "0.pos"], capture=(G,), stats_every=1,
          tensors_every=3, ring=2, on_nonfinite="dump", compile=False, half=torch.float32,
          ckpt=None),
-    dict(layers=["0.*"], capture=(A, G), stats_every=3, tensors_every=2, ring=1,
+    dict(layers=["0.*"], capture=(A, G), stats_every=3, tensors_every=2, ring=0,
          on_nonfinite="record", compile=True, half=torch.bfloat16, ckpt="reentrant"),
     dict(layers=["*"], capture=(A, G, I), stats_every=2, tensors_every=None, ring=0,
          on_nonfinite="record", compile=False, half=torch.float16, ckpt="plain"),

@@ -28,7 +28,8 @@ def tensortape(*args, cwd=ROOT):
 def test_record_an_unchanged_script(tmp_path):
     store = str(tmp_path / "run.zarr")
     p = tensortape("record", "-o", store, "--layers", "0", "--layers", "2", "--capture",
-                   "activations", "--capture", "weight_grads", "--", "python", SCRIPT, "5")
+                   "activations", "--capture", "weight_grads", "--tensors-every", "1", "--",
+                   "python", SCRIPT, "5")
     assert p.returncode == 3, p.stderr                  # the script's own exit status
     assert p.stdout.strip() == "trained 5"              # and its own output
     run = open_run(store)
@@ -65,7 +66,7 @@ def test_record_modes_on_an_existing_run(tmp_path):
     p = tensortape("record", "-o", store, "--mode", "w", "--", "python", SCRIPT, "3")
     assert p.returncode == 3 and open_run(store).steps().tolist() == [0, 1, 2]
     p = tensortape("record", "-o", store, "--mode", "a", "--", "python", SCRIPT, "2")
-    assert p.returncode == 3 and open_run(store).steps().tolist() == [0, 1, 2]  # steps re-recorded
+    assert p.returncode == 3 and open_run(store).steps().tolist() == [0, 1, 2, 3, 4]  # continued
     p = tensortape("record", "-o", str(tmp_path / "none.zarr"), "--mode", "a", "--", "python",
                    SCRIPT, "2")
     assert p.returncode == 2 and "trained" not in p.stdout
@@ -151,7 +152,7 @@ def test_the_first_forward_is_recorded_like_any_other(tmp_path):
     included, with the values plain torch hooks see."""
     store = str(tmp_path / "run.zarr")
     p = tensortape("record", "-o", store, "--capture", "inputs", "--capture", "activations",
-                   "--layers", "*", "--", "python", ACCUM, "3")
+                   "--layers", "*", "--tensors-every", "1", "--", "python", ACCUM, "3")
     assert p.returncode == 0 and p.stdout.strip() == "trained", p.stderr
     script = runpy.run_path(ACCUM, run_name="oracle")
     model, seen, calls = script["build"](), {}, []
@@ -217,3 +218,75 @@ with Recorder(model, sys.argv[1], layers="fc*", flush_interval=0.1, tensors_ever
             model(x).sum().backward()
         time.sleep(0.1)
 """
+
+
+RESUMABLE = """
+import sys
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def train(model, job, steps):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(job)             # each job its own batches
+    for _ in range(steps):
+        model(torch.randn(3, 4, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+if __name__ == "__main__":
+    train(build(), int(sys.argv[1]), int(sys.argv[2]))
+"""
+
+
+def seen_by_hooks(script, job, steps):
+    """The script's job under plain forward hooks: {(layer, step of the job): output}."""
+    ns = runpy.run_path(script, run_name="oracle")
+    model, seen, at = ns["build"](), {}, []
+    model.register_forward_pre_hook(lambda m, args: at.append(len(at)))
+    for name in ("0", "2"):
+        model.get_submodule(name).register_forward_hook(
+            lambda m, args, out, name=name: seen.__setitem__((name, at[-1]),
+                                                             out.detach().numpy().copy()))
+    ns["train"](model, job, steps)
+    return seen
+
+
+def test_mode_a_continues_the_run_after_its_last_step(tmp_path):
+    """A resumed job (--mode a) goes on from the step after the store's last; --start-step
+    N records from N (a job resumed from an earlier checkpoint records those steps again).
+    Each step's statistics are those plain hooks saw in the job that recorded it last."""
+    from click.testing import CliRunner
+    from tensortape import cli
+    script, store = tmp_path / "train.py", str(tmp_path / "run.zarr")
+    script.write_text(RESUMABLE)
+
+    def record(job, steps, *flags):
+        r = CliRunner().invoke(cli.cli, ["record", "-o", store, "--layers", "0", "--layers",
+                                         "2", "--capture", "activations", "--tensors-every", "0",
+                                         *flags, "--", "python", str(script), str(job),
+                                         str(steps)], prog_name="tensortape")
+        assert r.exit_code == 0, r.output
+        return seen_by_hooks(str(script), job, steps)
+
+    want = {}                                                 # (layer, step) -> output
+    for job, steps, first, flags in [(1, 3, 0, ()), (2, 2, 3, ("--mode", "a")),
+                                     (3, 2, 1, ("--mode", "a", "--start-step", "1"))]:
+        seen = record(job, steps, *flags)
+        want.update({(layer, first + s): v for (layer, s), v in seen.items()})
+        run = open_run(store)
+        assert run.steps().tolist() == sorted({s for _, s in want}), (job, run.steps())
+        stats = run.stats().compute()
+        for (layer, step), v in want.items():
+            got = stats.sel(layer=layer, step=step)
+            assert int(got["count"]) == v.size
+            assert float(got["min"]) == v.min() and float(got["max"]) == v.max()
+            assert float(got["mean"]) == pytest.approx(v.astype(np.float64).mean(), rel=1e-12)
+    assert open_run(store).status == "complete"
+    assert run.steps().tolist() == [0, 1, 2, 3, 4]

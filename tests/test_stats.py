@@ -40,7 +40,7 @@ def record_tensors(store, xs):
 
 def test_statistics_equal_numpy_on_the_stored_tensor(tmp_store):
     model = transformer()
-    with Recorder(model, tmp_store, layers=["layers.*.linear*", "layers.0.self_attn"]) as rec:
+    with Recorder(model, tmp_store, layers=["layers.*.linear*", "layers.0.self_attn"], tensors_every=1) as rec:
         for i in range(2):
             with rec.step():
                 model(torch.randn(3, 5, 32)).relu().sum().backward()
@@ -164,7 +164,7 @@ def test_integer_tensors_get_a_count_only(tmp_store):
         def forward(self, x):
             return x.argmax(-1)
     model = nn.Sequential(nn.Linear(4, 4), Argmax())
-    with Recorder(model, tmp_store, layers="1", capture="activations") as rec:
+    with Recorder(model, tmp_store, layers="1", capture="activations", tensors_every=1) as rec:
         with rec.step():
             model(torch.randn(3, 4))
     run = open_run(tmp_store)
@@ -195,9 +195,9 @@ class Poisoned(nn.Module):
         return self.b(h)
 
 
-def _run_poisoned(store, **kw):
+def _run_poisoned(store, ring=3, **kw):
     model = Poisoned(7)
-    rec = Recorder(model, store, layers=["a", "b"], tensors_every=None, ring=3, **kw)
+    rec = Recorder(model, store, layers=["a", "b"], tensors_every=None, ring=ring, **kw)
     with rec:
         for i in range(10):
             model.step = i
@@ -229,7 +229,7 @@ class InfGrad(nn.Module):
 
 def test_inf_only_in_backward_is_a_gradients_event(tmp_store):
     model = InfGrad()
-    with Recorder(model, tmp_store, layers="lin") as rec:
+    with Recorder(model, tmp_store, layers="lin", tensors_every=1) as rec:
         with rec.step():
             (model(torch.randn(2, 3)).sum() * 1e10).backward()
     ev = open_run(tmp_store).first_nonfinite()
@@ -248,7 +248,7 @@ def test_raise_flushes_before_raising(tmp_store):
 
 
 def test_nonfinite_between_stats_steps_is_still_an_event(tmp_store):
-    _run_poisoned(tmp_store, stats_every=4)
+    _run_poisoned(tmp_store, ring=0, stats_every=4)
     run = open_run(tmp_store)
     assert run.steps().tolist() == [0, 4, 8]
     assert run.first_nonfinite().step == 7

@@ -264,7 +264,11 @@ def test_a_dead_writer_never_hangs_training(tmp_path, monkeypatch):
 
     monkeypatch.setattr(_worker.Worker, "_take", take)
     with pytest.warns(TensortapeWarning, match="writer thread died") as told:
-        with Recorder(model, store, layers="*", flush_interval=0.05, close_timeout=2.0) as rec:
+        # close_timeout is also how long a writer may make no progress before it is
+        # called stuck: a loaded machine's slow writes must not read as that (a dead
+        # writer is seen at once, whatever the timeout)
+        with Recorder(model, store, layers="*", flush_interval=0.05, close_timeout=120,
+                      tensors_every=1) as rec:
             for i in range(200):
                 with rec.step(i):
                     model(torch.randn(4, 16)).square().mean().backward()
@@ -280,7 +284,7 @@ def test_a_dead_writer_raises_once_under_on_error_raise(tmp_path, monkeypatch):
     monkeypatch.setattr(_worker.Worker, "_take", lambda self: (_ for _ in ()).throw(SystemExit()))
     model = _model()
     rec = Recorder(model, str(tmp_path / "run.zarr"), layers="*", on_error="raise",
-                   close_timeout=1.0)
+                   close_timeout=120, tensors_every=1)         # a writer not yet run is not "stuck" on a busy machine
     errors, noticed = 0, None
     with pytest.warns(TensortapeWarning, match="did not commit within close_timeout"), rec:
         # the writer dies when it first runs, which a loaded machine may put off for a
@@ -307,7 +311,7 @@ def test_a_forgotten_recorder_is_ended_without_a_lock_or_a_wait(tmp_path):
     the writer's lock) and joins nothing."""
     store = str(tmp_path / "run.zarr")
     model = _model()
-    rec = Recorder(model, store, layers="*").attach()
+    rec = Recorder(model, store, layers="*", tensors_every=1).attach()
     for i in range(3):
         with rec.step(i):
             model(torch.randn(4, 16)).sum().backward()
@@ -349,7 +353,7 @@ def test_close_always_reaches_the_writer(tmp_path, monkeypatch):
     from tensortape.recorder import _writer
     store = str(tmp_path / "run.zarr")
     model = _model()
-    rec = Recorder(model, store, layers="*", outside_step="ignore").attach()
+    rec = Recorder(model, store, layers="*", outside_step="ignore", tensors_every=1).attach()
     with rec.step(0):
         model(torch.randn(4, 16)).sum().backward()
     model(torch.randn(4, 16))                          # counted at close: a late record
@@ -451,7 +455,7 @@ def test_a_bad_write_threads_setting_is_one_line_before_anything_is_written(tmp_
     from tensortape.recorder import ConfigError
     monkeypatch.setenv("TENSORTAPE_WRITE_THREADS", "abc")
     with pytest.raises(ConfigError, match="TENSORTAPE_WRITE_THREADS='abc' is not valid"):
-        Recorder(_model(), str(tmp_path / "run.zarr"))
+        Recorder(_model(), str(tmp_path / "run.zarr"), tensors_every=1)
     assert not (tmp_path / "run.zarr").exists()
 
 
@@ -459,7 +463,7 @@ def test_tensortape_s_warnings_name_the_user_s_line(tmp_path):
     """A warning points at the user's code that called tensortape (here a forward
     outside a step), not at tensortape's or torch's frames."""
     model = _model()
-    with Recorder(model, str(tmp_path / "run.zarr"), layers="*") as rec:
+    with Recorder(model, str(tmp_path / "run.zarr"), layers="*", tensors_every=1) as rec:
         with rec.step(0):
             model(torch.randn(2, 16)).sum().backward()
         with pytest.warns(TensortapeWarning, match="outside a step") as told:
@@ -507,3 +511,48 @@ def test_statistics_shards_are_written_byte_for_byte_as_zarr_writes_them(tmp_pat
             assert stored and stored == _files(tmp_path / "zarr")
             np.testing.assert_array_equal(ours[start: start + rows], block)
     assert not Shards.of(made["ours"]["step"])          # not sharded: zarr writes it
+
+
+class _Branch(torch.nn.Module):
+    """``b`` runs from step 1 on, between ``a`` and ``c``: at step 1 the step's layers come
+    in another order than the stats table's (``a``, ``c``, then ``b``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = torch.nn.Linear(5, 5), torch.nn.Linear(5, 5), torch.nn.Linear(5, 3)
+        self.step = 0
+
+    def forward(self, x):
+        x = self.a(x)
+        if self.step:
+            x = self.b(x)
+        return self.c(x)
+
+
+def test_a_steps_rows_land_in_their_layers_whatever_their_order(tmp_store):
+    """Each stored statistics and histogram row is its own layer's (the oracle's, from plain
+    hooks and numpy), whether a step's layers come in the table's order or not (a layer first
+    seen later, between others), and a layer absent at a step reads as absent there."""
+    model = _Branch()
+    twin = copy.deepcopy(model)
+    oracle = Oracle(twin, ["a", "b", "c"], ("activations", "gradients"), tensors_every=None)
+    with Recorder(model, tmp_store, layers=["a", "b", "c"], tensors_every=None,
+                  on_nonfinite="record") as rec:
+        for s in range(4):
+            model.step = twin.step = s
+            with rec.step(s):
+                oracle.begin(s)
+                for m in (model, twin):
+                    m(torch.randn(3, 5, generator=torch.Generator().manual_seed(s))).square().sum().backward()
+                oracle.end()
+    oracle.close()
+    run = open_run(tmp_store)
+    assert run.layers == ["a", "c", "b"] == oracle.names()
+    for s, kind, name in oracle.keys():
+        np.testing.assert_array_equal(run.histogram(name, kind, step=s).values,
+                                      oracle.histogram(s, kind, name), err_msg=f"{s} {kind} {name}")
+        got, want = run.stats(kind).sel(step=s, layer=name).compute(), oracle.stats(s, kind, name)
+        for stat in ("count", "min", "max", "abs_max"):
+            assert float(got[stat]) == want[stat], (s, kind, name, stat)
+    assert (run.histogram("b", "activations", step=0).values == -1).all()     # absent there
