@@ -195,6 +195,14 @@ def read_once(paths):
     return n
 
 
+def cpu_time(fn):
+    """The process's CPU seconds (every thread) that ``fn`` takes: on a loaded machine,
+    closer to its wall time alone than its wall time there."""
+    t = time.process_time()
+    fn()
+    return time.process_time() - t
+
+
 def compare_bench(folder, steps, n_layers, every):
     from tensortape.analysis import compare_runs, first_divergence, open_run
     from tensortape.analysis._api import compare_map
@@ -206,16 +214,20 @@ def compare_bench(folder, steps, n_layers, every):
     compare_runs(a, b, layers="0")
     nbytes = read_once((a, b))
     t_read = median_time(lambda: read_once((a, b)), repeat=3)
-    print(f"read the same arrays once with zarr    {t_read * 1e3:8.0f} ms  ({nbytes / 1e6:.0f} MB)")
+    print(f"read the same arrays once with zarr     {t_read * 1e3:8.0f} ms  ({nbytes / 1e6:.0f} MB)")
     timed = {
         "compare_runs": lambda: compare_runs(a, b),
         "first_divergence": lambda: first_divergence(a, b),
         "first_divergence, a run against itself": lambda: first_divergence(a, a),
         "the page's map (compare_map)": lambda: compare_map(open_run(a), open_run(b)),
     }
+    cpu_read = cpu_time(lambda: read_once((a, b)))
+    print(f"{'':38s} CPU {cpu_read * 1e3:8.0f} ms")
     for name, fn in timed.items():
         t = median_time(fn, repeat=3)
-        print(f"{name:38s} {t * 1e3:8.0f} ms  = {t / t_read:5.1f}x reading once")
+        cpu = cpu_time(fn)
+        print(f"{name:38s} {t * 1e3:8.0f} ms  = {t / t_read:5.1f}x reading once; CPU {cpu * 1e3:6.0f} "
+              f"ms = {cpu / cpu_read:5.1f}x")
     print(f"first divergence: {first_divergence(a, b)}")
 
 
