@@ -302,20 +302,8 @@ def test_two_runs_nan_against_nan_is_drawn_non_finite_and_each_runs_first_named(
 # --- what the page draws, against the samples; its link; its labels ---------------------------------
 @pytest.fixture(scope="module")
 def embedding(tmp_path_factory):
-    from test_views import Feed, STEPS, samples
-    model = nn_sequential_feed(Feed)
-    path = str(tmp_path_factory.mktemp("browser") / "embed.zarr")
-    with Recorder(model, path, capture="activations", tensors_every=None) as rec:
-        for step in range(STEPS):
-            with rec.step(step):
-                model(torch.from_numpy(samples(step)))
-    return path
-
-
-def nn_sequential_feed(feed):
-    model = torch.nn.Sequential()
-    model.add_module("embed", feed())
-    return model
+    from test_views import record_embedding
+    return record_embedding(str(tmp_path_factory.mktemp("browser") / "embed.zarr"))
 
 
 def drawn_pixel(pg, selector, x, y):

@@ -35,16 +35,20 @@ def samples(step: int) -> np.ndarray:
     return x
 
 
-@pytest.fixture(scope="module")
-def embedding(tmp_path_factory):
+def record_embedding(path: str) -> str:
+    """A run of one layer, ``embed``, that records ``samples(step)`` at each step."""
     model = nn.Sequential()
     model.add_module("embed", Feed())
-    path = str(tmp_path_factory.mktemp("views") / "embed.zarr")
     with Recorder(model, path, capture="activations", tensors_every=None) as rec:
         for step in range(STEPS):
             with rec.step(step):
                 model(torch.from_numpy(samples(step)))
     return path
+
+
+@pytest.fixture(scope="module")
+def embedding(tmp_path_factory):
+    return record_embedding(str(tmp_path_factory.mktemp("views") / "embed.zarr"))
 
 
 def floats(values) -> np.ndarray:

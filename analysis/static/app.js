@@ -454,6 +454,7 @@ async function loadCompare() {
   $("compare").hidden = false;
   $("compare-title").textContent = `B (${S.runs[1].path}) against A (${S.runs[0].path})`;
   fillSelect($("metric"), ["stat_rel", "delta_abs_max", "delta_std", "delta_norm", "delta_mean", "delta_nan"], S.metric);
+  if (!S.cmp) $("first-divergence").textContent = "comparing the two runs: their statistics, and every full tensor both hold…";
   try {
     const c = await api("compare-map", { kind: S.kind, rank: S.rank, metric: S.metric, start: S.start, stop: S.stop,
                                          width: plotWidth($("compare-area")) });
