@@ -1,8 +1,17 @@
 import copy
+import os
 
 import pytest
 import torch
+from hypothesis import settings
 from torch import nn
+
+# hypothesis draws its examples from a fixed seed in the suite, so a run is repeatable
+# and CI fails only where the code changed; TENSORTAPE_RANDOM=1 draws new ones each run
+# (a bug hunt: a failure prints the example and the seed to reproduce it)
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("random", derandomize=False)
+settings.load_profile("random" if os.environ.get("TENSORTAPE_RANDOM") == "1" else "repeatable")
 
 
 def transformer(seed=0, d=32, layers=2):
