@@ -164,6 +164,39 @@ def s3_server(_s3_endpoint, monkeypatch):
     s3fs.S3FileSystem.clear_instance_cache()
 
 
+@pytest.fixture
+def old_s3_client(monkeypatch):
+    """s3fs over a botocore that rejects IfMatch and IfNoneMatch as unknown parameters
+    (an old client: conditional writes are refused before they are sent)."""
+    import s3fs
+    from botocore.exceptions import ParamValidationError
+    from fsspec.asyn import sync_wrapper
+    call = s3fs.S3FileSystem._call_s3
+
+    async def old(self, method, *args, **kwargs):
+        for p in ("IfMatch", "IfNoneMatch"):
+            if p in kwargs:
+                raise ParamValidationError(report=f'Unknown parameter in input: "{p}"')
+        return await call(self, method, *args, **kwargs)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", old)
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", sync_wrapper(old))
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def machines(monkeypatch):
+    """One shared disk without flock, seen from two machines: ``machines("A")`` makes
+    what follows run as if on machine A (its host, boot and pid namespace)."""
+    from tensortape.recorder import _holder, _lockfile
+    monkeypatch.setattr(_lockfile, "fcntl", None)
+    where = {"node": "A"}
+    monkeypatch.setattr(_holder, "this_node", lambda: f"machine-{where['node']}|boot|ns")
+
+    def on(node):
+        where["node"] = node
+    return on
+
+
 def record_shapes(store, shapes=((4, 6), (2, 3))):
     """A run of ``layers.0.linear1`` of a transformer fed batches of changing
     (batch, sequence) shapes, one step each."""
