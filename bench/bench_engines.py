@@ -40,7 +40,7 @@ from tensortape.recorder._summary import VECTOR, prepared
 @njit(parallel=True, nogil=True, cache=True)
 def _prange(a, dec, shift, cuts, parts, counts, special):
     for p in prange(len(cuts) - 1):
-        s, q, lo, hi = K.chunk(a, cuts[p], cuts[p + 1], dec, shift, counts[p], special[p])
+        s, q, lo, hi = K.chunk(a, cuts[p], cuts[p + 1], dec, shift, None, counts[p], special[p])
         parts[p, 0], parts[p, 1], parts[p, 2], parts[p, 3] = s, q, lo, hi
 
 
@@ -99,7 +99,7 @@ def main():
                   "torch compiled": compiled.reduce, "torch eager": eager.reduce}
     print(f"threads={torch.get_num_threads()}; per tensor, best of {args.reps}")
     # an 8-bit float as it is: each engine reads it its way
-    cases = [(name, prepared(t, widen=False)) for name, t in tensors()]
+    cases = [(name, prepared(t)) for name, t in tensors()]
     for name, t in cases:                      # every contender checked (and compiled) first
         for cname, fn in contenders.items():
             same(fn(t), eager.reduce(t), cname)

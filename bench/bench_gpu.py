@@ -3,8 +3,13 @@
 Workload (issue 11): a Hugging Face GPT-2 small built from a config (12 layers,
 d=768, no download), batch 8 x 1024 tokens, bf16 autocast, fused AdamW.
 
-    python bench/bench_gpu.py [--compile] [--check] [--rounds 3] [--block 10]
+    python bench/bench_gpu.py [--compile] [--check] [--rounds 3] [--block 10] [--json OUT.json]
     python bench/bench_gpu.py --device cpu --tiny --rounds 1 --block 2   # a smoke run
+
+The device session's one prepared run (checks, eager figures, then compiled):
+
+    python bench/bench_gpu.py --check --json gpu.json && \
+        python bench/bench_gpu.py --compile --only bare,statistics --json gpu-compiled.json
 
 Contenders, each on its own copy of the model, take turns in blocks of steps
 (after a warm-up round); every block ends with a flush (the recorder's writer
@@ -22,8 +27,14 @@ synchronous), so the mean of a block is the *sustained* step time:
 Printed for each: the median step and the sustained mean, against bare.  Then
 the statistics kernel on each tensor of one step against the floor of one read
 pass (``x.sum()``).  ``--check`` first runs the correctness checks that need a
-GPU: no host sync inside forward or backward (``set_sync_debug_mode("error")``),
-and the Triton engine equal to the torch kernels on the step's tensors.
+GPU: no host sync inside forward or backward (``set_sync_debug_mode("error")``);
+the Triton engine equal to the CPU engine on the step's tensors in bfloat16,
+float16, float32 and float8, and with NaN first; the statistics, histograms and
+full tensors of a recorded bf16 step against plain hooks and numpy
+(``tests/oracle.py``); ``torch.compile`` (default and ``reduce-overhead``)
+recording a small GPT-2 with its graph breaks counted; and the first recorded
+step on cold caches against a warm bare step.  Each check's outcome, and every
+figure, also goes to ``--json``.
 """
 
 from __future__ import annotations
@@ -32,12 +43,16 @@ import argparse
 import contextlib
 import copy
 import fnmatch
+import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+import traceback
 
+import numpy as np
 import torch
 
 from tensortape.recorder import Recorder
@@ -45,6 +60,27 @@ from tensortape.recorder import Recorder
 STATS_LAYERS = ["transformer.h.*.attn.c_attn", "transformer.h.*.attn.c_proj",
                 "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj"]
 FULL_BLOCKS = (0, 3, 7, 11)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPORT: dict = {}
+
+
+def report(key, value, path=None):
+    """Keep a result, print it, and write the whole report where ``--json`` says."""
+    REPORT[key] = value
+    print(f"{key}: {value}", flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(REPORT, f, indent=1, default=str)
+
+
+def guarded(name, fn, path):
+    """Run one check; a failure is reported, never the end of the run."""
+    t = time.perf_counter()
+    try:
+        fn()
+    except Exception as e:
+        report(f"{name} FAILED", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}", path)
+    report(f"{name} seconds", round(time.perf_counter() - t, 1), path)
 
 
 def full_layers(n_layer: int) -> list[str]:
@@ -55,7 +91,8 @@ def full_layers(n_layer: int) -> list[str]:
 def build(args):
     import transformers
     cfg = transformers.GPT2Config(n_layer=2 if args.tiny else 12, n_embd=64 if args.tiny else 768,
-                                  n_head=2 if args.tiny else 12, n_positions=args.seq)
+                                  n_head=2 if args.tiny else 12, n_positions=args.seq,
+                                  loss_type="ForCausalLM")  # (None: a warning, a graph break)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).to(args.device)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=args.device)
@@ -109,10 +146,27 @@ def hand_hooks(m, patterns, sink):
             mod.register_forward_hook(fwd)
 
 
-def checks(base, ids, args, tmp):
-    """What only a GPU can show: no host sync in forward/backward; Triton == torch."""
-    from tensortape.recorder._engines import Engines
-    from tensortape.recorder._triton import TritonEngine
+def sync(args):
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def differences(a, b) -> tuple[list[str], float]:
+    """Two summary vectors' statistics: the exact ones (counts, extremes, histogram)
+    that differ, and the largest relative difference of the moments (the sums are
+    added in another order, around another shift)."""
+    from tensortape.recorder._summary import finalize
+    x, y = finalize([a]), finalize([b])
+    bad = [k for k in ("count", "min", "max", "abs_max", "zero_frac", "nan", "posinf", "neginf")
+           if not np.array_equal(x.stats[k], y.stats[k], equal_nan=True)]
+    if not np.array_equal(x.hist, y.hist):
+        bad.append("histogram")
+    rel = max(float(abs(x.stats[k][0] - y.stats[k][0]) / max(abs(y.stats[k][0]), 1e-300))
+              for k in ("mean", "std", "norm"))
+    return bad, rel
+
+
+def check_sync(base, ids, args, tmp):
     m = copy.deepcopy(base)
     rec = Recorder(m, os.path.join(tmp, "check.zarr"), layers=STATS_LAYERS, tensors_every=None,
                    ring=2, on_nonfinite="dump").attach()
@@ -124,22 +178,135 @@ def checks(base, ids, args, tmp):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     rec.close()
-    print("check: no host sync inside forward and backward with recording: ok")
+    report("check: no host sync inside forward and backward with recording", "ok", args.json)
+
+
+def check_triton(base, ids, args):
+    """The Triton engine against the CPU engine on one step's tensors, in each dtype,
+    and with their first elements NaN (the sums' shift must skip them)."""
+    from tensortape.recorder._engines import Engines
+    from tensortape.recorder._triton import TritonEngine
+    m = copy.deepcopy(base)
     seen = []
     hand_hooks(m, STATS_LAYERS, lambda k, t: seen.append(t.detach()))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         m(input_ids=ids, labels=ids).loss.backward()
-    torch_engine = Engines().for_tensor(torch.zeros(1))          # CPU engine: the reference numbers
+    reference = Engines().for_tensor(torch.zeros(1))          # CPU engine: the reference numbers
     triton_engine = TritonEngine("cuda", True)
-    bad = 0
-    for t in seen:
-        a = triton_engine.reduce(t).cpu().numpy()
-        b = torch_engine.reduce(t.cpu()).numpy()
-        same = (a[6:] == b[6:]).all() and (a[0] == b[0]) and abs(a[2] - b[2]) <= 1e-9 * max(
-            abs(b[3]) ** 0.5 * b[0] ** 0.5, 1e-30)
-        bad += not same
-    print(f"check: Triton engine equals the CPU engine on {len(seen)} tensors: "
-          f"{'ok' if not bad else f'{bad} differ'}")
+    dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+    out = {}
+    for dt in dtypes:
+        for nan_first in (False, True):
+            bad, worst = [], 0.0
+            for t in seen[::4]:
+                x = t.to(dt) if dt.itemsize > 1 else t.float().clamp(-400, 400).to(dt)
+                if nan_first:
+                    x = x.clone()
+                    x.view(-1)[:3000] = float("nan")
+                diff, rel = differences(triton_engine.reduce(x).cpu().numpy(),
+                                        reference.reduce(x.cpu()).numpy())
+                bad += diff
+                worst = max(worst, rel)
+            out[f"{dt}{' NaN first' if nan_first else ''}"] = {
+                "tensors": len(seen[::4]), "exact fields that differ": bad or "none",
+                "moments' largest relative difference": worst}
+    report("check: Triton engine equals the CPU engine", out, args.json)
+
+
+def check_exact(base, ids, args, tmp):
+    """A recorded bf16 step read back against plain hooks and numpy: full tensors bit
+    for bit, counts, extremes and histograms exactly, moments to float64 rounding."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import oracle
+    from tensortape import open_run
+    from tensortape.recorder.histogram import bin_edges
+    m = copy.deepcopy(base)
+    layers = full_layers(base.config.n_layer)
+    seen = {}
+    hand_hooks(m, layers, lambda k, t: seen.__setitem__(k, t.detach().clone()))
+    path = os.path.join(tmp, "exact.zarr")
+    with Recorder(m, path, layers=layers, tensors_every=1, max_bytes=None) as rec:
+        with rec.step(0), torch.autocast(args.device, dtype=torch.bfloat16):
+            m(input_ids=ids, labels=ids).loss.backward()
+    run = open_run(path)
+    worst, bad = 0.0, []
+    for key, t in seen.items():
+        kind, layer = ("activations" if key.startswith("act/") else "gradients"), key.split("/", 1)[1]
+        want = t.float().cpu().numpy()
+        got = run.tensor(layer, kind, step=0).values
+        if not np.array_equal(got, want, equal_nan=True):
+            bad.append(f"{key}: tensor")
+        truth = oracle.statistics([t.cpu()])
+        st = run.stats(kind).sel(layer=layer, step=0)
+        for k in ("count", "nan", "posinf", "neginf", "min", "max", "abs_max", "zero_frac"):
+            if float(st[k]) != float(truth[k]):
+                bad.append(f"{key}: {k} {float(st[k])!r} != {float(truth[k])!r}")
+        for k in ("mean", "std", "norm"):
+            err = abs(float(st[k]) - truth[k]) / max(abs(truth[k]), 1e-30)
+            worst = max(worst, err)
+        h = run.histogram(layer, kind, step=0).values.reshape(-1)
+        v = t.detach().to(torch.float64).reshape(-1).cpu().numpy()
+        if not np.array_equal(h, oracle.histogram(v, bin_edges())):
+            bad.append(f"{key}: histogram")
+    report("check: a recorded bf16 step against plain hooks", {
+        "captures": len(seen), "differ": bad or "none",
+        "mean/std/norm largest relative error": worst}, args.json)
+
+
+def check_compile(args, tmp):
+    """A small GPT-2 compiled (default and reduce-overhead) records every step, and
+    its graph breaks are counted (0 wanted)."""
+    import torch._dynamo
+    from tensortape import open_run
+    small = argparse.Namespace(**{**vars(args), "tiny": True, "batch": 4, "seq": 128})
+    base, ids = build(small)
+    out = {}
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        m = copy.deepcopy(base)
+        cm = torch.compile(m, mode=None if mode == "default" else mode)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-5)
+        path = os.path.join(tmp, f"compiled-{mode}.zarr")
+        with Recorder(cm, path, layers=STATS_LAYERS, tensors_every=None) as rec:
+            for i in range(4):
+                with rec.step(i), torch.autocast(args.device, dtype=torch.bfloat16):
+                    cm(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        run = open_run(path)
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        out[mode] = {"steps recorded": run.steps().tolist(), "layers": len(run.layers),
+                     "graph breaks": breaks,
+                     "reasons": list(torch._dynamo.utils.counters["graph_break"])[:5]}
+    report("check: compiled recording", out, args.json)
+
+
+def check_first_step(base, ids, args, tmp):
+    """The first recorded step (its kernels compiled then, on the caches this process
+    was given: empty ones for a cold figure) against a warm bare step."""
+    m = copy.deepcopy(base)
+    times = []
+    for _ in range(3):
+        sync(args)
+        t = time.perf_counter()
+        with torch.autocast(args.device, dtype=torch.bfloat16):
+            m(input_ids=ids, labels=ids).loss.backward()
+        sync(args)
+        times.append(time.perf_counter() - t)
+    bare = min(times[1:])
+    mm = copy.deepcopy(base)
+    rec = Recorder(mm, os.path.join(tmp, "first.zarr"), layers=STATS_LAYERS, tensors_every=None)
+    sync(args)
+    t = time.perf_counter()
+    rec.attach()
+    with rec.step(0), torch.autocast(args.device, dtype=torch.bfloat16):
+        mm(input_ids=ids, labels=ids).loss.backward()
+    sync(args)
+    first = time.perf_counter() - t
+    rec.close()
+    report("first recorded step (attach included) over a warm bare step, s",
+           round(first - bare, 3), args.json)
 
 
 def kernel_table(base, ids, args):
@@ -168,7 +335,8 @@ def kernel_table(base, ids, args):
         print(f"  {tuple(t.shape)} {str(t.dtype):15s} {t.numel() * t.element_size() / 1e6:7.1f} MB  "
               f"summary {k * 1e3:7.3f} ms  x.sum() {floor * 1e3:7.3f} ms  ratio {k / floor:6.1f}  "
               f"({type(eng).__name__})")
-    print(f"  median ratio to the one-read-pass floor: {statistics.median(ratios):.1f}")
+    report("statistics kernel / one read pass, median over the step's tensors",
+           round(statistics.median(ratios), 1), args.json)
 
 
 def main():
@@ -181,41 +349,53 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block", type=int, default=10)
+    ap.add_argument("--json", default=None, help="write every check and figure here")
+    ap.add_argument("--only", default=None,
+                    help="contenders to time, e.g. bare,statistics (a compiled run's pair)")
     args = ap.parse_args()
     if args.tiny:
         args.batch, args.seq = min(args.batch, 2), min(args.seq, 64)
     tmp = tempfile.mkdtemp(prefix="tt-gpu-")
     base, ids = build(args)
     try:
-        if args.check and args.device == "cuda":
-            checks(base, ids, args, tmp)
-        c = {"bare": Contender("bare", base, ids, args)}
-        recs = []
-        st = c["statistics"] = Contender("statistics", base, ids, args)
-        rec = Recorder(st.run, os.path.join(tmp, "stats.zarr"), layers=STATS_LAYERS,
-                       tensors_every=None).attach()
-        recs.append(rec)
-        st.before, st.end_block = (lambda i, rec=rec: rec.step()), rec.flush
-
-        from torch.utils.tensorboard import SummaryWriter
-        w = SummaryWriter(os.path.join(tmp, "tb"))
-        tb = c["tensorboard"] = Contender("tensorboard", base, ids, args, every=args.block)
-        box = {"i": 0}
-        hand_hooks(tb.m, STATS_LAYERS, lambda k, t: w.add_histogram(k, t.detach().float(), box["i"]))
-        tb.before = lambda i: box.__setitem__("i", i) or contextlib.nullcontext()
-        tb.end_block = w.flush
-
-        full = c["full tensors"] = Contender("full tensors", base, ids, args)
-        rec = Recorder(full.run, os.path.join(tmp, "full.zarr"), layers=full_layers(base.config.n_layer),
-                       tensors_every=1).attach()
-        recs.append(rec)
-        full.before, full.end_block = (lambda i, rec=rec: rec.step()), rec.flush
-
-        sv = c["torch.save"] = Contender("torch.save", base, ids, args)
-        buf, save_dir = {}, os.path.join(tmp, "save")
-        os.makedirs(save_dir)
-        hand_hooks(sv.m, full_layers(base.config.n_layer), lambda k, t: buf.__setitem__(k, t.detach().to("cpu")))
-        sv.after = lambda i: (torch.save(dict(buf), os.path.join(save_dir, f"{i}.pt")), buf.clear())
+        if args.check:              # on the CPU (a smoke run), those that need no GPU
+            guarded("first step", lambda: check_first_step(base, ids, args, tmp), args.json)
+            if args.device == "cuda":
+                guarded("sync", lambda: check_sync(base, ids, args, tmp), args.json)
+                guarded("triton", lambda: check_triton(base, ids, args), args.json)
+            guarded("exact", lambda: check_exact(base, ids, args, tmp), args.json)
+            guarded("compile", lambda: check_compile(args, tmp), args.json)
+        only = set(args.only.split(",")) if args.only else None
+        c, recs, w = {"bare": Contender("bare", base, ids, args)}, [], None
+        if not only or "statistics" in only:
+            st = c["statistics"] = Contender("statistics", base, ids, args)
+            rec = Recorder(st.run, os.path.join(tmp, "stats.zarr"), layers=STATS_LAYERS,
+                           tensors_every=None).attach()
+            recs.append(rec)
+            st.before, st.end_block = (lambda i, rec=rec: rec.step()), rec.flush
+        if not only or "tensorboard" in only:
+            from torch.utils.tensorboard import SummaryWriter
+            w = SummaryWriter(os.path.join(tmp, "tb"))
+            tb = c["tensorboard"] = Contender("tensorboard", base, ids, args, every=args.block)
+            box = {"i": 0}
+            hand_hooks(tb.m, STATS_LAYERS,
+                       lambda k, t: w.add_histogram(k, t.detach().float(), box["i"]))
+            tb.before = lambda i: box.__setitem__("i", i) or contextlib.nullcontext()
+            tb.end_block = w.flush
+        if not only or "full" in only:
+            full = c["full tensors"] = Contender("full tensors", base, ids, args)
+            rec = Recorder(full.run, os.path.join(tmp, "full.zarr"),
+                           layers=full_layers(base.config.n_layer), tensors_every=1,
+                           max_bytes=None).attach()
+            recs.append(rec)
+            full.before, full.end_block = (lambda i, rec=rec: rec.step()), rec.flush
+            sv = c["torch.save"] = Contender("torch.save", base, ids, args)
+            buf, save_dir = {}, os.path.join(tmp, "save")
+            os.makedirs(save_dir)
+            hand_hooks(sv.m, full_layers(base.config.n_layer),
+                       lambda k, t: buf.__setitem__(k, t.detach().to("cpu")))
+            sv.after = lambda i: (torch.save(dict(buf), os.path.join(save_dir, f"{i}.pt")),
+                                  buf.clear())
 
         step = 0
         for r in range(args.rounds + 1):
@@ -226,15 +406,32 @@ def main():
         print(f"device={args.device} compile={args.compile} batch={args.batch}x{args.seq}; "
               f"{args.rounds} rounds of {args.block}-step blocks, each ending with a flush")
         print(f"  {'contender':14s} {'median':>10s} {'vs bare':>8s} {'sustained':>10s} {'vs bare':>8s}")
+        table = {}
         for name, ct in c.items():
             med, mean = statistics.median(ct.steps), statistics.mean(ct.blocks)
+            table[name] = {"median ms": med * 1e3, "median x bare": med / bare_med,
+                           "sustained ms": mean * 1e3, "sustained x bare": mean / bare_mean}
             print(f"  {name:14s} {med * 1e3:8.1f}ms {med / bare_med:7.2f}x {mean * 1e3:8.1f}ms "
                   f"{mean / bare_mean:7.2f}x")
-        f, s = statistics.mean(c["full tensors"].blocks), statistics.mean(c["torch.save"].blocks)
-        print(f"  full tensors / torch.save, sustained: {f / s:.2f}")
+        report(f"steps (compile={args.compile}, {torch.cuda.get_device_name() if args.device == 'cuda' else args.device})",
+               table, args.json)
+        if "full tensors" in c:
+            f, s_ = statistics.mean(c["full tensors"].blocks), statistics.mean(c["torch.save"].blocks)
+            b_ = statistics.mean(c["bare"].blocks)
+            report("full tensors added time / torch.save added time, sustained",
+                   round((f - b_) / max(s_ - b_, 1e-9), 2), args.json)
+        if "tensorboard" in c and "statistics" in c:
+            t_, s_ = statistics.mean(c["tensorboard"].blocks), statistics.mean(c["statistics"].blocks)
+            b_ = statistics.mean(c["bare"].blocks)
+            report("tensorboard added time / tensortape statistics added time",
+                   round((t_ - b_) / (s_ - b_), 1) if s_ - b_ > 0.02 * b_ else
+                   "n/a: tensortape's added time is within 2% of the bare step", args.json)
         for r in recs:
             r.close()
-        w.close()
+        if w is not None:
+            w.close()
+        if args.compile:
+            return
         print("statistics kernel per tensor, against one read pass:")
         kernel_table(base, ids, args)
     finally:

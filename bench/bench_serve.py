@@ -2,7 +2,7 @@
 and the same data through TensorBoard's reader.
 
     python bench/bench_serve.py [--steps 100000] [--layers 200] [--out DIR] [--tb-steps 2000]
-                                [--paint 3]
+                                [--paint 3] [--live 10]
 
 The store (statistics only, one kind) is written through the writer's store layer
 (``recorder._store.RunStore.append_stats``, what the background writer calls),
@@ -17,6 +17,11 @@ Reported:
   --no-browser`` started as a user starts it, Debian's ``/usr/bin/chromium`` driven by
   Playwright, from ``page.goto`` to the page's ``data-ready`` (the run, the map and the
   scalars drawn), a new server and a new page each time;
+- with ``--live N``: how soon a live run's new step shows, N times: a small model recorded
+  in this process (statistics only), ``tensortape serve`` started on it as a user starts
+  it, and after each step's ``rec.flush()`` (the step committed), the time until the
+  server's ``/api/runs`` names it, and until the page in Chromium (when Playwright is
+  installed) draws it as the map's last column, without a reload;
 - the map's first answer (a new server, ``GET /api/map`` over every step at
   1,000 columns) and zooms (a window of 10,000, 1,000 and 100 steps), each the
   median of 5 over HTTP on loopback, and whether the spike and the NaN show;
@@ -255,19 +260,13 @@ def bench_tensorboard(loc: str, tb_steps: int, layers: int) -> None:
 
 def bench_paint(loc: str, times: int) -> None:
     """First paint in Chromium of a new server's page (see the module)."""
-    import subprocess
     from playwright.sync_api import sync_playwright
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     took = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium")
         for _ in range(times):
-            proc = subprocess.Popen([sys.executable, "-m", "tensortape", "serve", loc, "--port", "0",
-                                     "--no-browser"], cwd=root, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env=dict(os.environ, PYTHONPATH=root))
+            proc, url = _serve_process(loc)
             try:
-                url = proc.stdout.readline().split(" at ")[1].strip()
                 page = browser.new_page(viewport={"width": 1300, "height": 1000})
                 t = time.perf_counter()
                 page.goto(url)
@@ -282,15 +281,90 @@ def bench_paint(loc: str, times: int) -> None:
           f"time: {', '.join(f'{x * 1000:.0f} ms' for x in took)}")
 
 
+def _serve_process(loc: str):
+    """``tensortape serve LOC`` as a user starts it; (process, url)."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-m", "tensortape", "serve", loc, "--port", "0",
+                             "--no-browser"], cwd=root, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=root))
+    return proc, proc.stdout.readline().split(" at ")[1].strip()
+
+
+def bench_live(folder: str, times: int) -> None:
+    """How soon a committed step of a live run shows (see the module)."""
+    import torch
+    from tensortape import Recorder
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        sync_playwright = None
+    loc = os.path.join(folder, "live.zarr")
+    shutil.rmtree(loc, ignore_errors=True)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(8)])
+    api, drawn = [], []
+    with Recorder(model, loc, tensors_every=None) as rec:
+        def one(step):
+            with rec.step(step):
+                model(torch.randn(4, 16)).sum().backward()
+            rec.flush()
+            return time.perf_counter()
+
+        one(0)
+        proc, url = _serve_process(loc)
+        pw = browser = page = None
+        try:
+            if sync_playwright is not None:
+                pw = sync_playwright().start()
+                browser = pw.chromium.launch(executable_path="/usr/bin/chromium")
+                page = browser.new_page(viewport={"width": 1300, "height": 1000})
+                page.goto(url)
+                page.wait_for_selector("body[data-ready='1']", timeout=120_000)
+            for step in range(1, times + 1):
+                t = one(step)
+                while get(f"{url}/api/runs")[0]["steps"][-1] != step:
+                    time.sleep(0.01)
+                api.append(time.perf_counter() - t)
+                if page is not None:
+                    page.wait_for_function(
+                        f"() => document.getElementById('map').dataset.last === '{step}'",
+                        timeout=120_000, polling=20)
+                    drawn.append(time.perf_counter() - t)
+        finally:
+            if browser is not None:
+                browser.close()
+                pw.stop()
+            proc.terminate()
+            proc.communicate(timeout=60)
+
+    def say(xs):
+        return f"median {statistics.median(xs) * 1000:.0f} ms, most {max(xs) * 1000:.0f} ms"
+    print(f"live run, a committed step until /api/runs names it ({times} steps): {say(api)}")
+    if drawn:
+        print(f"live run, a committed step until the page draws it, no reload ({times} steps): "
+              f"{say(drawn)}")
+    else:
+        print("live run: Playwright is not installed, the page's figure is not measured")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=100_000)
-    ap.add_argument("--layers", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=100_000, help="0: only --live")
+    ap.add_argument("--layers", type=int, default=200, help="at least 118 (the spike's layer)")
     ap.add_argument("--out", default=None, help="folder for the store, kept and reused")
     ap.add_argument("--tb-steps", type=int, default=2000, help="steps in the TensorBoard file (0: none)")
     ap.add_argument("--paint", type=int, default=0, help="first paints in Chromium to time (0: none)")
+    ap.add_argument("--live", type=int, default=0, help="live steps to follow (0: none)")
     args = ap.parse_args()
+    if args.steps and (args.layers <= SPIKE_LAYER or args.steps <= NAN_STEP):
+        ap.error(f"--layers must be over {SPIKE_LAYER} and --steps over {NAN_STEP} (the spike's "
+                 f"layer and the NaN's step)")
     folder = args.out or tempfile.mkdtemp(prefix="tt-serve-")
+    if args.live:
+        bench_live(folder, args.live)
+    if not args.steps:                         # --steps 0: the live figure alone
+        return
     loc = os.path.join(folder, f"serve-{args.layers}x{args.steps}.zarr")
     if not os.path.exists(os.path.join(loc, "zarr.json")):
         shutil.rmtree(loc, ignore_errors=True)

@@ -2,25 +2,26 @@
 # Regenerate the README's pictures: bash docs/pictures.sh (about 3 minutes on a CPU; the
 # browser view's screenshots need Playwright and Debian's chromium at /usr/bin/chromium).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+docs="$(cd "$(dirname "$0")" && pwd)"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-tensortape demo "$tmp/demo.zarr" --diverge > /dev/null
-tensortape plot "$tmp/demo.zarr" --layer 'encoder.*' --kind gradients --type evolution \
-    --stat abs_max -o docs/evolution.png
-tensortape demo "$tmp/stable.zarr" > /dev/null
-tensortape plot "$tmp/stable.zarr" --layer encoder.layers.1.linear1 --kind gradients \
-    --type distribution -o docs/distribution.png
-tensortape plot "$tmp/demo.zarr" --layer encoder.layers.0.linear2 --kind gradients \
-    --type histogram --step 10 --scale symlog -o docs/histogram.png   # tails over 30 decades
-tensortape compare "$tmp/stable.zarr" "$tmp/demo.zarr" --kind gradients -o docs/compare.png \
+cd "$tmp"                     # the runs are named as a user names them: demo.zarr, stable.zarr
+tensortape demo demo.zarr --diverge > /dev/null
+tensortape plot demo.zarr --layer 'encoder.*' --kind gradients --type evolution \
+    --stat abs_max -o "$docs/evolution.png"
+tensortape demo stable.zarr > /dev/null
+tensortape plot stable.zarr --layer encoder.layers.1.linear1 --kind gradients \
+    --type distribution -o "$docs/distribution.png"
+tensortape plot demo.zarr --layer encoder.layers.0.linear2 --kind gradients \
+    --type histogram --step 10 --scale symlog -o "$docs/histogram.png"   # tails over 30 decades
+tensortape compare stable.zarr demo.zarr --kind gradients -o "$docs/compare.png" \
     > /dev/null || true          # exit 1: the runs diverge, as they should
 # the browser view, as a user opens it: the two runs served, the diverged one shown, its
 # first NaN jumped to (serve.png); the two runs' difference map below it (serve-compare.png)
-python3 - "$tmp/stable.zarr" "$tmp/demo.zarr" <<'EOF'
+python3 - stable.zarr demo.zarr "$docs" <<'EOF'
 import subprocess, sys
 from playwright.sync_api import sync_playwright
-proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", *sys.argv[1:3], "--port", "0",
+proc = subprocess.Popen([sys.executable, "-m", "tensortape", "serve", *sys.argv[1:3], "--port", "0",
                          "--no-browser"], stdout=subprocess.PIPE, text=True)
 try:
     url = proc.stdout.readline().split(" at ")[1].strip()
@@ -34,10 +35,10 @@ try:
         page.click("#jump")
         page.wait_for_selector("[data-testid=histogram][data-step]", timeout=60_000)
         page.wait_for_timeout(500)
-        page.screenshot(path="docs/serve.png")
+        page.screenshot(path=f"{sys.argv[3]}/serve.png")
         page.locator("[data-testid=compare-map]").scroll_into_view_if_needed()
         page.wait_for_timeout(500)
-        page.screenshot(path="docs/serve-compare.png")
+        page.screenshot(path=f"{sys.argv[3]}/serve-compare.png")
         browser.close()
 finally:
     proc.terminate()

@@ -31,8 +31,9 @@ import torch
 
 from . import histogram
 from ._quiet import quiet, warn
-from ._summary import (FIELDS, LANES, batched_dtype, codes, exp_bits_of, lane_codes,
-                       nonfinite_counts, reductions, segment_reductions, shift_of, widened)
+from ._summary import (FIELDS, LANES, batched_dtype, codes, exp_bits_of, finite_top, joined,
+                       lane_codes, nonfinite_counts, pieces, reductions, scale_of,
+                       segment_reductions, shift_of, widened)
 
 __all__ = ["Engine", "registered"]
 
@@ -68,11 +69,22 @@ def registered(family: str) -> list[type["Engine"]]:
     return list(_families.get(family, ()))
 
 
+def _groups(sizes: list[int], n: int) -> list[tuple[int, int]]:
+    """Consecutive ranges of ``sizes`` of at most ``n`` in all (one that alone holds
+    more: a range of its own)."""
+    cuts, total = [0], 0
+    for i, size in enumerate(sizes):
+        if total and total + size > n:
+            cuts.append(i)
+            total = 0
+        total += size
+    return list(zip(cuts, cuts[1:] + [len(sizes)]))
+
+
 class Engine:
     """Runs the summary kernels on one device type."""
 
     family: ClassVar[str | None] = None     # the family a subclass registers in (``registered``)
-    narrow: ClassVar[bool] = False          # reads the 8-bit floats unwidened (``prepared``)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -88,6 +100,9 @@ class Engine:
     def __init__(self, device_type: str, compile: bool):
         self.device_type = device_type
         self.compile = compile
+        # elements a kernel takes at once: a larger tensor goes in pieces (``pieces``), so its
+        # temporaries (eager: ~30 bytes an element; compiled: its codes) stay this size's
+        self.piece = 1 << (21 if device_type == "cpu" else 23)
         self._compiled: dict = {}
         self._slots: dict = {}
         self._lock = threading.Lock()
@@ -102,17 +117,28 @@ class Engine:
     def count_nonfinite(self, x: torch.Tensor) -> torch.Tensor:
         """NaN, +Inf and -Inf counts of a prepared float tensor (``COUNTS``, float64,
         on its device); no sync."""
-        return self._run(nonfinite_counts, widened(x))
+        counts = [self._run(nonfinite_counts, widened(p)) for p in pieces(x, self.piece)]
+        return counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
 
     @torch.compiler.disable
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The summary vector of a prepared, non-empty float tensor, on its device
-        (``Holds.SUMMARY``); no sync."""
-        x = widened(x)                         # an unwidened 8-bit float (a ``narrow`` engine's)
+        (``Holds.SUMMARY``); no sync.  A piece at a time (``self.piece`` elements,
+        an 8-bit float widened a piece at a time): counts, minimum, maximum and
+        histogram as of the whole, the sums but for rounding."""
         exp_bits = exp_bits_of(x)              # its code width: 11 (float64) or 8
-        counts = self._bincount(self._run(lane_codes, x), LANES * histogram.code_width(exp_bits))
-        sums = self._run(reductions, x, shift_of(x))
-        return torch.cat([sums, self.to_slots(counts, exp_bits)])
+        parts = pieces(x, self.piece)
+        args = (shift_of(x),)
+        if exp_bits == 11:                     # float64: the sums' scale, of the whole tensor
+            args += (scale_of(torch.stack([self._run(finite_top, p) for p in parts]).amax()),)
+        width = LANES * histogram.code_width(exp_bits)
+        counts, sums = None, []
+        for p in parts:
+            p = widened(p)
+            k = self._bincount(self._run(lane_codes, p), width)
+            counts = k if counts is None else counts.add_(k)
+            sums.append(self._run(reductions, p, *args))
+        return torch.cat([joined(sums), self.to_slots(counts, exp_bits)])
 
     def to_slots(self, code_counts: torch.Tensor, exp_bits: int) -> torch.Tensor:
         """Counts of codes (any number of lanes of ``code_width``, on a device) -> the
@@ -135,11 +161,19 @@ class Engine:
         """``reduce`` of many small float tensors of one device and code width, with
         a few kernels for all of them: segment reductions, and one count of codes
         offset by segment.  A (tensors x vector) table of the vectors ``reduce``
-        would give."""
+        would give.  A batch of more than ``self.piece`` elements goes in groups of
+        at most that many (bounded temporaries, as ``reduce``'s pieces)."""
+        sizes = [x.numel() for x in xs]
+        if sum(sizes) > self.piece:
+            return torch.cat([self._reduce_batch(xs[a:b], sizes[a:b], exp_bits)
+                              for a, b in _groups(sizes, self.piece)])
+        return self._reduce_batch(xs, sizes, exp_bits)
+
+    def _reduce_batch(self, xs: list[torch.Tensor], sizes: list[int],
+                      exp_bits: int) -> torch.Tensor:
         device = xs[0].device
         flat = torch.cat([x.reshape(-1) for x in xs])        # 16-bit floats promote to float32
         flat = flat.to(batched_dtype(exp_bits))
-        sizes = [x.numel() for x in xs]
         lengths = torch.tensor(sizes)
         if device.type == "cuda":                  # from pinned memory: no host wait
             lengths = lengths.pin_memory().to(device, non_blocking=True)

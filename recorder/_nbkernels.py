@@ -6,12 +6,13 @@ through a 256-entry table of their float32 bits: no widened copy).  A tensor
 is taken block by block (``BLOCK`` elements), in two loops over each: one read
 of memory, the second loop's from the cache:
 
-- ``_moments``, one vectorised loop: if finite, ``d = x - shift`` in float64,
-  summed with ``d * d`` (reassociated into the CPU's vector lanes: the same
-  sums as ``_summary.reductions`` but for rounding; the blocks' sums are added
-  in order); the minimum and maximum as integer order keys of the bits
-  (``_key``: integer reductions vectorise, float ``min`` does not); and the
-  counts of +0, -0, +Inf and -Inf;
+- ``_moments``, one vectorised loop: if finite, ``d = x - shift`` in float64
+  (a float64 tensor's scaled as ``_summary.scale_exponent`` says, when a first
+  pass found it needs it: ``scale``), summed with ``d * d`` (reassociated into
+  the CPU's vector lanes: the same sums as ``_summary.reductions`` but for
+  rounding; the blocks' sums are added in order); the minimum and maximum as
+  integer order keys of the bits (``_key``: integer reductions vectorise, float
+  ``min`` does not); and the counts of +0, -0, +Inf and -Inf;
 - ``_codes``: each element's histogram code (``format.encode``'s top bits)
   counted into ``LANES`` private int32 rows (element ``i`` into lane
   ``i % LANES``, so a run of equal codes, a ReLU's zeros, does not serialise
@@ -44,8 +45,8 @@ from numba.extending import intrinsic, overload
 
 from tensortape.recorder import histogram as fmt
 
-__all__ = ["BLOCK", "HEAD", "LANES", "NO_TABLE", "READS", "cached_mark", "chunk", "compile_for",
-           "finish", "many", "nonfinite", "one", "shift_of", "slot_table"]
+__all__ = ["BLOCK", "HEAD", "LANES", "NO_TABLE", "READS", "UNCOUNTED", "cached_mark", "chunk",
+           "compile_for", "finish", "many", "nonfinite", "one", "shift_of", "slot_table"]
 
 LANES = 4
 BLOCK = 4096            # elements of a block: read by both loops while in cache, summed
@@ -53,6 +54,7 @@ BLOCK = 4096            # elements of a block: read by both loops while in cache
 HEAD = 6                # the head of a summary vector (``_summary.FIELDS``)
 SLOTS = fmt.SLOTS
 NO_TABLE = np.zeros(1, np.uint32)       # the decoder table of a dtype that needs none
+UNCOUNTED = np.zeros((0, 1), np.int32)  # ``chunk``'s counts when its codes are not counted
 # how each float dtype is read: its bits' numpy type and code width (8-bit floats through
 # a table of their float32 bits)
 READS = {"float64": (np.uint64, 11), "float32": (np.uint32, 8), "bfloat16": (np.uint16, 8),
@@ -235,19 +237,31 @@ def _code_impl(u):
     return lambda u: np.intp(u >> 21)
 
 
+def _shifted(x, shift, scale):
+    """``x - shift``, both times ``scale`` (None: not scaled; a separate compile)."""
+
+
+@overload(_shifted, inline="always")
+def _shifted_impl(x, shift, scale):
+    if isinstance(scale, types.NoneType):
+        return lambda x, shift, scale: x - shift
+    return lambda x, shift, scale: x * scale - shift * scale
+
+
 # --- the kernels ---------------------------------------------------------------------
 @njit(nogil=True, cache=True, fastmath={"reassoc"})
-def _moments(b, dec, shift):
-    """Of the elements of ``b`` (a block): the sum of ``d = x - shift`` and of
-    ``d * d`` over the finite ones, their minimum and maximum order keys, and the
-    counts of +0, -0, +Inf and -Inf.  One vectorised loop: the sums reassociated
-    (the CPU's vector lanes; they differ from an ordered sum only in rounding)."""
+def _moments(b, dec, shift, scale):
+    """Of the elements of ``b`` (a block): the sum of ``d = x - shift`` (times
+    ``scale``, unless None) and of ``d * d`` over the finite ones, their minimum
+    and maximum order keys, and the counts of +0, -0, +Inf and -Inf.  One
+    vectorised loop: the sums reassociated (the CPU's vector lanes; they differ
+    from an ordered sum only in rounding)."""
     s = q = 0.0
     lo, hi = _none(b)
     p0 = n0 = pi = ni = np.int32(0)
     for j in range(b.size):
         x, u, f = _element(b, j, dec)
-        d = x - shift if f else 0.0
+        d = _shifted(x, shift, scale) if f else 0.0
         s += d
         q += d * d
         k = _key(u)
@@ -277,8 +291,9 @@ def _codes(b, dec, counts):
 
 
 @njit(nogil=True, cache=True)
-def chunk(a, start, stop, dec, shift, counts, special):
-    """Elements ``start:stop`` of flat ``a``, block after block of ``BLOCK``: its
+def chunk(a, start, stop, dec, shift, scale, counts, special):
+    """Elements ``start:stop`` of flat ``a``, block after block of ``BLOCK``, their
+    sums around ``shift`` times ``scale`` (None: not scaled): its
     codes counted into ``counts`` (LANES x the codes, half ``slot_table``'s length;
     int32: a chunk holds at most ``2 ** 30`` elements; not when ``counts`` has no
     rows: a step's tiny tensors count slots themselves), then ``_moments`` of the
@@ -294,7 +309,7 @@ def chunk(a, start, stop, dec, shift, counts, special):
         b = a[i:end]
         if counts.shape[0]:
             _codes(b, dec, counts)
-        s, q, l, h, p0, n0, pi, ni = _moments(b, dec, shift)
+        s, q, l, h, p0, n0, pi, ni = _moments(b, dec, shift, scale)
         s_all += s
         q_all += q
         lo = min(lo, l)
@@ -365,7 +380,7 @@ def one(a, dec, table, out):
     counts = np.zeros((1, LANES, table.size >> 1), np.int32)
     special = np.zeros((1, 4), np.int64)
     parts = np.empty((1, 4))
-    parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3] = chunk(a, 0, a.size, dec, shift,
+    parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3] = chunk(a, 0, a.size, dec, shift, None,
                                                                counts[0], special[0])
     finish(a.size, shift, parts, counts, special, table, out)
 
@@ -384,7 +399,8 @@ def many(a, offsets, first, last, dec, table, out):
         row = out[k]
         row[0] = stop - start
         row[1] = shift
-        row[2], row[3], row[4], row[5] = chunk(a, start, stop, dec, shift, uncounted, special)
+        row[2], row[3], row[4], row[5] = chunk(a, start, stop, dec, shift, None, uncounted,
+                                               special)
         row[HEAD:] = 0.0
         for j in range(start, stop):
             x, u, f = _element(a, j, dec)
@@ -430,7 +446,9 @@ def compile_for(dtype: str, mark: bool = False) -> None:
     special = np.zeros((1, 4), np.int64)
     parts = np.zeros((1, 4))
     out = np.zeros(HEAD + SLOTS)
-    parts[0] = chunk(a, 0, a.size, dec, shift_of(a, 0, a.size, dec), counts[0], special[0])
+    parts[0] = chunk(a, 0, a.size, dec, shift_of(a, 0, a.size, dec), None, counts[0], special[0])
+    if dtype == "float64":                              # a float64 tensor's scaled sums
+        chunk(a, 0, a.size, dec, 0.0, 1.0, UNCOUNTED, special[0])
     finish(a.size, 0.0, parts, counts, special, table, out)
     one(a, dec, table, out)
     nonfinite(a, 0, a.size, dec, np.zeros(3, np.int64))

@@ -14,6 +14,9 @@ equal theirs but for rounding.
   counting codes into private rows; the counts and sums are merged at the
   end, in chunk order.  The kernels hold no GIL.
 - A step's tiny tensors go through one kernel call (``reduce_many``).
+- A float64 tensor whose extremes ask for a scale (``_summary.scale_exponent``:
+  past ``2 ** 448`` or below ``2 ** -448``) is read a second time, for its
+  scaled sums (``_rescale``); no other tensor is.
 
 **Compiled once per machine, never in this process.**  numba caches the kernels
 on disk (``cache=True``).  A dtype's kernels are compiled by a child process
@@ -38,6 +41,7 @@ of its own.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
 import subprocess
 import sys
@@ -49,7 +53,7 @@ import torch
 from . import _nbkernels as K
 from ._engine import Engine
 from ._quiet import quiet
-from ._summary import FIELDS, NARROW, VECTOR, batched_dtype
+from ._summary import FIELDS, NARROW, VECTOR, batched_dtype, scale_exponent
 
 __all__ = ["NumbaEngine"]
 
@@ -144,7 +148,6 @@ class NumbaEngine(Engine):
     kernels are compiled, the eager torch kernels."""
 
     family = "numba"
-    narrow = True                                  # an 8-bit float: its bits, through a table
 
     @classmethod
     def serves(cls, device_type: str) -> bool:
@@ -257,16 +260,41 @@ class NumbaEngine(Engine):
         threads = torch.get_num_threads()
         if (threads < 2 or a.size < PARALLEL_MIN) and a.size <= _CHUNK_MAX:
             K.one(a, dec, table, out.numpy())
-            return out
-        shift = K.shift_of(a, 0, a.size, dec)
-        cuts = _splits(a.size, threads)
-        parts = np.empty((len(cuts) - 1, 4))
-        counts = np.zeros((len(cuts) - 1, K.LANES, table.size >> 1), np.int32)
-        special = np.zeros((len(cuts) - 1, 4), np.int64)
-        self._split(lambda p: K.chunk(a, cuts[p], cuts[p + 1], dec, shift, counts[p], special[p]),
-                    parts, len(cuts) - 1)
-        K.finish(a.size, shift, parts, counts, special, table, out.numpy())
+        else:
+            shift = K.shift_of(a, 0, a.size, dec)
+            parts, counts, special = self._parts(a, dec, shift, None, table.size >> 1)
+            K.finish(a.size, shift, parts, counts, special, table, out.numpy())
+        self._rescale(a, dec, out, (0, a.size))
         return out
+
+    def _parts(self, a: np.ndarray, dec: np.ndarray, shift: float, scale: float | None,
+               codes: int):
+        """``K.chunk`` of ``a`` split across threads (``_splits``): each chunk's (sum,
+        sum of squares, min, max), its codes' counts (LANES x ``codes``; none if 0)
+        and its special values' counts."""
+        cuts = _splits(a.size, torch.get_num_threads())
+        n = len(cuts) - 1
+        parts = np.empty((n, 4))
+        counts = np.zeros((n, K.LANES, codes), np.int32) if codes else None
+        special = np.zeros((n, 4), np.int64)
+        self._split(lambda p: K.chunk(a, cuts[p], cuts[p + 1], dec, shift, scale,
+                                      K.UNCOUNTED if counts is None else counts[p], special[p]),
+                    parts, n)
+        return parts, counts, special
+
+    def _rescale(self, a: np.ndarray, dec: np.ndarray, vecs: torch.Tensor, offsets) -> None:
+        """The sums of the float64 tensors (``vecs``' rows, at ``offsets`` in ``a``)
+        whose largest finite magnitude asks for a scale (``scale_exponent``: past
+        ``2 ** 448`` or below ``2 ** -448``), taken again, scaled: a second read,
+        for those rare tensors only (the first found their extremes)."""
+        if a.dtype != np.uint64:
+            return
+        vecs = vecs.numpy().reshape(-1, VECTOR)
+        exps = scale_exponent(np.maximum(np.abs(vecs[:, 4]), np.abs(vecs[:, 5])))
+        for r in np.flatnonzero(exps):
+            parts = self._parts(a[offsets[r]:offsets[r + 1]], dec, vecs[r, 1],
+                                math.ldexp(1.0, -int(exps[r])), 0)[0]
+            vecs[r, 2], vecs[r, 3] = parts[:, 0].sum(), parts[:, 1].sum()
 
     @staticmethod
     def _split(work, rows: np.ndarray, n: int) -> None:
@@ -309,4 +337,5 @@ class NumbaEngine(Engine):
         a, dec, table = bits(flat)
         table_out = torch.empty((len(xs), VECTOR), dtype=torch.float64)
         K.many(a, offsets, 0, len(xs), dec, table, table_out.numpy())
+        self._rescale(a, dec, table_out, offsets)
         return table_out

@@ -145,7 +145,7 @@ class Summarizer:
         elif f is not _COUNT:
             engine = self.engines.for_tensor(tensor)
             try:
-                x = prepared(tensor, widen=not engine.narrow)
+                x = prepared(tensor)
                 if self._held is not None and engine.later(x.dtype) \
                         and (copy := self._held.copy(x)) is not None:   # to the writer
                     return Capture(0, kind, name, micro, exp_bits, numel, f, copy, snap, engine)

@@ -18,7 +18,11 @@ training thread, and on autograd's for gradients; ``moments``, ``combine`` and
 ``finalize`` on the writer thread).
 
 Sums accumulate in float64 around a shift taken from the tensor itself, so
-the variance does not cancel.
+the variance does not cancel.  A float64 tensor whose largest finite
+magnitude is past ``2 ** 448`` (or below ``2 ** -448``) has its sums scaled by
+a power of two that its own minimum and maximum give (``scale_exponent``), so
+squares neither overflow nor underflow; every other tensor's scale is 1.  An
+engine bounds its temporaries by taking a large tensor in pieces (``pieces``).
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import torch
 from . import histogram
 
 __all__ = ["COUNTS", "FIELDS", "LANES", "NARROW", "SMALL", "VECTOR", "Form", "Holds", "Summaries",
-           "batched_dtype", "codes", "combine", "empty_summary", "exp_bits_of", "finalize", "form",
-           "lane_codes", "memory_order", "moments", "nonfinite_counts", "prepared", "reductions",
+           "batched_dtype", "codes", "combine", "empty_summary", "exp_bits_of", "finalize",
+           "finite_top", "form", "joined", "lane_codes", "memory_order", "moments",
+           "nonfinite_counts", "pieces", "prepared", "reductions", "scale_exponent", "scale_of",
            "segment_reductions", "shift_of", "widened"]
 
 FIELDS = ("count", "shift", "dsum", "dsq", "min", "max")
@@ -114,11 +119,29 @@ def batched_dtype(exp_bits: int) -> torch.dtype:
     return torch.float64 if exp_bits == 11 else torch.float32
 
 
-def prepared(x: torch.Tensor, widen: bool = True) -> torch.Tensor:
-    """A float tensor as the engines take it: widened (``widened``; not for an
-    engine that reads the 8-bit floats as they are), with its dimensions in memory
-    order (``memory_order``)."""
-    return memory_order(widened(x) if widen else x)
+def prepared(x: torch.Tensor) -> torch.Tensor:
+    """A float tensor as the engines take it: its dimensions in memory order
+    (``memory_order``), never a copy (an engine widens the 8-bit floats itself,
+    a piece at a time)."""
+    return memory_order(x)
+
+
+def pieces(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """Views of ``x`` that cover each of its elements once, each of at most ``n``
+    elements: how an engine bounds its temporaries (a summary ignores element
+    order).  A contiguous tensor is cut flat into pieces of one size (one compiled
+    kernel for all of them); another along its first dimension, and a row that
+    alone holds more than ``n`` in turn."""
+    total = x.numel()
+    if total <= n:
+        return [x]
+    if x.is_contiguous():
+        parts = -(-total // n)
+        return list(x.reshape(-1).split(-(-total // parts)))
+    row = x[0].numel()
+    if row <= n:
+        return list(x.split(n // row))
+    return [p for r in x for p in pieces(r, n)]
 
 
 def empty_summary() -> torch.Tensor:
@@ -170,25 +193,67 @@ def shift_of(x: torch.Tensor) -> torch.Tensor:
         line = x.reshape(-1)
     else:
         line = x[(slice(None),) + (0,) * (x.dim() - 1)]
-    head = line[::max(1, line.numel() // SHIFT_WINDOW)][:SHIFT_WINDOW]
+    head = widened(line[::max(1, line.numel() // SHIFT_WINDOW)][:SHIFT_WINDOW])
     fin = torch.isfinite(head)
     first = fin & (fin.cumsum(0) == 1)        # the first finite one: no index, so no host read
     return torch.where(first, head.to(torch.float64), 0.0).sum()
 
 
-def reductions(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+# a float64 tensor's sums are scaled by 2 ** -k (``scale_exponent``) when its largest finite
+# magnitude is outside [2 ** -448, 2 ** 448): inside, n * (2 * top) ** 2 stays finite for any
+# n < 2 ** 63, and so do the host's merges (``combine``); 2 ** 960 is the largest scale
+_FREE_EXP, _LOWEST_EXP = 448, -960
+
+
+def scale_exponent(top, xp=np):
+    """The exponent ``k`` of the scale ``2 ** -k`` of a float64 tensor's sums (its
+    ``dsum`` and ``dsq`` are of ``(x - shift) * 2 ** -k``), from ``top``, its largest
+    finite magnitude (``max(|min|, |max|)``; not finite: no finite values): 0
+    while ``top`` is 0 or within ``[2 ** -448, 2 ** 448)``, as every narrower
+    dtype's is, else ``top``'s own exponent (at least -960), so the scaled values
+    are below 1 and their squares neither overflow nor underflow.  Elementwise, on
+    numpy arrays (the host's) or torch tensors (an engine's, on its device: ``xp``
+    is ``torch``)."""
+    e = xp.frexp(xp.where(xp.isfinite(top), top, 0.0))[1]
+    return xp.where((e > _FREE_EXP) | (e < -_FREE_EXP), xp.where(e < _LOWEST_EXP, _LOWEST_EXP, e),
+                    0)
+
+
+def finite_top(x: torch.Tensor) -> torch.Tensor:
+    """The largest finite magnitude of ``x`` (0 if none): what its scale is of."""
+    return torch.where(torch.isfinite(x), x.abs(), 0).amax()
+
+
+def scale_of(top: torch.Tensor) -> torch.Tensor:
+    """The scale ``2 ** -k`` (``scale_exponent``) of the sums of a float64 tensor whose
+    largest finite magnitude is ``top`` (a tensor, on its device: no sync)."""
+    return torch.exp2(-scale_exponent(top, torch).to(torch.float64))
+
+
+def reductions(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor | None = None) -> torch.Tensor:
     """The NaN-safe reductions of ``x`` (see ``FIELDS``), in float64, summed around
-    the shift ``c`` (``shift_of``)."""
+    the shift ``c`` (``shift_of``); a float64 tensor's sums scaled by ``s``
+    (``scale_of``: of the whole tensor when ``x`` is one of its pieces)."""
     inf = float("inf")
     fin = torch.isfinite(x)
     xd = x.to(torch.float64)
-    d = torch.where(fin, xd - c, 0)
+    d = torch.where(fin, xd - c, 0) if s is None else torch.where(fin, xd * s - c * s, 0)
     return torch.stack([
         torch.full((), x.numel(), dtype=torch.float64, device=x.device),
         c, d.sum(), (d * d).sum(),
         torch.where(fin, x, inf).min().to(torch.float64),
         torch.where(fin, x, -inf).max().to(torch.float64),
     ])
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The ``reductions`` of a tensor from those of its pieces (one shift and scale):
+    the counts and sums added in order, the least minimum, the greatest maximum."""
+    if len(parts) == 1:
+        return parts[0]
+    p = torch.stack(parts)
+    return torch.stack([p[:, 0].sum(), p[0, 1], p[:, 2].sum(), p[:, 3].sum(), p[:, 4].min(),
+                        p[:, 5].max()])
 
 
 def codes(x: torch.Tensor) -> torch.Tensor:
@@ -229,12 +294,16 @@ def segment_reductions(flat: torch.Tensor, seg: torch.Tensor, starts: torch.Tens
     first = torch.full((k,), n, dtype=index.dtype, device=flat.device)
     first = first.scatter_reduce_(0, seg, index, "amin")
     c = torch.where(first < n, xd[first.clamp(max=max(n - 1, 0))], 0)
-    d = torch.where(fin, xd - c[seg], 0)
     # sums by segment_reduce; min and max by scatter_reduce (the faster of the two for them)
     lo = torch.full((k,), inf, dtype=flat.dtype, device=flat.device)
     lo = lo.scatter_reduce_(0, seg, torch.where(fin, flat, inf), "amin")
     hi = torch.full((k,), -inf, dtype=flat.dtype, device=flat.device)
     hi = hi.scatter_reduce_(0, seg, torch.where(fin, flat, -inf), "amax")
+    if flat.dtype == torch.float64:           # each segment's scale (``scale_exponent``)
+        s = scale_of(torch.maximum(lo.abs(), hi.abs()))
+        d = torch.where(fin, xd * s[seg] - (c * s)[seg], 0)
+    else:
+        d = torch.where(fin, xd - c[seg], 0)
     return torch.stack([lengths.to(torch.float64), c,
                         torch.segment_reduce(d, "sum", lengths=lengths),
                         torch.segment_reduce(d * d, "sum", lengths=lengths),
@@ -260,8 +329,9 @@ def moments(summaries: list[np.ndarray], counts: Sequence[float] = ()) -> tuple[
     matrix, then the element ``counts`` of tensors without float statistics
     (integer, bool or complex: a count and nothing else), in one vectorised pass a
     block: per row (the blocks' rows, then a row per count) its counts, shifted
-    sums, min and max, and its histogram: exact counts in float64 (one block and no
-    counts, the common case: a view of the block's, no copy)."""
+    sums (scaled by ``2 ** -k``, ``k`` its ``scale_exponent``), min and max, and
+    its histogram: exact counts in float64 (one block and no counts, the common
+    case: a view of the block's, no copy)."""
     n = sum(len(mat) for mat in summaries) + len(counts)
     m = {k: np.zeros(n) for k in (*_COUNTED, "c", "s1", "s2")}
     m["lo"], m["hi"] = np.full(n, np.inf), np.full(n, -np.inf)
@@ -285,7 +355,13 @@ def moments(summaries: list[np.ndarray], counts: Sequence[float] = ()) -> tuple[
         m["n"][rows] = mat[:, 0] - m["nan"][rows] - m["posinf"][rows] - m["neginf"][rows]
         for k, f in (("c", "shift"), ("s1", "dsum"), ("s2", "dsq"), ("lo", "min"), ("hi", "max")):
             m[k][rows] = mat[:, FIELDS.index(f)]
+    m["k"] = _exponents(m["lo"], m["hi"])
     return m, hist
+
+
+def _exponents(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The ``scale_exponent`` of rows of minima and maxima."""
+    return scale_exponent(np.maximum(np.abs(lo), np.abs(hi)))
 
 
 def combine(m: dict, hist: np.ndarray, rows: list[list[int]]) -> Summaries:
@@ -306,12 +382,17 @@ def combine(m: dict, hist: np.ndarray, rows: list[list[int]]) -> Summaries:
     # each group's shift: that of its first row holding finite values (else 0)
     first = np.minimum.reduceat(np.where(g["n"] > 0, np.arange(len(order)), len(order)), starts)
     c0 = np.where(first < len(order), g["c"][np.minimum(first, len(order) - 1)], 0.0)
-    dc = np.where(g["n"] > 0, g["c"] - c0[member], 0.0)
-    out["c"] = c0
-    out["s1"] = np.add.reduceat(g["s1"] + g["n"] * dc, starts)
-    out["s2"] = np.add.reduceat(g["s2"] + 2 * dc * g["s1"] + g["n"] * dc * dc, starts)
     out["lo"] = np.minimum.reduceat(g["lo"], starts)
     out["hi"] = np.maximum.reduceat(g["hi"], starts)
+    # each group's scale, of its own extremes: its rows' sums are moved to it (a row's scale
+    # is at most its group's; a row of zeros, whose sums are 0, may have a greater one)
+    out["k"] = _exponents(out["lo"], out["hi"])
+    k = out["k"][member]
+    s1, s2 = np.ldexp(g["s1"], g["k"] - k), np.ldexp(g["s2"], 2 * (g["k"] - k))
+    dc = np.where(g["n"] > 0, np.ldexp(g["c"], -k) - np.ldexp(c0[member], -k), 0.0)
+    out["c"] = c0
+    out["s1"] = np.add.reduceat(s1 + g["n"] * dc, starts)
+    out["s2"] = np.add.reduceat(s2 + 2 * dc * s1 + g["n"] * dc * dc, starts)
     out["hist"] = np.add.reduceat(hist[order], starts, axis=0)
     return _statistics(out)
 
@@ -325,17 +406,25 @@ def finalize(summaries: list[np.ndarray], counts: Sequence[float] = ()) -> Summa
 
 
 def _statistics(m: dict) -> Summaries:
-    n, c, s1, s2 = m["n"], m["c"], m["s1"], m["s2"]
-    floats = m["floats"] > 0           # rows of float tensors: their norm is 0 without values
-    has = n > 0
+    n, k, s1, s2 = m["n"], m["k"], m["s1"], m["s2"]
+    c = np.ldexp(m["c"], -k)            # in the sums' scale: mean, std and norm are taken
+    floats = m["floats"] > 0            # there, then scaled back (inf only past float64)
+    has = n > 0                         # rows of float tensors: their norm is 0 without values
     safe = np.where(has, n, 1.0)
     m2 = s2 - s1 * s1 / safe            # sums of (x - c) and (x - c)^2: no cancellation
     lo, hi = np.where(has, m["lo"], np.nan), np.where(has, m["hi"], np.nan)
-    norm = np.sqrt(np.maximum(s2 + 2 * c * s1 + n * c * c, 0.0))
+    with np.errstate(over="ignore"):
+        norm = np.ldexp(np.sqrt(np.maximum(s2 + 2 * c * s1 + n * c * c, 0.0)), k)
+        mean = np.ldexp(c + s1 / safe, k)
+        std = np.ldexp(np.sqrt(np.maximum(m2, 0.0) / safe), k)
+    # bounds the values set (the mean within them, the std at most half their range): rounding
+    # never takes either past them, nor past float64 (the norm alone may truly be past it)
+    mean = np.minimum(np.maximum(mean, lo), hi)
+    std = np.minimum(std, hi / 2 - lo / 2)
     stats = {
         "count": m["count"],
-        "mean": np.where(has, c + s1 / safe, np.nan),
-        "std": np.where(has, np.sqrt(np.maximum(m2, 0.0) / safe), np.nan),
+        "mean": np.where(has, mean, np.nan),
+        "std": np.where(has, std, np.nan),
         "min": lo,
         "max": hi,
         "abs_max": np.maximum(np.abs(lo), np.abs(hi)),

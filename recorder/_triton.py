@@ -19,7 +19,9 @@ device and stream and zeroed by one memset per tensor, so a tensor costs its
 own read, not a histogram buffer's.  Nothing is read back to the host: the
 vector stays on the device until the step's one copy.
 
-float64 tensors take the torch kernels (``_engine.Engine``); so do a step's
+float64 tensors take the torch kernels (``_engine.Engine``: their sums scaled
+where their magnitudes ask for it), and so do the 8-bit floats (widened a piece
+at a time: a whole widened copy would be four times the tensor) and a step's
 tiny tensors (batched, ``reduce_many``).  Triton runs on CPU tensors too under
 ``TRITON_INTERPRET=1``, which is how CI tests this engine against the CPU one.
 
@@ -44,7 +46,7 @@ import triton.language as tl
 from . import histogram
 from ._engine import Engine
 from ._quiet import quiet
-from ._summary import shift_of
+from ._summary import NARROW, shift_of
 
 __all__ = ["TritonEngine"]
 
@@ -113,7 +115,7 @@ def _summary_kernel(x_ptr, n, shift_ptr, parts_ptr, hist_ptr, BLOCK: tl.constexp
 
 class TritonEngine(Engine):
     """Accelerator statistics in one fused pass (falls back to the torch kernels
-    for float64 and for a step's tiny tensors)."""
+    for float64, the 8-bit floats and a step's tiny tensors)."""
 
     family = "triton"
     BLOCK = 1024
@@ -169,7 +171,7 @@ class TritonEngine(Engine):
 
     @torch.compiler.disable
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float64:            # the torch kernels (11-bit codes)
+        if x.dtype == torch.float64 or x.dtype in NARROW:     # the torch kernels
             return super().reduce(x)
         if not x.is_contiguous():
             x = x.contiguous()

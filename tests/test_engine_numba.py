@@ -53,7 +53,7 @@ def check(got_stats, got_hist, x):
 
 
 def summary_of(e, x):
-    s = finalize([e.reduce(prepared(x, widen=not e.narrow)).numpy()])
+    s = finalize([e.reduce(prepared(x)).numpy()])
     return {k: a[0] for k, a in s.stats.items()}, s.hist[0]
 
 

@@ -251,7 +251,7 @@ def test_info_and_nan_wording(tmp_path):
     assert n.exit_code == 0 and n.output.startswith("clean: ")
     nan_run, _ = _record_mlp(tmp_path / "nan.zarr", batch=(4,), nan_at=2, steps=4)
     n = invoke("nan", nan_run, "--around", "1")
-    assert "in the steps before step 2, and at it:" in n.output
+    assert "in the steps before step 2, and at it; each step whole" in n.output
 
 
 KILLED = textwrap.dedent("""
