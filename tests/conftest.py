@@ -1,4 +1,5 @@
 import copy
+import threading
 
 import pytest
 import torch
@@ -207,3 +208,21 @@ def record_shapes(store, shapes=((4, 6), (2, 3))):
             with rec.step():
                 model(torch.randn(b, t, 32)).sum().backward()
     return store
+
+
+def at_once(job, n: int = 2) -> list:
+    """``job(i)`` on ``n`` threads released together: what each returned, or raised."""
+    gate, got = threading.Barrier(n), [None] * n
+
+    def run(i):
+        gate.wait()
+        try:
+            got[i] = job(i)
+        except Exception as e:
+            got[i] = e
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got

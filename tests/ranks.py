@@ -19,6 +19,27 @@ PREAMBLE = textwrap.dedent("""
     torch.manual_seed(0)
 """)
 
+# Every rank builds its Recorder (mode: the third argument) and writes "built{rank}", waits for
+# the file named by the fourth, then records three steps; what it met is its "result{rank}".
+BUILT_THEN_GO = PREAMBLE + """
+mode, go = sys.argv[3], sys.argv[4]
+model = nn.Linear(2, 2)
+try:
+    rec = Recorder(model, store, mode=mode, max_bytes=None)
+    open(f"{out}/built{rank}", "w").close()
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    with rec:
+        for i in range(3):
+            with rec.step(i):
+                model(torch.ones(1, 2)).sum().backward()
+    result = "ok"
+except Exception as e:
+    result = f"{type(e).__name__}: {e}"
+open(f"{out}/result{rank}", "w").write(result)
+dist.destroy_process_group()
+"""
+
 
 def start_ranks(worker: str, *args: str, world: int = 2, env: dict | None = None) -> list:
     """The ranks' processes, started (``args`` follow the script on their command line)."""

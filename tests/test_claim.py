@@ -21,7 +21,7 @@ from tensortape.recorder import Recorder, StoreExistsError
 from tensortape.recorder import format as fmt
 from tensortape.recorder._claim import Claim
 from tensortape.recorder._holder import this_node
-from conftest import InplaceMLP
+from conftest import InplaceMLP, at_once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 20
@@ -278,21 +278,7 @@ def test_claim_api(tmp_path):
 
 def claims_at_once(location, n=6) -> list:
     """``n`` threads claim ``location`` at once: what each got (a Claim or the error)."""
-    barrier = threading.Barrier(n)
-    got = [None] * n
-
-    def one(i):
-        barrier.wait()
-        try:
-            got[i] = Claim.acquire(location, "w-")
-        except Exception as e:
-            got[i] = e
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return got
+    return at_once(lambda i: Claim.acquire(location, "w-"), n)
 
 
 def check_one_claim(got):

@@ -19,7 +19,8 @@ import torch
 import zarr
 from torch import nn
 
-from ranks import PREAMBLE, run_ranks, start_ranks, wait_ranks
+from conftest import at_once
+from ranks import BUILT_THEN_GO, PREAMBLE, run_ranks, start_ranks, wait_ranks
 from tensortape.analysis import open_run
 from tensortape.recorder import Recorder, RecorderError, StoreExistsError
 from tensortape.recorder import format as fmt
@@ -47,28 +48,6 @@ def tree(store) -> dict:
 
 
 # --- rank 0's outcome is every rank's --------------------------------------------------------
-# Every rank builds its Recorder while the path is free, writes "built", waits for the test's
-# "go", then records three steps; what it met is its result.
-BUILT_THEN_GO = PREAMBLE + """
-mode, go = sys.argv[3], sys.argv[4]
-model = nn.Linear(2, 2)
-try:
-    rec = Recorder(model, store, mode=mode, max_bytes=None)
-    open(f"{out}/built{rank}", "w").close()
-    while not os.path.exists(go):
-        time.sleep(0.01)
-    with rec:
-        for i in range(3):
-            with rec.step(i):
-                model(torch.ones(1, 2)).sum().backward()
-    result = "ok"
-except Exception as e:
-    result = f"{type(e).__name__}: {e}"
-open(f"{out}/result{rank}", "w").write(result)
-dist.destroy_process_group()
-"""
-
-
 def _wait_for(paths, timeout=300):
     deadline = time.monotonic() + timeout
     while not all(os.path.exists(p) for p in paths):
@@ -300,20 +279,8 @@ def test_two_jobs_taking_one_stale_claim_over_at_once_one_wins(monkeypatch):
                                      json.dumps({"zarr_format": 3, "node_type": "group",
                                                  "attributes": {"tensortape_claim": gone}}).encode())
         time.sleep(1.5)                            # its owner is gone: no heartbeat since
-        got, gate = [None, None], threading.Barrier(2)
-
-        def job(i):
-            rec = Recorder(nn.Linear(2, 2), url, mode="w", max_bytes=None)
-            gate.wait()
-            try:
-                got[i] = rec.attach()
-            except Exception as e:
-                got[i] = e
-        threads = [threading.Thread(target=job, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        recs = [Recorder(nn.Linear(2, 2), url, mode="w", max_bytes=None) for _ in range(2)]
+        got = at_once(lambda i: recs[i].attach())
         won = [g for g in got if isinstance(g, Recorder)]
         assert len(won) == 1, got
         assert any(isinstance(g, StoreExistsError) for g in got), got

@@ -9,13 +9,13 @@ one wins), release, and a kill between create and write."""
 import contextlib
 import json
 import os
-import threading
 import time
 import uuid
 
 import fsspec
 import pytest
 
+from conftest import at_once
 from tensortape.recorder import format as fmt
 from tensortape.recorder._holder import Held, claim_doc, new_claim
 from tensortape.recorder._lock import lock_for
@@ -85,20 +85,8 @@ class LockTests:
 
     def test_a_stale_claim_taken_over_by_two_at_once_has_one_winner(self, location):
         self.plant(location, other_job(heartbeat=0.0), old=True)
-        gate, got = threading.Barrier(2), [None, None]
-
-        def job(i):
-            gate.wait()
-            try:
-                got[i] = self.take(location)
-            except Held as e:
-                got[i] = e
         with self.other_machine():
-            threads = [threading.Thread(target=job, args=(i,)) for i in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            got = at_once(lambda i: self.take(location))
         won = [g for g in got if isinstance(g, tuple)]
         assert len(won) == 1 and any(isinstance(g, Held) for g in got), got
         lock, token = won[0]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from faultstore import faulty
-from ranks import PREAMBLE, run_ranks
+from ranks import BUILT_THEN_GO, run_ranks
 from tensortape.analysis import open_run
 from tensortape.recorder import Recorder
 from tensortape.recorder import format as fmt
@@ -52,18 +52,6 @@ def take_over(location) -> None:
     fs.invalidate_cache()
 
 
-REFUSED = PREAMBLE + """
-model = nn.Linear(3, 2)
-try:
-    with Recorder(model, store, mode="w", max_bytes=None) as rec:
-        with rec.step(0):
-            model(torch.ones(2, 3)).sum().backward()
-    result = "ok"
-except Exception as e:
-    result = f"{type(e).__name__}: {e}"
-open(f"{out}/result{rank}", "w").write(result)
-dist.destroy_process_group()
-"""
 
 
 class RankLogTests:
@@ -136,7 +124,10 @@ class RankLogTests:
             train(rec, model, [0])
             rec.flush()
             before = snapshot(location)
-            assert run_ranks(REFUSED, location, tmp_path, world=world) == [0] * world
+            go = tmp_path / "go"
+            go.touch()
+            assert run_ranks(BUILT_THEN_GO, location, tmp_path, "w", go,
+                             world=world) == [0] * world
             assert snapshot(location) == before
         got = [(tmp_path / f"result{r}").read_text() for r in range(world)]
         assert all(g.startswith("StoreExistsError") and "being recorded by another job" in g
