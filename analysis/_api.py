@@ -211,7 +211,7 @@ def scalars(run, rank=None) -> dict:
     rank = checked_rank(run, rank)
     read = getattr(run, "scalars", None)
     if read is None:
-        return {"step": [], "values": {}, "nonfinite": {}}
+        return {"step": [], "values": {}, "nonfinite": {}, "series": {}, "once": []}
     ds = read(rank=rank) if len(run.ranks) > 1 else read()
     steps = ints(ds["step"].values) if "step" in ds.coords else []
     out = {"step": steps, "values": {str(name): numbers(ds[name].values) for name in ds.data_vars},
