@@ -81,7 +81,7 @@ def test_a_plain_loop_under_W_error_records_what_the_oracle_sees(tmp_path):
     p = strict(SCRIPT, "plain", out, store)
     assert p.returncode == 0, p.stderr[-3000:]
     run, want = check_against_oracle(store, out)
-    assert run.steps(tensors=True).tolist() == [0, 2, 3]     # tensors_every=2, and the NaN dump
+    assert run.steps(tensors=True).tolist() == [0, 1, 2, 3]  # tensors_every=2, the NaN step and its ring of 2
     assert want["events"] and run.first_nonfinite().replay["op"] == "aten::div.Tensor"
 
 
