@@ -180,6 +180,8 @@ def layout(h, steps=None, density: bool = True, scale: str = "linear") -> dict:
             out["masses"].append({"step": s, "value": v, "count": m, "total": n})
             ends += [v, v]
         out["bulk"] |= scale == "linear" and lo.size > 3 and np.sort(k)[-3:].sum() > 0.6 * n
+    if not ends:                   # counts in bins that make no bar or mass: their edges
+        ends = [float(lo_e[used].min()), float(hi_e[used].max())]
     lo_v, hi_v = min(ends), max(ends)
     if scale == "symlog":
         out["linthresh"] = lt

@@ -913,7 +913,7 @@ def check_histogram_api(h, t: Truth, kind, name, step):
 def check_scalars_api(sc, t: Truth, names: dict):
     want = scalars_of(t, names)
     names = {n for values in want.values() for n in values}
-    assert set(sc) == {"step", "values", "nonfinite"}, ("/api/scalars", list(sc))
+    assert set(sc) == {"step", "values", "nonfinite", "series", "once"}, ("/api/scalars", list(sc))
     got = sc["values"]
     assert names <= set(got), ("/api/scalars", names, list(got))
     assert {s for s, v in want.items() if v} <= set(sc["step"]), ("/api/scalars", sc["step"])
@@ -925,6 +925,14 @@ def check_scalars_api(sc, t: Truth, names: dict):
                and not math.isfinite(values[n])] for n in names}
     assert {n: s for n, s in sc["nonfinite"].items() if s} == \
         {n: s for n, s in bad.items() if s}, ("/api/scalars nonfinite", sc.get("nonfinite"), bad)
+    for name in names:                       # each name's logged points alone, in step order
+        points = [(s, values[name]) for s, values in sorted(want.items()) if name in values]
+        series = sc["series"][name]
+        assert series["step"] == [s for s, _ in points], ("/api/scalars series", name, series)
+        assert all(same_float(as_float(v), w) for v, (_, w) in zip(series["value"], points)), \
+            ("/api/scalars series", name, series)
+    assert sorted(sc["once"]) == sorted(n for n in names
+                                        if sum(n in v for v in want.values()) == 1), sc["once"]
 
 
 # --- one example -----------------------------------------------------------------------------
