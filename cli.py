@@ -384,16 +384,23 @@ def record(ctx, out, mode, start_step, layers, capture, tensors_every, stats_eve
 def watch(run, interval, pattern, kind):
     """Follow RUN while it is recorded: latest statistics per layer, non-finite alerts,
     steps per second. Ends when the run is closed."""
+    import shutil
     from tensortape.analysis._watch import render, snapshots
     live = sys.stdout.isatty()
     view = None
-    for view in snapshots(run, interval, pattern, kind):
-        if live:                       # the first alert of each (layer, kind) stays on screen
-            click.clear()
-            _out("\n".join(render(view, pinned=True)))
-        else:                          # piped: a status line a refresh, alerts as they come
-            lines = render(view)
-            _out("\n".join([lines[0]] + [x for x in lines if x.startswith("ALERT")]))
+    try:
+        for view in snapshots(run, interval, pattern, kind):
+            if live:                   # the first alert of each (layer, kind) stays on screen
+                size = shutil.get_terminal_size()
+                click.clear()
+                _out("\n".join(render(view, size.columns, pinned=True, height=size.lines)))
+            else:                      # piped: a status line a refresh, alerts as they come
+                lines = render(view)
+                _out("\n".join([lines[0]] + [x for x in lines if x.startswith("ALERT")]))
+    except KeyboardInterrupt:          # Ctrl-C: the user is done watching; the run goes on
+        _out(f"stopped watching {run}" + (f" (status {view['status']}, step {view['step']})"
+                                          if view and "status" in view else ""))
+        return
     if view is not None and not live:
         _out("\n".join(render(dict(view, alerts=[]))[1:]))
     _out(f"run {view['status'] if view else 'unknown'}: {run}")
@@ -629,30 +636,9 @@ def plot(ctx, run, layer, kind, plot_type, stat, step, steps, scale, density, ou
 
 
 def _say_replay(found: dict) -> None:
-    """What ``on_nonfinite="replay"`` found: the op, its line and its inputs."""
-    if not found.get("op"):
-        of = f" of {found['module'] or '(root)'}" if "module" in found else ""
-        _out(f"replay{of}: {found.get('note')}")
-        return
-    where = f"{found.get('module') or '(root)'} ({found.get('module_class')})"
-    if found.get("phase") == "backward":
-        _out(f"made by {found['op']} in {found.get('node', '?')}, in the backward of "
-             f"{where}; the forward op that made that node, at "
-             f"{found.get('forward_source', '?')}")
-        if found.get("forward_code"):
-            _out(f"    {found['forward_code']}")
-    else:
-        _out(f"made by {found['op']} in {where}, at {found.get('source')}")
-        if found.get("code"):
-            _out(f"    {found['code']}")
-        if found.get("library_source"):
-            _out(f"  the op's line in the library: {found['library_source']}")
-            if found.get("library_code"):
-                _out(f"    {found['library_code']}")
-    for i, t in enumerate(found.get("inputs", [])):
-        stats = ", ".join(f"{k} {t[k]:.4g}" if isinstance(t[k], float) else f"{k} {t[k]}"
-                          for k in ("min", "max", "abs_max", "nan", "posinf", "neginf") if k in t)
-        _out(f"  input {i}: {t['dtype']}{t['shape']}  {stats}")
+    """What ``on_nonfinite="replay"`` found: the op, its two lines and its inputs."""
+    from tensortape.analysis._events import replay_lines
+    _out("\n".join(replay_lines(found)))
 
 
 @cli.command()
@@ -746,8 +732,7 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
 @_reading
 def serve(run, run_b, host, port, no_browser):
     """Serve a browser view of RUN (or of RUN and RUN_B side by side), read-only."""
-    import ipaddress
-    from tensortape.analysis._serve import make_server     # here: --help and the other commands skip it
+    from tensortape.analysis._serve import loopback, make_server   # here: --help and the rest skip it
     paths = [run] + ([run_b] if run_b else [])
     try:
         server = make_server(paths, host, port)
@@ -756,11 +741,7 @@ def serve(run, run_b, host, port, no_browser):
     except OSError as e:
         raise click.BadParameter(f"cannot listen on {host}:{port} ({e.strerror or e})",
                                  param_hint="--port") from None
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
+    if not loopback(host):
         click.echo(f"warning: serving on {host}, which is not loopback: the view has no "
                    f"authentication, anyone who reaches {host} can read these runs", err=True)
     name, bound = server.server_address[:2]

@@ -16,24 +16,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensortape.recorder import format as fmt, pyramid
-from tensortape.recorder.histogram import ZERO_BIN
+from tensortape.recorder import format as fmt
 from tensortape.recorder.errors import RecorderError
 from tensortape.recorder.patterns import match_layers
 
 from ._between import Between
+from ._events import replay_lines
 from ._numbers import number
 from ._select import layer_coord
 from ._stats import Statistics
-from ._grains import BLOCK, GRAIN, Grains, MapColumns, read as _read, reduce as _reduce
-from ._tables import as_slice
+from ._grains import GRAIN, Grains, MapColumns, reduce as _reduce
 
-__all__ = ["BadRequest", "GRAIN", "Grains", "MAP_STATS", "NotFound", "compare_map", "histogram",
-           "map_", "runs", "scalars", "stats"]
+__all__ = ["BadRequest", "GRAIN", "Grains", "MAP_STATS", "NotFound", "compare_map", "map_",
+           "runs", "scalars"]
 
 MAP_STATS = fmt.MAP_STATS
 NONFINITE = fmt.COUNT_STATS[1:]          # nan, posinf, neginf
-_map_values = pyramid.map_value
 
 
 class NotFound(RecorderError):
@@ -101,6 +99,8 @@ def _run(run, size) -> dict:
     if first is not None:
         event = {k: v for k, v in first.to_json().items() if k not in ("history", "same_step")}
         event["same_step"] = len(first.same_step)
+        if first.replay:            # as ``tensortape nan`` prints it: both lines
+            event["replay_lines"] = replay_lines(first.replay)
     has_scalars = bool(len(scalars(run)["step"]))
     return {"path": run.path, "name": run.name, "status": run.status, "kinds": kinds,
             "layers": run.layers, "ranks": run.ranks,
@@ -133,13 +133,44 @@ def _window(steps: np.ndarray, start, stop) -> tuple[int, int]:
     return i0, max(i0, i1)
 
 
+def _grid(i0: int, i1: int, width: int, grains) -> tuple:
+    """How a window of rows ``i0:i1`` is cut into at most ``width`` columns: (level,
+    edges, g0, g1).  With ``grains`` (the server's cache), a window of at least
+    ``width / 4`` grains of a pyramid level (``fmt.PYRAMID_GRAINS``: 64, else 8
+    rows) has columns of whole grains of that level, ``g0:g1``, and the window's
+    partial grains at either end; else (level None) columns of rows, as even as
+    can be.  ``edges``: row offsets from ``i0``."""
+    n = i1 - i0
+    level = next((g for g in fmt.PYRAMID_GRAINS if i1 // g + i0 // -g >= max(1, width // 4)),
+                 None) if grains is not None else None
+    if not level:
+        return None, _columns(n, width), 0, 0
+    g0, g1 = -(i0 // -level), i1 // level
+    edges = np.concatenate([[0], _columns(g1 - g0, width)[1:-1] * level + g0 * level - i0,
+                            [n]]).astype(np.int64)
+    return level, edges, g0, g1
+
+
+def _fill(out: MapColumns, grid: tuple, grains, rows: np.ndarray, i0: int, i1: int) -> None:
+    """``out``'s columns from the grains of ``grid`` (``_grid``), the pyramid, the rows."""
+    level, _, g0, g1 = grid
+    if level == GRAIN:
+        got = grains.get(out.run, out.kind, out.rank, rows, g1)[g0:g1, out.cols]
+        out.fold(got[..., MAP_STATS.index(out.stat)], got[..., -1], np.arange(g0, g1) * GRAIN)
+        out.fine(i0, g0 * GRAIN)                              # the partial grains
+        out.fine(g1 * GRAIN, i1)
+    elif level:
+        out.fine(i0, i1)
+    else:
+        out.rows(i0, i1)
+
+
 def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start=None,
          stop=None, width: int = 1000, grains: "Grains | None" = None) -> dict:
     """The layer x step map of ``stat`` over steps [start, stop), in at most ``width``
     columns; rows in execution order.  ``grains``: a cache of each layer's maxima
     per ``GRAIN`` rows; with it, a window of at least ``width / 4`` grains of a
-    pyramid level (``fmt.PYRAMID_GRAINS``: 64, else 8 rows) has columns of whole
-    grains of that level (and the window's partial grains at either end), read
+    pyramid level has columns of whole grains of that level (``_grid``), read
     from the cache (64), the stored pyramid where it holds them, or the rows.
     Every column is the largest of its rows however it is read, bit for bit.
     Memory: a block of ``BLOCK`` rows read at a time, whatever the window."""
@@ -149,27 +180,11 @@ def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start
     _, rows, steps = Statistics(run.index).rows(kind, rank)
     names = run.index.stats_layers(kind, rank)
     i0, i1 = _window(steps, start, stop)
-    n, width = i1 - i0, _width(width)
-    # a window of many grains a column is made of whole grains: at most ``width`` columns
-    # and at least one grain each (fewer columns than ``width`` below width x grain steps)
-    level = next((g for g in fmt.PYRAMID_GRAINS if i1 // g + i0 // -g >= max(1, width // 4)),
-                 None) if grains is not None else None
-    if level:
-        g0, g1 = -(i0 // -level), i1 // level
-        edges = np.concatenate([[0], _columns(g1 - g0, width)[1:-1] * level + g0 * level - i0,
-                                [n]]).astype(np.int64)
-    else:
-        edges = _columns(n, width)
+    n = i1 - i0
+    grid = _grid(i0, i1, _width(width), grains)
+    edges = grid[1]
     out = MapColumns(run, kind, rank, rows, stat, i0, edges, len(names))
-    if level == GRAIN:
-        got = grains.get(run, kind, rank, rows, g1)[g0:g1]
-        out.fold(got[..., MAP_STATS.index(stat)], got[..., -1], np.arange(g0, g1) * GRAIN)
-        out.fine(i0, g0 * GRAIN)                              # the partial grains
-        out.fine(g1 * GRAIN, i1)
-    elif level:
-        out.fine(i0, i1)
-    else:
-        out.rows(i0, i1)
+    _fill(out, grid, grains, rows, i0, i1)
     lo = steps[i0 + edges[:-1]] if n else np.zeros(0, np.int64)
     hi = steps[i0 + edges[1:] - 1] if n else np.zeros(0, np.int64)
     between = Between(run, kind, rank, start, stop)     # NaN/Inf at steps without statistics
@@ -184,78 +199,31 @@ def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start
             "unplaced_events": int(between.unplaced)}
 
 
-# --- one layer: its histogram and its statistics --------------------------------------------
-def histogram(run, layer: str, kind: str = "activations", step=None, rank=None) -> dict:
-    """The layer's counts at ``step`` over the bins that hold any (the bins outside
-    ``[first_bin, first_bin + len(counts))`` hold none), with its NaN/Inf counts."""
-    rank = _rank(run, rank)
-    _kind(run, kind, rank)
-    _layer(run, layer, kind, rank)
-    if step is None:
-        raise NotFound("no step asked (step=N)")
-    if int(step) not in set(run.steps(kind, rank=rank).tolist()):
-        raise NotFound(f"step {step} has no {kind} statistics")
-    h = run.histogram(layer, kind, step=int(step), rank=rank).compute()
-    counts = np.asarray(h.values, np.int64)
-    held = np.nonzero(counts > 0)[0]
-    a, b = (int(held[0]), int(held[-1]) + 1) if len(held) else (ZERO_BIN, ZERO_BIN)
-    return {"layer": layer, "kind": kind, "step": int(step), "rank": rank,
-            "absent": bool((counts < 0).all()), "first_bin": a, "bins": int(len(counts)),
-            "bin_lo": numbers(h.bin_lo.values[a:b]), "bin_hi": numbers(h.bin_hi.values[a:b]),
-            "counts": ints(np.maximum(counts[a:b], 0)),
-            **{k: int(h[k].item()) for k in NONFINITE}}
-
-
-def stats(run, layer: str, kind: str = "activations", rank=None, start=None, stop=None,
-          width=None) -> dict:
-    """Every statistic of the layer (and ``rms``) at each step of [start, stop).  With
-    ``width``, at most that many columns, each the largest of its steps'
-    (``step`` is each column's first step, ``step_hi`` its last)."""
-    rank = _rank(run, rank)
-    _kind(run, kind, rank)
-    col = _layer(run, layer, kind, rank)
-    _, rows, steps = Statistics(run.index).rows(kind, rank)
-    i0, i1 = _window(steps, start, stop)
-    n = i1 - i0
-    edges = _columns(n, _width(width) if width is not None else max(n, 1))
-    out = {s: np.full(len(edges) - 1, np.nan) for s in (*fmt.STATS, "rms")}
-    for b0 in range(0, n, BLOCK):
-        got = _read(run, kind, rank, fmt.STATS, as_slice(rows[i0 + b0: i0 + min(n, b0 + BLOCK)]),
-                    col)
-        got["rms"] = _map_values(got, "rms")
-        for s, v in got.items():
-            _reduce(np.asarray(v, np.float64), b0, edges, out[s], np.fmax)
-    body = {s: (ints(np.nan_to_num(v, nan=-1)) if s in fmt.COUNT_STATS else numbers(v))
-            for s, v in out.items()} if n else {s: [] for s in out}
-    lo = steps[i0 + edges[:-1]] if n else []
-    hi = steps[i0 + edges[1:] - 1] if n else []
-    return {"layer": layer, "kind": kind, "rank": rank, "step": ints(lo), "step_hi": ints(hi),
-            **body}
-
-
 # --- scalars ------------------------------------------------------------------------------------
 def scalars(run, rank=None) -> dict:
     """The run's logged scalars (``run.scalars()`` where this tensortape has it) of
     ``rank`` (default: the first): ``step``; ``values``, {name: one number per step},
     NaN (``"nan"``) where a name has no value at a step; ``nonfinite``, {name: the
-    steps whose logged value is NaN or an Inf}.  A name is only ever a key of
-    ``values`` and ``nonfinite``, so any name keeps its values."""
+    steps whose logged value is NaN or an Inf}; ``series``, {name: its logged points
+    alone (``step``, ``value``)}; ``once``: the names logged at one step only (a
+    trainer's ``train_runtime``: a number, not a line).  A name is only ever a key of
+    ``values``, ``nonfinite`` and ``series``, so any name keeps its values."""
     rank = _rank(run, rank)
     read = getattr(run, "scalars", None)
     if read is None:
         return {"step": [], "values": {}, "nonfinite": {}}
     ds = read(rank=rank) if len(run.ranks) > 1 else read()
     steps = ints(ds["step"].values) if "step" in ds.coords else []
-    return {"step": steps, "values": {str(name): numbers(ds[name].values) for name in ds.data_vars},
-            "nonfinite": _scalars_nonfinite(run, rank) if steps else {}}
-
-
-def _scalars_nonfinite(run, rank: int) -> dict:
-    """{name: the steps where the value logged is NaN or +-Inf}: a NaN logged, not a
-    step where the name has no value (``scalars`` shows both as NaN)."""
-    from ._scalars import logged
-    return {name: ints(steps[~np.isfinite(values)])
-            for name, (steps, values) in logged(run.index, rank).items()}
+    out = {"step": steps, "values": {str(name): numbers(ds[name].values) for name in ds.data_vars},
+           "nonfinite": {}, "series": {}, "once": []}
+    if steps:
+        from ._scalars import logged
+        points = logged(run.index, rank)
+        out["nonfinite"] = {name: ints(s[~np.isfinite(v)]) for name, (s, v) in points.items()}
+        out["series"] = {name: {"step": ints(s), "value": numbers(v)}
+                         for name, (s, v) in points.items()}
+        out["once"] = [name for name, (s, _) in points.items() if len(s) == 1]
+    return out
 
 
 # --- two runs ----------------------------------------------------------------------------------

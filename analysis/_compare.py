@@ -19,11 +19,14 @@ __all__ = ["compare_runs", "divergence", "first_divergence", "plot_comparison", 
 _METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
 
 
-def _tensors_differ(a: "Run", b: "Run", layer: str, kind: str, step: int, rtol: float) -> bool:
-    """Whether the full tensors of (``layer``, ``kind``) at ``step`` differ: their
-    ``rel_l2`` over every micro-batch both runs hold is above ``rtol``."""
-    m = step_metrics(a.micro_batches(layer, kind, step), b.micro_batches(layer, kind, step))
-    return m is not None and not m["rel_l2"] <= rtol
+def _tensor_metrics(a: Run, b: Run, layer: str, kind: str, steps):
+    """``(step, step_metrics)`` of (``layer``, ``kind``) at each of ``steps`` that
+    both runs hold full tensors of (in order; the metrics None where the runs
+    share no micro-batch), each run's chunks read once."""
+    held = [r.steps(kind, tensors=True, layer=layer) for r in (a, b)]
+    steps = np.intersect1d(np.intersect1d(*held), steps)
+    for (s, ma), (_, mb) in zip(*(r.micro_batches_by_step(layer, kind, steps) for r in (a, b))):
+        yield s, step_metrics(ma, mb)
 
 
 def _common(a: Run, b: Run, kind: str, layers) -> tuple[list[str], np.ndarray]:
@@ -41,7 +44,7 @@ def _shape(r: Run, kind: str, layer: str) -> tuple[int, ...] | None:
     """A layer's full-tensor shape past the step (the largest recorded), or None."""
     if layer not in r.tensor_layers(kind):
         return None
-    return tuple(int(x) for x in r.tensor(layer, kind).shape[1:])
+    return r.tensor_shape(layer, kind)
 
 
 def _some(names, most: int = 2) -> str:
@@ -221,23 +224,17 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     ta, tb = set(a.tensor_layers(kind)), set(b.tensor_layers(kind))
     both = [n for n in names if n in ta and n in tb]
     if both:
-        tsteps = np.intersect1d(a.steps(kind, tensors=True), b.steps(kind, tensors=True))
-        tsteps = np.intersect1d(tsteps, steps)
         vals = {m: np.full((len(steps), len(names)), np.nan) for m in _METRICS}
         column = {n: j for j, n in enumerate(names)}
+        at = {int(s): i for i, s in enumerate(steps)}
         for layer in (progress(both) if progress else both):
             j = column[layer]
-            sa_t = a.steps(kind, tensors=True, layer=layer)
-            sb_t = b.steps(kind, tensors=True, layer=layer)
-            for s in np.intersect1d(np.intersect1d(sa_t, sb_t), tsteps):
-                i = int(np.nonzero(steps == s)[0][0])
-                m = step_metrics(a.micro_batches(layer, kind, int(s)),
-                                 b.micro_batches(layer, kind, int(s)))
+            for s, m in _tensor_metrics(a, b, layer, kind, steps):
                 if m is None:
                     continue
                 for k, v in m.items():
-                    vals[k][i, j] = v
-                tensor_steps.add(int(s))
+                    vals[k][at[s], j] = v
+                tensor_steps.add(s)
                 if layer not in tensor_layers:
                     tensor_layers.append(layer)
         covers = f"full tensors: {steps_text(sorted(tensor_steps))} x {len(tensor_layers)} layers"
@@ -283,31 +280,27 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
         raise _no_common(a, b, kinds or asked, layers, next((u for u in unlikes if u), ()))
     for text in dict.fromkeys(_unlike(a, b, u) for u in unlikes if u):
         _say(text)
-    all_steps = sorted({int(s) for v in per_kind.values() for s in v[1]})
-    tensor_steps: dict = {}
-
-    def has_tensor(r, kind, layer, step) -> bool:
-        key = (id(r), kind, layer)
-        if key not in tensor_steps:
-            tensor_steps[key] = set(r.steps(kind, True, layer=layer).tolist())
-        return step in tensor_steps[key]
-
-    for step in all_steps:
-        for kind in kinds:
-            if kind not in per_kind:
+    # the first (step, kind, layer) in that order where the statistics differ; then
+    # each layer's full tensors, read in step order only up to the first found so far
+    first = None
+    for ki, (names, steps, rel, both) in per_kind.items():
+        for i, j in np.argwhere(rel > rtol):
+            hit = (int(steps[i]), kinds.index(ki), int(j))
+            first = hit if first is None or hit < first else first
+    for ki, (names, steps, rel, both) in per_kind.items():
+        for j, layer in enumerate(names):
+            if not both[j]:
                 continue
-            names, steps, rel, both = per_kind[kind]
-            at = np.nonzero(steps == step)[0]
-            if not len(at):
-                continue
-            for j, layer in enumerate(names):
-                if rel[at[0], j] > rtol:                      # compare_runs' stat_rel
-                    return step, layer
-                if both[j] and has_tensor(a, kind, layer, step) and \
-                        has_tensor(b, kind, layer, step) and \
-                        _tensors_differ(a, b, layer, kind, step, rtol):
-                    return step, layer
-    return None
+            upto = steps if first is None else steps[steps <= first[0]]
+            for s, m in _tensor_metrics(a, b, layer, ki, upto):
+                if m is not None and not m["rel_l2"] <= rtol:
+                    hit = (s, kinds.index(ki), j)
+                    first = hit if first is None or hit < first else first
+                    break
+    if first is None:
+        return None
+    step, k, j = first
+    return step, per_kind[kinds[k]][0][j]
 
 
 def divergence(ds: xr.Dataset, rtol: float = 1e-3) -> tuple[int, str] | None:

@@ -16,7 +16,7 @@ from ._numbers import statistics_row
 from ._index import RunIndex
 from ._select import Names, one_layer
 
-__all__ = ["FirstNonFinite", "bundle", "events_of", "first_nonfinite"]
+__all__ = ["FirstNonFinite", "bundle", "events_of", "first_nonfinite", "replay_lines"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,37 @@ def bundle(index: RunIndex, rank: int | None = None):
             raise StoreFormatError(f"{index.path!r}: {path}/{name} holds {arr.dtype}")
         return np.asarray(arr[...]), dict(arr.attrs).get(fmt.LOGICAL_ATTR)
     return index.source.attrs(path), read
+
+
+def replay_lines(found: dict) -> list[str]:
+    """What a replay (``on_nonfinite="replay"``, ``Run.replay``) found, as lines of text
+    (``tensortape nan``, ``replay`` and the browser view print these): the op and its
+    module; where the op ran and the user's call that led there (one line where they
+    are one: the user's own code); the op's inputs."""
+    if not found.get("op"):
+        of = f" of {found['module'] or '(root)'}" if "module" in found else ""
+        return [f"replay{of}: {found.get('note')}"]
+    where = f"{found.get('module') or '(root)'} ({found.get('module_class')})"
+    if found.get("phase") == "backward":
+        head = (f"made by {found['op']} in {found.get('node', '?')}, in the backward of {where}; "
+                f"the forward op that made that node")
+        lib, lib_code = found.get("forward_library_source"), found.get("forward_library_code")
+        user, code = found.get("forward_source", "?"), found.get("forward_code")
+    else:
+        head = f"made by {found['op']} in {where}"
+        lib, lib_code = found.get("library_source"), found.get("library_code")
+        user, code = found.get("source"), found.get("code")
+    if lib:
+        out = [f"{head} ran at {lib} (library code)", *_code(lib_code),
+               f"  called from {user} (your code)", *_code(code)]
+    else:
+        out = [f"{head}, at {user}", *_code(code)]
+    for i, t in enumerate(found.get("inputs", [])):
+        stats = ", ".join(f"{k} {t[k]:.4g}" if isinstance(t[k], float) else f"{k} {t[k]}"
+                          for k in ("min", "max", "abs_max", "nan", "posinf", "neginf") if k in t)
+        out.append(f"  input {i}: {t['dtype']}{t['shape']}  {stats}")
+    return out
+
+
+def _code(text) -> list[str]:
+    return [f"    {text}"] if text else []

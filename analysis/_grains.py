@@ -56,9 +56,11 @@ class MapColumns:
     the same whichever way its rows come."""
 
     def __init__(self, run, kind: str, rank: int, rows: np.ndarray, stat: str, i0: int,
-                 edges: np.ndarray, width: int):
+                 edges: np.ndarray, width: int, first: int = 0):
+        """``width`` layers of the table, from its column ``first`` on."""
         self.run, self.kind, self.rank, self.ids, self.stat = run, kind, rank, rows, stat
         self.i0, self.edges = i0, edges
+        self.cols = slice(first, first + width)
         ncol = len(edges) - 1 if edges[-1] else 0
         self.values = np.full((ncol, width), np.nan)
         self.bad = np.zeros((ncol, width), bool)
@@ -86,9 +88,8 @@ class MapColumns:
         arr, held = self.run.index.pyramid(path, self.rank, fine, self.ids)
         s1 = min(f1, max(f0, held))
         if s1 > f0:
-            w = self.values.shape[1]
             try:
-                got = [np.asarray(arr[f0:s1, :w, i], np.float64)
+                got = [np.asarray(arr[f0:s1, self.cols, i], np.float64)
                        for i in (MAP_STATS.index(self.stat), len(MAP_STATS))]
             except StoreFormatError as e:          # a level that cannot be read: the rows
                 self.run.index.distrust(path, self.rank, fine, e)
@@ -112,7 +113,7 @@ class MapColumns:
     def block(self, r0: int, r1: int) -> dict:
         """The statistics the map's ``stat`` needs of rows ``r0:r1`` (of the rows read)."""
         return read(self.run, self.kind, self.rank, MAP_NEEDS[self.stat],
-                    as_slice(self.ids[r0:r1]), slice(0, self.values.shape[1]))
+                    as_slice(self.ids[r0:r1]), self.cols)
 
 
 class Grains:

@@ -69,6 +69,7 @@ class RunIndex:
         self.ranks = sorted(r for r in map(fmt.rank_of, self.source.groups()) if r is not None)
         self.states = {r: fmt.RankState.from_json(self.source.attrs(fmt.rank_group(r)),
                                                   f"{self.path!r} rank {r}") for r in self.ranks}
+        self._kinds: dict = {}
         for r, st in self.states.items():          # the group says which rank an event is
             st.events = [dataclasses.replace(e, rank=r) for e in st.events]
         self.tables: Tables = for_version(version)(self.source, self.path, attrs.get("created"),
@@ -110,8 +111,11 @@ class RunIndex:
             else st.committed.get(path, 0)
 
     def kinds_of(self, rank: int | None = None) -> list[str]:
-        found = {fmt.parse_path(p).kind for p, n in self.state(rank).committed.items() if n}
-        return [k for k in fmt.KINDS if k in found]
+        rank = self.rank(rank)
+        if rank not in self._kinds:           # a snapshot: each rank's kinds found once
+            found = {fmt.parse_path(p).kind for p, n in self.states[rank].committed.items() if n}
+            self._kinds[rank] = [k for k in fmt.KINDS if k in found]
+        return list(self._kinds[rank])
 
     def layers_of(self, rank: int | None = None) -> list[str]:
         return list(self.state(rank).layers)

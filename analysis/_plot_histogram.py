@@ -27,7 +27,7 @@ import numpy as np
 
 from ._axes import NONFINITE, decade_ticks, last_finite_step, value_text, wrap
 
-__all__ = ["SCALES", "histogram"]
+__all__ = ["SCALES", "histogram", "layout"]
 
 SCALES = ("linear", "symlog")
 RESOLUTION = 120                 # the narrowest bar: this fraction of the drawn range
@@ -132,36 +132,96 @@ def _masses(c, lo, hi, rng):
     return [(0.0, zero)] if zero else []
 
 
-def histogram(h, steps=None, ax=None, density: bool = True, scale: str = "linear"):
-    """One layer's histogram at one or more steps (default: the last with finite
-    values) over values -> Figure.  ``scale``: "linear" (density per unit of
-    value) or "symlog" (symmetric-log axis, density per decade of |value|);
-    ``density=False``: the count in each bar instead.  Exact zeros are marked
-    lines; NaN/+Inf/-Inf counts are bars in a panel beside (``ax`` None)."""
+def layout(h, steps=None, density: bool = True, scale: str = "linear") -> dict:
+    """What the histogram picture of ``h`` (``Run.histogram`` with each step's true
+    ``min``/``max`` as coords) at ``steps`` draws, as numbers; the PNG and the browser
+    view draw these.  ``steps``: the steps drawn; ``bars``: per step with finite
+    values, its ``step``, ``total`` (finite values), and per bar ``lo``, ``hi`` (its
+    value edges), ``t_lo``, ``t_hi`` (its edges in the drawn coordinate: the value, or
+    on the symmetric-log axis its decades), ``count`` and ``height`` (the density in
+    the drawn coordinate, or the count); ``masses``: point masses (``step``,
+    ``value``, ``count``, ``total``); ``nonfinite``: NaN/+Inf/-Inf counts over the
+    steps; ``linthresh`` (symlog), ``xlim``, ``ticks`` (symlog: the values ticked),
+    ``xlabel``, ``ylabel``, ``bulk`` (most values in three bars of a linear axis)."""
     if scale not in SCALES:
         raise ValueError(f"scale {scale!r}: use one of {', '.join(SCALES)}")
-    layer, kind = h.attrs.get("layer", h.name), h.attrs.get("kind", "")
     steps = _steps_of(h, steps)
+    lo_e, hi_e = _edges(h)
+    data = _read(h, steps)
+    occupied = [d for d in data if d[1].sum()]
+    out = {"steps": steps, "scale": scale, "density": density, "bars": [], "masses": [],
+           "nonfinite": {k: sum(d[2].get(k, 0) for d in data) for k in NONFINITE},
+           "linthresh": None, "xlim": None, "ticks": None, "bulk": False,
+           "xlabel": "value (linear axis)" if scale == "linear" else "value",
+           "ylabel": ("density per unit of value" if scale == "linear" else
+                      "density per decade of |value|") if density else
+                     "count per bar (bars of unequal width)"}
+    if not occupied:
+        return out
+    total = sum(d[1] for d in occupied)
+    used = np.nonzero(total)[0]
+    ranges = np.array([d[3] for d in occupied], float)
+    lo_r = np.nanmin(ranges[:, 0]) if np.isfinite(ranges).any() else lo_e[used].min()
+    hi_r = np.nanmax(ranges[:, 1]) if np.isfinite(ranges).any() else hi_e[used].max()
+    mid = np.where(lo_e * hi_e > 0, np.sign(lo_e) * np.sqrt(np.abs(lo_e * hi_e)), 0.0)
+    lt = _linthresh(total, mid) if scale == "symlog" else None
+    group, g_lo, g_hi, step = _groups(lo_e, hi_e, used, lt, (lo_r, hi_r))
+    ends = []
+    for s, c, _, rng in occupied:
+        lo, hi, k = _bars_of(c, rng, group, g_lo, g_hi, lt, step)
+        t_lo, t_hi = _t(lo, lt), _t(hi, lt)
+        n = int(c.sum())
+        out["bars"].append({"step": s, "total": n, "lo": lo, "hi": hi, "t_lo": t_lo,
+                            "t_hi": t_hi, "count": k,
+                            "height": k / (n * (t_hi - t_lo)) if density else k})
+        if lo.size:
+            ends += [lo.min(), hi.max()]
+        for v, m in _masses(c, lo_e, hi_e, rng):
+            out["masses"].append({"step": s, "value": v, "count": m, "total": n})
+            ends += [v, v]
+        out["bulk"] |= scale == "linear" and lo.size > 3 and np.sort(k)[-3:].sum() > 0.6 * n
+    lo_v, hi_v = min(ends), max(ends)
+    if scale == "symlog":
+        out["linthresh"] = lt
+        out["ticks"] = decade_ticks(lt, lo_v, hi_v)
+        out["xlabel"] = f"value (symmetric-log axis: linear within ±{value_text(lt)}, log beyond)"
+        lo_v, hi_v = min(lo_v, 0.0), max(hi_v, 0.0)
+    if hi_v == lo_v:                                       # one value: a window around it
+        pad = abs(lo_v) * 0.5 or 1.0
+        lo_v, hi_v = lo_v - pad, hi_v + pad
+    pad = 0.02 * (hi_v - lo_v) if scale == "linear" else 0.0
+    out["xlim"] = (lo_v - pad, hi_v + pad)
+    if out["bulk"]:
+        out["xlabel"] += ("\nmost values are in three bars: scale='symlog' (--scale symlog) "
+                          "shows the bulk")
+    return out
+
+
+def histogram(h, steps=None, ax=None, density: bool = True, scale: str = "linear"):
+    """One layer's histogram at one or more steps (default: the last with finite
+    values) over values -> Figure, as ``layout`` says.  ``scale``: "linear" (density
+    per unit of value) or "symlog" (symmetric-log axis, density per decade of
+    |value|); ``density=False``: the count in each bar instead.  Exact zeros are
+    marked lines; NaN/+Inf/-Inf counts are bars in a panel beside (``ax`` None)."""
+    drawn = layout(h, steps, density, scale)
+    layer, kind = h.attrs.get("layer", h.name), h.attrs.get("kind", "")
     if ax is None:
         from matplotlib.figure import Figure
         fig = Figure(figsize=(8, 4.2), layout="constrained")
         ax, side = fig.subplots(1, 2, width_ratios=(6, 1))
     else:
         fig, side = ax.figure, None
-    lo_e, hi_e = _edges(h)
-    data = _read(h, steps)
-    occupied = [d for d in data if d[1].sum()]
-    bad = {k: sum(d[2].get(k, 0) for d in data) for k in NONFINITE}
-    if occupied:
-        _draw(ax, occupied, lo_e, hi_e, density, scale)
+    if drawn["xlim"] is not None:
+        _draw(ax, drawn)
     else:
         ax.text(0.5, 0.5, "no finite values at these steps", ha="center", transform=ax.transAxes)
         ax.set_yticks([])
+    steps = drawn["steps"]
     ax.set_title(wrap(f"{layer} · {kind}" + (f" · step {steps[0]}" if len(steps) == 1 else ""),
                       80), fontsize="medium")
     ax.grid(alpha=0.3)
     if side is not None:
-        _nonfinite_bars(side, bad)
+        _nonfinite_bars(side, drawn["nonfinite"])
     return fig
 
 
@@ -172,53 +232,28 @@ def _steps_of(h, steps):
     return [int(steps)] if np.isscalar(steps) else [int(s) for s in steps]
 
 
-def _draw(ax, occupied, lo_e, hi_e, density, scale):
-    total = sum(d[1] for d in occupied)
-    used = np.nonzero(total)[0]
-    ranges = np.array([d[3] for d in occupied], float)
-    lo_r = np.nanmin(ranges[:, 0]) if np.isfinite(ranges).any() else lo_e[used].min()
-    hi_r = np.nanmax(ranges[:, 1]) if np.isfinite(ranges).any() else hi_e[used].max()
-    mid = np.where(lo_e * hi_e > 0, np.sign(lo_e) * np.sqrt(np.abs(lo_e * hi_e)), 0.0)
-    lt = _linthresh(total, mid) if scale == "symlog" else None
-    group, g_lo, g_hi, step = _groups(lo_e, hi_e, used, lt, (lo_r, hi_r))
-    ends, one, bulk = [], len(occupied) == 1, False
-    for n, (s, c, _, rng) in enumerate(occupied):
-        lo, hi, k = _bars_of(c, rng, group, g_lo, g_hi, lt, step)
-        width = _t(hi, lt) - _t(lo, lt)
-        y = k / (c.sum() * width) if density else k
-        if lo.size:
-            ax.bar(lo, y, width=hi - lo, align="edge", color=f"C{n}", edgecolor=f"C{n}",
-                   alpha=0.7 if one else 0.45, lw=0.5, label=f"step {s} ({c.sum():,} finite values)")
-            ends += [lo.min(), hi.max()]
-        for v, m in _masses(c, lo_e, hi_e, rng):
-            color = "black" if one else f"C{n}"
-            ax.axvline(v, color=color, lw=2, ls=(0, (4, 2)), marker="v", markevery=[1], ms=8,
-                       label=f"step {s}: {m:,} values ({m / c.sum():.1%}) exactly {v:g} "
+def _draw(ax, drawn: dict) -> None:
+    one = len(drawn["bars"]) == 1
+    for n, b in enumerate(drawn["bars"]):
+        if b["lo"].size:
+            ax.bar(b["lo"], b["height"], width=b["hi"] - b["lo"], align="edge", color=f"C{n}",
+                   edgecolor=f"C{n}", alpha=0.7 if one else 0.45, lw=0.5,
+                   label=f"step {b['step']} ({b['total']:,} finite values)")
+        for m in (m for m in drawn["masses"] if m["step"] == b["step"]):
+            ax.axvline(m["value"], color="black" if one else f"C{n}", lw=2, ls=(0, (4, 2)),
+                       marker="v", markevery=[1], ms=8,
+                       label=f"step {m['step']}: {m['count']:,} values "
+                             f"({m['count'] / m['total']:.1%}) exactly {m['value']:g} "
                              f"(a point mass: no density)")
-            ends += [v, v]
-        bulk |= scale == "linear" and lo.size > 3 and np.sort(k)[-3:].sum() > 0.6 * c.sum()
-    lo_v, hi_v = min(ends), max(ends)
-    if scale == "symlog":
-        ax.set_xscale("symlog", linthresh=lt, linscale=LINSCALE)
-        ticks = decade_ticks(lt, lo_v, hi_v)
-        ax.set_xticks(ticks, [value_text(t) for t in ticks])
-        lo_v, hi_v = min(lo_v, 0.0), max(hi_v, 0.0)
-    if hi_v == lo_v:                                       # one value: a window around it
-        pad = abs(lo_v) * 0.5 or 1.0
-        lo_v, hi_v = lo_v - pad, hi_v + pad
-    pad = 0.02 * (hi_v - lo_v) if scale == "linear" else 0.0
-    ax.set_xlim(lo_v - pad, hi_v + pad)
+    if drawn["scale"] == "symlog":
+        ax.set_xscale("symlog", linthresh=drawn["linthresh"], linscale=LINSCALE)
+        ax.set_xticks(drawn["ticks"], [value_text(t) for t in drawn["ticks"]])
+    ax.set_xlim(*drawn["xlim"])
     if not ax.containers:                                  # point masses only: no density
         ax.set_ylim(0, 1)
         ax.set_yticks([])
-    what = ("value (linear axis)" if scale == "linear" else
-            f"value (symmetric-log axis: linear within ±{value_text(lt)}, log beyond)")
-    ax.set_xlabel(what + ("\nmost values are in three bars: scale='symlog' (--scale symlog) "
-                          "shows the bulk"
-                          if bulk else ""))
-    ax.set_ylabel(("density per unit of value" if scale == "linear" else
-                   "density per decade of |value|") if density else
-                  "count per bar (bars of unequal width)")
+    ax.set_xlabel(drawn["xlabel"])
+    ax.set_ylabel(drawn["ylabel"])
     ax.legend(fontsize="x-small", loc="best")
 
 

@@ -58,10 +58,12 @@ def _nonfinite_spans(ax, steps: np.ndarray, bad: np.ndarray, label: bool = True)
 
 
 def _scale(ax, stat: str, vals: np.ndarray) -> None:
+    """A log axis (symmetric-log for signed statistics) where the values span decades;
+    within one, a linear axis (its ticks short, an offset above where they share digits)."""
     vals = vals[np.isfinite(vals)]
-    if vals.size and stat in LOG_STATS and (vals > 0).all():
+    if vals.size and stat in LOG_STATS and (vals > 0).all() and vals.max() > 10 * vals.min():
         ax.set_yscale("log")
-    elif vals.size and stat in SYMLOG_STATS and np.abs(vals).max() > 0:
+    elif vals.size and stat in SYMLOG_STATS and np.abs(vals).max() > 10 * _linthresh(vals):
         ax.set_yscale("symlog", linthresh=_linthresh(vals))
 
 
@@ -174,6 +176,7 @@ def _small_multiples(shown, bad, stat: str, title: str):
         a.set_title(text, fontsize="x-small", loc="left", color="darkred" if notes[i] else "black")
         a.grid(alpha=0.3)
         a.tick_params(labelsize="x-small")
+        a.yaxis.get_offset_text().set_fontsize("x-small")
     for a in axes[len(names):]:
         a.set_visible(False)
     for a in axes[max(len(names) - COLS, 0):len(names)]:      # each column's last panel

@@ -220,6 +220,19 @@ class Run:
         from ._dataset import as_torch
         return as_torch(self.rows(layer, kind, **options))
 
+    def micro_batches_by_step(self, layer: str, kind: str = "activations", steps=(),
+                              rank: int | None = None):
+        """``(step, micro_batches(layer, kind, step))`` for each of ``steps`` in
+        order, lazily: each chunk of rows is read and decoded once (reading step
+        by step decodes a chunk again for each of its steps)."""
+        return self._tensors.by_step(layer, kind, [int(s) for s in steps], self._rank(rank))
+
+    def tensor_shape(self, layer: str, kind: str = "activations",
+                     rank: int | None = None) -> tuple[int, ...]:
+        """A layer's full-tensor shape past the step (the largest recorded), read
+        from the store's metadata (``tensor(layer, kind).shape[1:]``)."""
+        return self._tensors.shape(layer, kind, self._rank(rank))
+
     # --- non-finite values -----------------------------------------------------------
     def events_of(self, rank: int | None = None) -> list[NonFiniteEvent]:
         """One rank's events, or with ``rank=None`` every rank's, ordered by step, then

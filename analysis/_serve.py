@@ -4,9 +4,10 @@ The standard library's ``http.server.ThreadingHTTPServer``: the view is a
 handful of GET routes for one user on loopback, so a framework (Starlette with
 uvicorn, aiohttp) would add two or three runtime dependencies and buy nothing
 (no websockets: a live run is followed by polling every second).  The page,
-its script and its styles are package data (``analysis/static``), read once;
-a request can reach only those three files and ``/api/``: no path of a request
-is ever joined to a folder.
+its scripts and its styles are package data (``analysis/static``, uPlot
+vendored in ``static/vendor``), read once; a request can reach only those
+files (``STATIC``) and ``/api/``: no path of a request is ever joined to a
+folder.
 
 Every run is opened read-only (``open_run``), and opened again (its
 attributes only) at most every ``REOPEN_S``, when asked: when its root or a
@@ -27,16 +28,18 @@ from urllib.parse import parse_qs, urlsplit
 
 from tensortape.recorder.errors import RecorderError, StoreFormatError
 
-from . import _api
+from . import _api, _layerview
 from ._run import open_run
 from ._stats import Statistics
 
-__all__ = ["Served", "make_server"]
+__all__ = ["Served", "allowed_host", "loopback", "make_server"]
 
-STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
-          "/app.js": ("app.js", "text/javascript; charset=utf-8"),
-          "/chart.js": ("chart.js", "text/javascript; charset=utf-8"),
-          "/app.css": ("app.css", "text/css; charset=utf-8")}
+JS, CSS = "text/javascript; charset=utf-8", "text/css; charset=utf-8"
+STATIC = {"/": ("index.html", "text/html; charset=utf-8"), "/app.js": ("app.js", JS),
+          "/heat.js": ("heat.js", JS), "/charts.js": ("charts.js", JS),
+          "/app.css": ("app.css", CSS),
+          "/vendor/uPlot.iife.min.js": ("vendor/uPlot.iife.min.js", JS),
+          "/vendor/uPlot.min.css": ("vendor/uPlot.min.css", CSS)}
 REOPEN_S = 0.5          # a run is opened again, to see whether it changed, at most this often
 
 
@@ -137,11 +140,18 @@ def answer(served: Served, path: str, q: dict):
     if path == "/api/map":
         return _api.map_(run, kind, _arg(q, "stat", default="abs_max"), rank,
                          width=_arg(q, "width", int, 1000), grains=served.grains, **window)
+    layer = _arg(q, "layer", default="")
     if path == "/api/histogram":
-        return _api.histogram(run, _arg(q, "layer", default=""), kind, _arg(q, "step", int), rank)
+        return _layerview.histogram(run, layer, kind, _arg(q, "step", int), rank,
+                                    scale=_arg(q, "scale", default="linear"))
+    if path == "/api/distribution":
+        return _layerview.distribution(run, layer, kind, rank, width=_arg(q, "width", int, 400),
+                                       scale=_arg(q, "scale", default="linear"), **window)
     if path == "/api/stats":
-        return _api.stats(run, _arg(q, "layer", default=""), kind, rank,
-                          width=_arg(q, "width", int), **window)
+        only = _arg(q, "stats")
+        return _layerview.stats(run, layer, kind, rank, width=_arg(q, "width", int),
+                                only=only.split(",") if only else None, grains=served.grains,
+                                **window)
     if path == "/api/scalars":
         return _api.scalars(run, rank)
     raise _api.NotFound(f"no route {path!r}")
@@ -179,6 +189,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         url = urlsplit(self.path)
+        host = self.headers.get("Host")
+        if not allowed_host(host, self.server.server_address[0]):
+            return self._json(403, {"error": f"Host {host!r} is not this server's own name; "
+                                             f"open the URL tensortape serve printed (a page "
+                                             f"of another site is refused: DNS rebinding)"})
         if url.path in STATIC:
             name, ctype = STATIC[url.path]
             return self._send(200, self.static[name], ctype)
@@ -198,6 +213,32 @@ class Handler(BaseHTTPRequestHandler):
         self._json(HTTPStatus.OK, out)
 
 
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+
+def allowed_host(header: str | None, bound: str) -> bool:
+    """Whether a request whose ``Host`` is ``header`` may be answered by a server bound
+    to ``bound``: on a loopback address, only when it names the bound address,
+    ``localhost``, ``127.0.0.1`` or ``[::1]`` (any port), as Jupyter does: a page of
+    another site whose name it rebinds to 127.0.0.1 sends its own name.  A server
+    bound elsewhere was asked to be reached by any name (and warned of it)."""
+    if not loopback(bound) or header is None:      # no Host: HTTP/1.0, never a browser
+        return True
+    name = header.strip().lower()
+    name = name[:name.index("]") + 1] if name.startswith("[") and "]" in name \
+        else name.rpartition(":")[0] if name.rpartition(":")[2].isdigit() else name
+    own = f"[{bound}]" if ":" in bound else bound
+    return name in LOCAL_NAMES or name == own.lower()
+
+
+def loopback(address: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
 def _line(e: Exception) -> str:
     text = str(e).splitlines()
     return text[0] if text else type(e).__name__
@@ -210,7 +251,7 @@ def make_server(paths: list[str], host: str = "127.0.0.1", port: int = 8765, war
     served = Served(paths)
     _api.runs(served.all())
     folder = resources.files(__package__) / "static"
-    static = {name: (folder / name).read_bytes() for name, _ in STATIC.values()}
+    static = {name: folder.joinpath(*name.split("/")).read_bytes() for name, _ in STATIC.values()}
     handler = type("ServeHandler", (Handler,), {"served": served, "static": static})
     server = ThreadingHTTPServer((host, port), handler)
     if warm:

@@ -35,7 +35,13 @@ class Tensors:
     def paths(self, kind: str, rank: int) -> dict[str, str]:
         """Layer name -> table path of the full tensors of one kind (not those whose
         every row is of steps that a later recording recorded again, or that a
-        missing chunk makes unreadable)."""
+        missing chunk makes unreadable).  Read once."""
+        got = self._read.get((rank, kind))
+        if got is None:
+            got = self._read[(rank, kind)] = self._paths(kind, rank)
+        return got
+
+    def _paths(self, kind: str, rank: int) -> dict[str, str]:
         ix = self.index
         out = {}
         again = bool(ix.states[rank].rerecorded)
@@ -68,9 +74,16 @@ class Tensors:
         found = [steps[rows] for rows, steps in (self.index.current_rows(p, rank) for p in paths)]
         return np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
 
+    def _data(self, path: str):
+        """A table's ``data`` array (its metadata read once: the index is one snapshot)."""
+        got = self._read.get(path)
+        if got is None:
+            got = self._read[path] = self.index.source.array(path + "/data")
+        return got
+
     def nbytes(self, path: str, rank: int) -> int:
         """Bytes of one table's full tensors as decoded (committed rows, padded shape)."""
-        data = self.index.source.array(path + "/data")
+        data = self._data(path)
         return self.index.committed(rank)[path] * int(np.prod(data.shape[1:])) * data.dtype.itemsize
 
     def rows(self, path: str, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -106,7 +119,7 @@ class Tensors:
                               f"(the forward passes of a step, from 0) are {have}")
         rows, steps, extent = rows[mine], steps[mine], extent[mine]
         data = ix.tables.lazy(path + "/data")[:n][as_slice(rows)]
-        logical = dict(ix.source.array(path + "/data").attrs).get(fmt.LOGICAL_ATTR)
+        logical = dict(self._data(path).attrs).get(fmt.LOGICAL_ATTR)
         if logical in fmt.BITS_DTYPES:
             data = data.map_blocks(decode_bits, logical, dtype=np.float32)
         dims = ("step", *(f"dim_{i}" for i in range(data.ndim - 1)))
@@ -130,25 +143,40 @@ class Tensors:
                               f"{self._why(path, rank, step)}")
         return got
 
+    def shape(self, layer: str, kind: str, rank: int) -> tuple[int, ...]:
+        """A layer's full-tensor shape past the step: the largest recorded."""
+        return tuple(int(x) for x in self._data(self.path(layer, kind, rank)).shape[1:])
+
     def micro_batches(self, layer: str, kind: str, step: int, rank: int) -> dict[int, np.ndarray]:
         """Every micro-batch's full tensor of one step: micro-batch -> numpy array at
         its true shape (bfloat16 and float8 decoded to float32), read directly (no
         task graph); empty where the step has none."""
+        return next(self.by_step(layer, kind, [step], rank))[1]
+
+    def by_step(self, layer: str, kind: str, steps, rank: int):
+        """``(step, micro_batches(...))`` for each of ``steps`` in order, each chunk of
+        rows read and decoded once (a step at a time would decode its whole chunk
+        again for each step): one chunk of rows held at a time."""
         ix = self.index
         path = self.path(layer, kind, rank)
-        rows, steps, micros, extent = self._rows(path, rank)
-        at = np.nonzero(steps == step)[0]
-        if not len(at):
-            return {}
-        data = ix.source.array(path + "/data")
+        rows, have, micros, extent = self._rows(path, rank)
+        n = ix.checked_rows(path, rank)
+        data = self._data(path)
         logical = dict(data.attrs).get(fmt.LOGICAL_ATTR)
-        out = {}
-        for i in at:
-            got = np.asarray(data[(int(rows[i]), *(slice(0, int(e)) for e in
-                                                   extent[i, : data.ndim - 1]))])
-            out[int(micros[i])] = decode_bits(got, logical) if logical in fmt.BITS_DTYPES else got
-        lost = ix.lost(path, rank)            # a chunk found undecodable as it was read
-        return {m: v for i, (m, v) in zip(at, out.items()) if not lost[rows[i]]}
+        size = data.chunks[0]             # rows zarr decodes at once (an inner chunk's)
+        held = (-1, None)
+        for step in steps:
+            out, at = {}, np.nonzero(have == step)[0]
+            for i in at:
+                row = int(rows[i])
+                if held[0] != row // size:
+                    lo = row // size * size
+                    held = (row // size, np.asarray(data[lo: min(lo + size, n)]))
+                got = held[1][(row % size, *(slice(0, int(e)) for e in extent[i, : data.ndim - 1]))]
+                out[int(micros[i])] = decode_bits(got, logical) if logical in fmt.BITS_DTYPES \
+                    else got.copy()                 # not a view that keeps the chunk
+            lost = ix.lost(path, rank)        # a chunk found undecodable as it was read
+            yield int(step), {m: v for i, (m, v) in zip(at, out.items()) if not lost[rows[i]]}
 
     def _why(self, path: str, rank: int, step) -> str:
         """Why a step has no full tensor, where damage is the reason."""

@@ -34,11 +34,16 @@ def main():
     wt = os.path.join(tmp, "tree")
     subprocess.run(["git", "worktree", "add", "--detach", wt, args.rev], cwd=HERE, check=True,
                    capture_output=True)
+    roots = {}                 # a folder holding ``tensortape`` -> each tree: first on the path,
+    for label, tree in (("this", HERE), ("other", wt)):   # before an editable install's finder
+        roots[tree] = os.path.join(tmp, label)
+        os.makedirs(roots[tree])
+        os.symlink(tree, os.path.join(roots[tree], "tensortape"))
     try:
         for i in range(args.pairs):
             for name, tree in (("this tree", HERE), (args.rev, wt)):
                 print(f"===== pair {i + 1}: {name}", flush=True)
-                env = dict(os.environ, PYTHONPATH=tree)
+                env = dict(os.environ, PYTHONPATH=roots[tree])
                 subprocess.run([sys.executable, os.path.join(HERE, script[0]), *script[1:]], cwd=tree,
                                env=env, check=True)
     finally:

@@ -17,6 +17,14 @@ Timed (median of 5, each from a fresh ``open_run``):
 Side by side: TensorBoard loading the same per-layer ``std`` scalars from its
 event files (EventAccumulator, the loader TensorBoard itself uses), and then
 the 50-layer evolution, against tensortape doing the same.
+
+    python bench/bench_analysis.py --compare --steps 80 --layers 32 [--tensors-every 1]
+
+Two runs instead (``Linear(64, 64)`` layers on 48 rows; the second's input 1%
+larger from 75% of the steps on): ``compare_runs``, ``first_divergence`` (of the
+two, and of a run against itself: every full tensor read) and the served page's
+map (``compare_map``), each from a fresh ``open_run``, side by side with reading
+the same arrays once with zarr (every full tensor and the statistics of both).
 """
 
 from __future__ import annotations
@@ -156,15 +164,92 @@ def tensorboard_side(path, run, layers50, steps):
     return write_s, tb, tt, same, dir_bytes(logdir)
 
 
+def record_pair(folder, steps, n_layers, every):
+    """Two runs of one chain, the second's input 1% larger from 75% of the steps on."""
+    paths = [os.path.join(folder, n) for n in ("a.zarr", "b.zarr")]
+    for path, scale_from in zip(paths, (None, int(steps * 0.75))):
+        if os.path.exists(path):
+            continue
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(n_layers)))
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad(), Recorder(model, path, capture="activations",
+                                       tensors_every=every) as rec:
+            for i in range(steps):
+                x = torch.randn(48, 64, generator=gen)
+                with rec.step(i):
+                    model(x * 1.01 if scale_from is not None and i >= scale_from else x)
+    return paths
+
+
+def read_once(paths):
+    """Every full tensor and the statistics of each run, read whole with zarr."""
+    import zarr
+    n = 0
+    for path in paths:
+        root = zarr.open_group(path, mode="r")
+        arrays = [root["rank0/stats/activations/stats"]]
+        tensors = root["rank0/tensors/activations"]
+        arrays += [tensors[k]["data"] for k, _ in tensors.groups()]
+        n += sum(np.asarray(a[:]).nbytes for a in arrays)
+    return n
+
+
+def cpu_time(fn):
+    """The process's CPU seconds (every thread) that ``fn`` takes: on a loaded machine,
+    closer to its wall time alone than its wall time there."""
+    t = time.process_time()
+    fn()
+    return time.process_time() - t
+
+
+def compare_bench(folder, steps, n_layers, every):
+    from tensortape.analysis import compare_runs, first_divergence, open_run
+    from tensortape.analysis._api import compare_map
+    a, b = record_pair(folder, steps, n_layers, every)
+    print(f"two runs of {steps} steps x {n_layers} layers (+ the root), full tensors every "
+          f"{every} steps: {dir_bytes(a) / 1e6:.0f} and {dir_bytes(b) / 1e6:.0f} MB on disk; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    import zarr  # noqa: F401  (imports are not what is timed)
+    compare_runs(a, b, layers="0")
+    nbytes = read_once((a, b))
+    t_read = median_time(lambda: read_once((a, b)), repeat=3)
+    print(f"read the same arrays once with zarr     {t_read * 1e3:8.0f} ms  ({nbytes / 1e6:.0f} MB)")
+    timed = {
+        "compare_runs": lambda: compare_runs(a, b),
+        "first_divergence": lambda: first_divergence(a, b),
+        "first_divergence, a run against itself": lambda: first_divergence(a, a),
+        "the page's map (compare_map)": lambda: compare_map(open_run(a), open_run(b)),
+    }
+    cpu_read = cpu_time(lambda: read_once((a, b)))
+    print(f"{'':38s} CPU {cpu_read * 1e3:8.0f} ms")
+    for name, fn in timed.items():
+        t = median_time(fn, repeat=3)
+        cpu = cpu_time(fn)
+        print(f"{name:38s} {t * 1e3:8.0f} ms  = {t / t_read:5.1f}x reading once; CPU {cpu * 1e3:6.0f} "
+              f"ms = {cpu / cpu_read:5.1f}x")
+    print(f"first divergence: {first_divergence(a, b)}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--layers", type=int, default=200)
     ap.add_argument("--store", default=None, help="where to record (default: a temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the store (and reuse it next time)")
+    ap.add_argument("--compare", action="store_true", help="two runs compared (see above)")
+    ap.add_argument("--tensors-every", type=int, default=1, help="with --compare")
     args = ap.parse_args()
     tmp = None
     path = args.store
+    if args.compare:
+        folder = path or tempfile.mkdtemp(prefix="tt-bench-compare-")
+        try:
+            compare_bench(folder, args.steps, args.layers, args.tensors_every)
+        finally:
+            if not args.keep:
+                shutil.rmtree(folder, ignore_errors=True)
+        return
     if path is None:
         tmp = tempfile.mkdtemp(prefix="tt-bench-analysis-")
         path = os.path.join(tmp, "big.zarr")

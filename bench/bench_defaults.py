@@ -25,8 +25,10 @@ is about a second of bare steps (at least 20) and ends with the recorder's flush
 catches up and commits: a commit a second, five times the default ``flush_interval``'s), so
 the **sustained** figure (a block's whole time over its steps) includes the writer and its
 commits; the **median** step excludes them.  For ``mlp`` and ``many`` the added CPU seconds of
-the whole process (every thread, the writer's included, over the blocks) are given per tensor
-too: a figure the machine's load moves less than wall time.  Under the Trainer each round is
+the whole process (every thread, the writer's included; median over the blocks) are given per
+tensor too, and the training thread's alone: figures the machine's load moves less than wall
+time.  Beside them, ``plain hooks (no-op)``: a forward hook and a tensor hook on every output
+that do nothing, the floor any per-tensor recording pays.  Under the Trainer each round is
 one ``train()`` of ``--hf-steps`` optimizer steps: median of its steps, sustained from its
 first step to the end of ``train()``, the recorder's ``close()`` included.  ``close()`` is also timed alone after the
 plain loops' last block (100 steps or more recorded).
@@ -89,14 +91,17 @@ def bench_loop(name, tmp, rounds):
         probe.steps, probe.blocks, probe.cpu = [], [], []
         variants = {"zero-config": {},
                     "statistics alone": {"on_nonfinite": "record", "tensors_every": None}}
+        if one:                                  # the floor: a no-op hook on every output and
+            floor = contenders["plain hooks (no-op)"] = br.Contender(base, x)   # gradient
+            br.hand_hooks(floor.m, ["*"], lambda k, t: None)
         recs = {}
         for label, kw in variants.items():
             c = contenders[label] = br.Contender(base, x)
             rec = recs[label] = Recorder(c.m, os.path.join(tmp, f"{name}-{len(recs)}"), **kw)
             c.before, c.end_block = (lambda i, rec=rec: rec.step()), rec.flush
         res = br.run(contenders, rounds, block)
-        for k, c in contenders.items():          # the process's CPU seconds a step, every thread
-            res[k] = (*res[k], statistics.mean(c.cpu))
+        for k, c in contenders.items():          # CPU seconds a step: all threads, the training's
+            res[k] = (*res[k], statistics.median(c.cpu), statistics.median(c.thread))
         steps = (rounds + 1) * block
         closes = {}
         for label, rec in recs.items():
@@ -164,21 +169,22 @@ def bench_gpt2(tmp, rounds, steps=20):
             if r:
                 out[k][0].extend(clock.steps)
                 out[k][1].append((clock.end - clock.t0) / steps)
-    res = {k: (statistics.median(s), statistics.mean(b), None) for k, (s, b) in out.items()}
+    res = {k: (statistics.median(s), statistics.mean(b), None, None) for k, (s, b) in out.items()}
     return res, {"zero-config": statistics.median(closes[1:])}, steps, None, steps
 
 
 def report(name, res, closes, steps, n, block, rounds):
-    bare_med, bare_sus, bare_cpu = res.pop("bare")
+    bare_med, bare_sus, bare_cpu, bare_thread = res.pop("bare")
     print(f"\n[{name}] {rounds} rounds of {block}-step blocks (load average "
           f"{os.getloadavg()[0]:.1f}); bare step: "
           f"median {bare_med * 1e3:.2f} ms, sustained {bare_sus * 1e3:.2f} ms")
-    for k, (med, sus, cpu) in res.items():
+    for k, (med, sus, cpu, thread) in res.items():
         line = (f"  {k:26s} median {med / bare_med:5.2f}x bare   sustained {sus / bare_sus:5.2f}x")
         if n and name in ("mlp", "many"):
             line += (f"   per captured tensor (of {n} a step): +{(med - bare_med) / n * 1e6:.1f} us"
                      f" median, +{(sus - bare_sus) / n * 1e6:.1f} us sustained, +"
-                     f"{(cpu - bare_cpu) / n * 1e6:.1f} us of CPU (all threads)")
+                     f"{(cpu - bare_cpu) / n * 1e6:.1f} us of CPU (all threads; the training "
+                     f"thread +{(thread - bare_thread) / n * 1e6:.1f})")
         if k in closes:
             line += f"   close() {closes[k]:.3f} s after {steps} steps"
         print(line)

@@ -103,6 +103,7 @@ class Contender:
         self.steps: list[float] = []
         self.blocks: list[float] = []
         self.cpu: list[float] = []        # the process's CPU seconds a step, per block
+        self.thread: list[float] = []     # the training thread's alone
 
     def step(self, i):
         with (self.before(i) if self.before else None) or contextlib.nullcontext():
@@ -113,7 +114,7 @@ class Contender:
             self.after(i)
 
     def block(self, start, n, keep):
-        t0, c0 = time.perf_counter(), _cpu()
+        t0, c0, h0 = time.perf_counter(), _cpu(), time.thread_time()
         for i in range(start, start + n):
             t = time.perf_counter()
             self.step(i)
@@ -124,6 +125,7 @@ class Contender:
         if keep:
             self.blocks.append((time.perf_counter() - t0) / n)
             self.cpu.append((_cpu() - c0) / n)
+            self.thread.append((time.thread_time() - h0) / n)
 
 
 def run(contenders, rounds, block):
@@ -288,7 +290,7 @@ def first_steps(recorded: bool, tmp: str) -> dict:
                    mode="w").attach() if recorded else None
     out = {"attach": (time.perf_counter() - t0, _cpu() - c0), "wall": [], "cpu": []}
     for i in range(6):
-        t0, c0 = time.perf_counter(), _cpu()
+        t0, c0, h0 = time.perf_counter(), _cpu(), time.thread_time()
         with (rec.step(i) if rec else contextlib.nullcontext()):
             m(x).square().mean().backward()
         opt.step()

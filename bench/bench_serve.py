@@ -193,6 +193,10 @@ def bench_server(loc: str, steps: int, layers: int) -> None:
         print(f"  zoom to {span} steps ({len(z['step_lo'])} columns): {t * 1e3:.0f} ms")
     t, _ = timed(f"{url}/api/stats?layer={names[SPIKE_LAYER]}&width=280")
     print(f"  one layer's evolution (every statistic, 280 columns): {t * 1e3:.0f} ms")
+    for part, stats in (("first (the map's statistics, from its grains)", "abs_max,std,norm,rms,nonfinite"),
+                        ("then (the rest, from the rows)", "mean,min,max,zero_frac")):
+        t, _ = timed(f"{url}/api/stats?layer={names[SPIKE_LAYER]}&width=280&stats={stats}")
+        print(f"    as the page asks for it, {part}: {t * 1e3:.0f} ms")
     server.shutdown()
     server.server_close()
     from tensortape.analysis import _api, open_run

@@ -18,8 +18,9 @@ The claim names the job: its host, pid, the pid's start time, when it started,
 a token unique to this claim and the world size.  A job that finds a live claim
 is refused with ``StoreExistsError`` naming that job, whatever its mode: it
 never deletes, overwrites or appends to a run that another job records.  Ranks
-other than 0 do not claim: they open what rank 0 prepared, under its claim
-(``Claim.acquire`` returns them a claim that holds nothing).
+other than 0 do not claim: they open what rank 0 prepared, under its claim,
+whose token rank 0 tells them (``Claim.shared``: a claim that holds nothing and
+checks rank 0's).
 
 **How an owner that is gone is detected** (``Holder.alive``):
 
@@ -31,13 +32,20 @@ other than 0 do not claim: they open what rank 0 prepared, under its claim
   over at once.
 - *Another machine* (a shared file system, an object store): the owner keeps a
   heartbeat, from a thread of its own every ``TENSORTAPE_CLAIM_HEARTBEAT``
-  seconds (30) and whenever ``refresh()`` finds it due (the writer calls it at
-  each commit): locally the lock file's mtime, on S3 a rewrite of the object
+  seconds (30): locally the lock file's mtime, on S3 a rewrite of the object
   (its LastModified, and the time written in it).  The owner is gone when the
   newest of those is more than ``TENSORTAPE_CLAIM_STALE`` seconds old (300).
   The clocks of the machines involved (and of the S3 server) must agree to well
   within that; a job paused (or cut off from the store) for longer than it can
-  lose its claim, and then learns so from ``refresh()``.
+  lose its claim.
+
+**The fence.**  A job writes only while its claim is its own (``confirm``):
+within half the stale time of its last heartbeat no other job can have taken
+it, so a write needs no question to the store; past that (a job paused, a
+heartbeat not written) it beats first; and every commit reads the lock first
+(a ``pread`` of the lock file held open, one GET on S3).  Other ranks read
+rank 0's claim so (``Claim.shared``), within half the stale time of the
+heartbeat they last read in it.  A claim found taken over is lost for good.
 - A claim still being written (empty or unreadable) is live until it is
   ``TENSORTAPE_CLAIM_STALE`` seconds old.
 
@@ -56,96 +64,114 @@ and at interpreter exit; never by a forked child of the owner.
 - ``_lock``: the ``Lock`` protocol, the mechanism for a location, ``live_holder``;
 - ``_lockfile``: the local mechanism (``O_EXCL`` and ``flock``);
 - ``_lockobject``: the object-store mechanism (S3's conditional writes);
-- ``_heartbeat``: the ``tensortape-claim`` thread and the ``Keeper`` it shares.
+- ``_heartbeat``: the ``tensortape-claim`` thread and the ``Heartbeat`` it shares.
 
 **Threads.**  ``Claim.acquire`` and ``release`` run on the training thread
 (attach and close; ``release`` also from the garbage collector's finaliser or
-at interpreter exit), ``refresh`` on the writer thread at each commit, and the
-heartbeat on the claim's own thread (``_heartbeat``), which ``release`` stops.
+at interpreter exit), ``confirm`` on the writer thread, and the heartbeat on
+the claim's own thread (``_heartbeat``), which ``release`` stops.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import weakref
 
-from ._heartbeat import Keeper
-from ._holder import Held, claim_doc, new_claim, refusal
+from ._heartbeat import Heartbeat
+from ._holder import Held, claim_doc, new_claim, refusal, stale_s
 from ._lock import lock_for
-from ._root import check_mode
 from .errors import StoreExistsError
 
 __all__ = ["Claim"]
 
 
 class Claim:
-    """A job's claim on its store: ``Claim.acquire(location, mode, rank, world)``.
+    """A job's claim on its store: ``Claim.acquire(location, mode, world)`` on rank 0,
+    ``Claim.shared(location, token)`` on the others.
 
-    Rank 0 holds it from ``acquire`` until ``release()``; other ranks get a claim
-    that holds nothing (they write under rank 0's).  ``refresh()`` keeps the
-    heartbeat (a thread does too) and says whether the claim is still this job's."""
+    Rank 0 holds it from ``acquire`` until ``release()``, a thread keeping its
+    heartbeat; a shared claim holds nothing (its rank writes under rank 0's).
+    ``confirm()`` says whether the claim is still this job's, ``lost`` why not."""
 
-    def __init__(self, location: str, keeper: Keeper | None = None, info: dict | None = None):
+    def __init__(self, location: str, token: str, heartbeat: Heartbeat | None = None,
+                 info: dict | None = None):
         self.location = location
+        self.token = token
         self.info = dict(info or {})
-        self.token: str = self.info.get("token", "")
-        self._keeper = keeper
-        if keeper is not None:
-            self._finalizer = weakref.finalize(self, Keeper.release, keeper)
-            keeper.start()
+        self.lost: str | None = None           # why the claim is no longer this job's
+        self._heartbeat = heartbeat
+        self._lock = None                      # a shared claim's reader of rank 0's
+        self._beat = 0.0                       # and the heartbeat it last read there
+        if heartbeat is not None:
+            self._finalizer = weakref.finalize(self, Heartbeat.release, heartbeat)
+            heartbeat.start()
 
     @classmethod
-    def acquire(cls, location, mode: str = "w-", rank: int = 0, world: int = 1) -> Claim:
+    def acquire(cls, location, mode: str = "w-", world: int = 1) -> Claim:
         """Claim the store at ``location`` for this job, atomically; raise
-        ``StoreExistsError`` naming the job that records there if a live job holds
-        it (and what ``check_mode`` raises for what is there).  Ranks other than 0
-        claim nothing."""
+        ``StoreExistsError`` naming the job that records there if a live job
+        holds it (``mode`` only words the refusal)."""
         location = os.fspath(location)
-        if rank != 0:
-            return cls(location)
-        check_mode(location, mode)         # what is there allows the mode: before creating
         lock = lock_for(location)
         info = new_claim(mode, world)
         try:
             lock.acquire(claim_doc(info), info["token"])
         except Held as e:
             raise StoreExistsError(refusal(location, mode, e.holder)) from None
-        return cls(location, Keeper(lock), info)
+        return cls(location, info["token"], Heartbeat(lock), info)
+
+    @classmethod
+    def shared(cls, location, token: str) -> Claim:
+        """Rank 0's claim ``token``, as another rank of its job sees it."""
+        claim = cls(os.fspath(location), token)
+        claim._lock = lock_for(claim.location)
+        return claim
 
     @property
     def held(self) -> bool:
         """Whether this object holds the claim (rank 0, not released, not lost)."""
-        return self._keeper is not None and self._keeper.holding
+        return self._heartbeat is not None and self._heartbeat.holding
 
-    @property
-    def lost(self) -> str | None:
-        """Why the claim is no longer this job's, or None."""
-        return None if self._keeper is None else self._keeper.lost
+    def confirm(self, read: bool = False) -> bool:
+        """Whether the claim is still this job's (see the module: the fence).
+        ``read``: ask the store even within the lease.  A store that cannot be
+        read raises; a claim found lost stays lost (``lost`` says why)."""
+        if self.lost is None:
+            if self._heartbeat is not None:
+                self._heartbeat.confirm(read)
+                self.lost = self._heartbeat.lost or (None if self._heartbeat.holding
+                                                     else "released")
+            elif self._lock is not None and (read or time.time() - self._beat >= stale_s() / 2):
+                self._watch()
+        return self.lost is None
 
-    def refresh(self) -> bool:
-        """Keep the heartbeat when one is due (cheap otherwise: the writer may call
-        it at every commit).  True while the claim is this job's (always on ranks
-        other than 0); False once it is lost (``lost`` says why) or released.
-        Never raises: an unreachable store is tried again at the next call."""
-        return True if self._keeper is None else self._keeper.beat_if_due()
+    def _watch(self) -> None:
+        h = self._lock.read()
+        if h is None:                  # released by rank 0's close: this rank's last commit
+            self._beat = 0.0           # goes on, asking again each time
+        elif h.token != self.token:
+            self.lost = f"taken over by {h.describe()}"
+        else:
+            self._beat = h.beat
 
     def release(self) -> bool:
         """Delete the lock if it is still this claim's (idempotent; never raises).
         True if this call deleted it."""
-        if self._keeper is None:
+        if self._heartbeat is None:
             return False
         self._finalizer.detach()
-        if self._keeper.stop.is_set():
+        if self._heartbeat.stop.is_set():
             return False
-        return self._keeper.release()
+        return self._heartbeat.release()
 
     def keep(self) -> None:
         """Hold the claim until this process ends (a writer that gave up at close may
         still write): neither the garbage collector nor interpreter exit releases
         it; a job after this process sees its pid gone and takes it over."""
-        if self._keeper is not None:
+        if self._heartbeat is not None:
             self._finalizer.detach()
 
     def __repr__(self) -> str:
-        state = "held" if self.held else ("shared" if self._keeper is None else "released")
+        state = "held" if self.held else ("shared" if self._heartbeat is None else "released")
         return f"Claim({self.location!r}, {state})"

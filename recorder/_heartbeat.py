@@ -1,13 +1,21 @@
 """An owner's heartbeat: the ``tensortape-claim`` thread, and what it shares.
 
-A ``Keeper`` holds a claim's ``Lock`` for its ``Claim``: it beats (serialised
+A ``Heartbeat`` holds a claim's ``Lock`` for its ``Claim``: it beats (serialised
 by its lock, whichever thread asks), remembers why the claim was lost, and
 releases it once.  It never refers to the ``Claim``, so that a forgotten
 ``Claim`` is collected and its finaliser releases the lock.
 
-Threads: ``start`` runs ``Keeper.beat`` every ``heartbeat_s()`` seconds on a
+**The lease.**  No other job can take a claim over until ``stale_s()`` seconds
+after its last heartbeat; the owner counts half of that from the start of its
+last heartbeat that it knows was written, on its own monotonic clock, and within
+it writes without asking the store (``confirm``).  Past it (a job paused, a
+store that did not take the heartbeat) ``confirm`` beats first, and a claim
+found lost then is lost for good.
+
+Threads: ``start`` runs ``Heartbeat.beat`` every ``heartbeat_s()`` seconds on a
 daemon thread ``tensortape-claim``, one per held claim; the writer thread
-beats too when a commit finds one due (``beat_if_due``).  **Who stops the
+confirms the claim before it writes (``confirm``: a heartbeat past the lease,
+a read at each commit).  **Who stops the
 thread**: ``release`` (the ``Claim``'s, at close; its finaliser when it is
 collected; interpreter exit) sets ``stop``, and the thread ends at its next
 wake; it also ends once the claim is lost.  After ``Claim.keep()`` it runs
@@ -22,16 +30,16 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ._holder import heartbeat_s
+from ._holder import heartbeat_s, stale_s
 from ._quiet import quiet
 
 if TYPE_CHECKING:
     from ._lock import Lock
 
-__all__ = ["Keeper"]
+__all__ = ["Heartbeat"]
 
 
-class Keeper:
+class Heartbeat:
     """What the heartbeat thread and the finaliser share (never the Claim itself)."""
 
     def __init__(self, lock: Lock):
@@ -55,26 +63,33 @@ class Keeper:
     def beat(self) -> bool:
         """Keep the heartbeat now; False once the claim is lost.  An unreachable
         store is no lost claim: it is tried again at the next beat."""
-        if os.getpid() != self.pid or self.stop.is_set():
+        try:
+            return self._ask(beat=True)
+        except Exception:                  # the store is unreachable: try at the next one
             return self.lost is None
-        with self.lock:
-            if self.stop.is_set() or self.lost is not None:
-                return self.lost is None
-            try:
-                self.lost = self.backend.beat()
-            except Exception:              # the store is unreachable: try at the next one
-                return True
-            self.last_beat = time.monotonic()
-        return self.lost is None
 
-    def beat_if_due(self) -> bool:
-        """``beat`` when a heartbeat is due (cheap otherwise); False once the
-        claim is lost or released."""
+    def confirm(self, read: bool = False) -> bool:
+        """Whether the claim is still this job's: within the lease without asking the
+        store unless ``read`` (then one read of the lock), past it a heartbeat.
+        False once lost or released; a store that cannot be read raises."""
         if not self.holding:
             return False
-        if time.monotonic() - self.last_beat < heartbeat_s():
+        lease = time.monotonic() - self.last_beat < stale_s() / 2
+        if lease and not read:
             return True
-        return self.beat()
+        return self._ask(beat=not lease)
+
+    def _ask(self, beat: bool) -> bool:
+        if os.getpid() != self.pid or self.stop.is_set():
+            return self.lost is None and not self.stop.is_set()
+        with self.lock:
+            if self.stop.is_set() or self.lost is not None:
+                return False
+            began = time.monotonic()
+            self.lost = self.backend.beat() if beat else self.backend.check()
+            if beat and self.lost is None:
+                self.last_beat = began
+        return self.lost is None
 
     def release(self) -> bool:
         """Stop the heartbeat and delete the lock if it is still this claim's
@@ -92,7 +107,7 @@ class Keeper:
             self.lock.release()
 
 
-def _beat_every(keeper: Keeper) -> None:
+def _beat_every(keeper: Heartbeat) -> None:
     while not keeper.stop.wait(heartbeat_s()):
         with quiet():                     # a dependency's warning is no lost claim
             if not keeper.beat():

@@ -24,18 +24,23 @@ __all__ = ["Lock", "live_holder", "lock_for"]
 
 class Lock(Protocol):
     """A claim's mechanism.  ``acquire`` writes the claim ``doc`` atomically or
-    raises ``_holder.Held``; ``beat`` keeps the heartbeat and returns why the
-    claim is lost (None while it is this job's); ``release`` deletes it while it
-    is still this job's (True if this call did); ``read`` is the claim there."""
+    raises ``_holder.Held``; ``check`` reads whether the claim is still this
+    job's and ``beat`` also keeps its heartbeat: both return why it is lost (None
+    while it is this job's); ``release`` deletes it while it is still this job's
+    (True if this call did); ``read`` is the claim there.  A store that cannot be
+    read raises (no claim is lost for it)."""
 
     def read(self) -> Holder | None: ...
     def acquire(self, doc: bytes, token: str) -> None: ...
+    def check(self) -> str | None: ...
     def beat(self) -> str | None: ...
     def release(self) -> bool: ...
 
 
 def lock_for(location: str) -> Lock:
-    """The mechanism that keeps the claim of the store at ``location``."""
+    """The mechanism that keeps the claim of the store at ``location`` (a ``file://``
+    URL's is its path's)."""
+    location = fmt.location(location)
     return ObjectLock(location) if fmt.is_url(location) else LocalLock(location)
 
 

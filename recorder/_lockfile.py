@@ -7,11 +7,15 @@ some process still holds an flock on is never taken over.  A claim whose owner
 is gone (``Holder.alive``) is taken over under its flock: re-read, still that
 stale claim? then rewritten in place.  The heartbeat is the file's mtime;
 ``release`` deletes the file, under the flock, only while it is still this
-claim.  On a file system without flocks, pids and heartbeats decide alone.
+claim.  On a file system without flocks, pids and heartbeats decide alone, and
+a claim whose owner is gone is taken over by writing the new claim beside it
+and renaming it over the old one, then waiting ``SETTLE_S`` and reading it
+back: of two jobs that take it over at once, the last rename wins, and each
+reads which one that was.
 
 Runs on the thread that calls it: the training thread at attach
 (``acquire``), the ``tensortape-claim`` thread and the writer thread (``beat``,
-serialised by ``_heartbeat.Keeper``'s lock), and whichever thread releases the
+serialised by ``_heartbeat.Heartbeat``'s lock), and whichever thread releases the
 claim (close, the garbage collector's finaliser, interpreter exit).
 """
 
@@ -31,11 +35,14 @@ except ImportError:                        # no flock here: pids and heartbeats 
     fcntl = None
 
 
-def _flock(fd: int, wait: float) -> bool:
-    """Take an exclusive flock on ``fd`` within ``wait`` seconds; True on a file
-    system without flocks."""
+SETTLE_S = 1.0                 # without flocks: rename, wait, read back
+
+
+def _flock(fd: int, wait: float) -> bool | None:
+    """Take an exclusive flock on ``fd`` within ``wait`` seconds: True when taken,
+    False when another process holds it, None on a file system without flocks."""
     if fcntl is None:
-        return True
+        return None
     deadline = time.monotonic() + wait
     while True:
         try:
@@ -46,7 +53,7 @@ def _flock(fd: int, wait: float) -> bool:
                 return False
             time.sleep(0.01)
         except OSError:                    # ENOLCK, ENOSYS, EOPNOTSUPP: no flocks here
-            return True
+            return None
 
 
 def _same_file(fd: int, path: str) -> bool:
@@ -106,7 +113,8 @@ class LocalLock:
             except FileNotFoundError:      # its folder removed by a release meanwhile
                 continue
             try:
-                if not _flock(fd, 2.0 if created else 0.5):     # a live owner holds it
+                locked = _flock(fd, 2.0 if created else 0.5)
+                if locked is False:                  # a live owner holds it
                     raise Held(self.read() or Holder.unreadable())
                 if not _same_file(fd, self.path):    # released and claimed anew meanwhile
                     os.close(fd)
@@ -115,6 +123,12 @@ class LocalLock:
                     h = parse_claim(os.pread(fd, MAX_BYTES, 0), os.fstat(fd).st_mtime)
                     if h.alive():
                         raise Held(h)
+                    if locked is None:               # no flocks: replaced whole, read back
+                        os.close(fd)
+                        fd = -1
+                        fd = self._replace(doc, token)
+                        self.fd, self.token = fd, token
+                        return
                 w = os.open(self.path, os.O_WRONLY | cloexec)    # under the flock
                 try:
                     os.ftruncate(w, 0)     # a gone owner's: taken over
@@ -125,23 +139,58 @@ class LocalLock:
             except BaseException:
                 if created and _same_file(fd, self.path) and not os.fstat(fd).st_size:
                     os.unlink(self.path)   # the empty file this call made: not left behind
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
                 raise
             self.fd, self.token = fd, token
             return
         raise Held(self.read() or Holder.unreadable())
 
-    def beat(self) -> str | None:
-        """Touch the lock file; why the claim is no longer this job's, or None."""
+    def _replace(self, doc: bytes, token: str) -> int:
+        """Without flocks: the gone owner's claim replaced by ``doc`` (a new file renamed
+        over it), and after ``SETTLE_S`` the claim there, open, if it is ours; else
+        ``Held`` names who took it."""
+        cloexec = getattr(os, "O_CLOEXEC", 0)
+        tmp = os.path.join(self.dir, f"zarr.{token}.partial")
+        w = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | cloexec, 0o644)
+        try:
+            os.pwrite(w, doc, 0)
+            os.fsync(w)
+        finally:
+            os.close(w)
+        os.replace(tmp, self.path)
+        time.sleep(SETTLE_S)
+        try:
+            fd = os.open(self.path, os.O_RDONLY | cloexec)
+        except FileNotFoundError:
+            raise Held(Holder.unreadable()) from None
+        h = _holder_of(fd)
+        if h.token != token:
+            os.close(fd)
+            raise Held(self.read() or Holder.unreadable())
+        return fd
+
+    def check(self) -> str | None:
+        """Why the claim is no longer this job's, or None: a ``stat`` and a ``pread``
+        of the lock file held open."""
         if self.fd is None:
             return "released"
         if not _same_file(self.fd, self.path):
-            return f"its lock {self.path!r} was removed or replaced"
+            h = self.read()
+            if h is not None and h.token != self.token:
+                return f"taken over by {h.describe()}"
+            return f"its lock {self.path!r} was removed (a job that took the run over ended?)"
         h = _holder_of(self.fd)
         if h.token != self.token:
             return f"taken over by {h.describe()}"
-        os.utime(self.fd if os.utime in os.supports_fd else self.path)
         return None
+
+    def beat(self) -> str | None:
+        """Touch the lock file; why the claim is no longer this job's, or None."""
+        why = self.check()
+        if why is None:
+            os.utime(self.fd if os.utime in os.supports_fd else self.path)
+        return why
 
     def release(self) -> bool:
         """Delete the lock file if it is still this claim; True if this call did."""

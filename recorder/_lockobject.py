@@ -6,14 +6,17 @@ with a PUT conditional on its ETag (``If-Match``), and deleted at release
 under the same condition: of two jobs at once, one wins.  The heartbeat
 rewrites the object (its LastModified, and the time written in it).  A server
 that does not support a condition (501, or a 400 for a header it does not
-know) is written without it, the read-back deciding.  On other fsspec file
-systems the claim is created with ``open(mode="xb")`` where the file system
-has it, else by checking, writing, waiting ``SETTLE_S`` and reading back: two
-jobs that start within that window there can both believe they own the store.
+know), or a client too old to send one (botocore's ``ParamValidationError``),
+is written without it: a claim taken so is written, given ``SETTLE_S`` and
+read back, the read-back deciding.  On other fsspec file systems the claim is
+created with ``open(mode="xb")`` where the file system has it, else by
+checking, writing, waiting ``SETTLE_S`` and reading back, and taken over by
+writing, waiting and reading back: two jobs whose writes come further apart
+than that window there can both believe they own the store.
 
 Runs on the thread that calls it: the training thread at attach
 (``acquire``), the ``tensortape-claim`` thread and the writer thread (``beat``,
-serialised by ``_heartbeat.Keeper``'s lock), whichever thread releases the
+serialised by ``_heartbeat.Heartbeat``'s lock), whichever thread releases the
 claim, and the training thread when ``mode="w"`` clears a run (``drop_folder``).
 """
 
@@ -57,13 +60,19 @@ def _unsupported(e: BaseException) -> bool:
         "NotImplemented", "InvalidArgument", "InvalidRequest"))
 
 
+def _old_client(e: BaseException) -> bool:
+    """The client refused the condition before sending it (a botocore too old to
+    know ``IfMatch`` or ``IfNoneMatch``)."""
+    return isinstance(e, TypeError) or type(e).__name__ == "ParamValidationError"
+
+
 def _condition_failed(e: BaseException) -> bool:
     """What a conditional request that raised ``e`` means: True, its condition
-    failed (the object changed or is gone); False, the server does not support
-    the condition (go on without it); anything else is raised again."""
+    failed (the object changed or is gone); False, the server or the client does
+    not support the condition (go on without it); anything else is raised again."""
     if isinstance(e, FileNotFoundError) or _precondition(e):
         return True
-    if not _unsupported(e):
+    if not _unsupported(e) and not _old_client(e):
         raise e
     return False
 
@@ -101,6 +110,7 @@ class ObjectLock:
         self.s3 = hasattr(self.fs, "_call_s3") and hasattr(self.fs, "split_path")
         self.token = ""
         self.held = False
+        self.sure = True               # the last ``_put`` was conditional (or exclusive)
 
     def _get(self) -> Stored | None:
         """The claim as stored now; None if there is none."""
@@ -135,7 +145,9 @@ class ObjectLock:
         return None if got is None else got.holder()
 
     def _put(self, doc: bytes, etag: str | None) -> bool:
-        """Overwrite the claim only if it is still the object ``etag`` names."""
+        """Overwrite the claim only if it is still the object ``etag`` names (where
+        the store cannot make that a condition, ``sure`` is False after it)."""
+        self.sure = True
         if self.s3 and etag:
             bucket, key, _ = self.fs.split_path(self.key)
             try:
@@ -148,6 +160,13 @@ class ObjectLock:
                 self.fs.invalidate_cache(self.key)
         self.fs.pipe_file(self.key, doc)   # no conditional overwrite: the read-back decides
         self.fs.invalidate_cache(self.key)
+        self.sure = False
+        return True
+
+    def _settled(self) -> bool:
+        """After an unconditional write: wait for any other writer's to land first."""
+        if not self.sure:
+            time.sleep(SETTLE_S)
         return True
 
     def _create(self, doc: bytes) -> bool:
@@ -162,11 +181,8 @@ class ObjectLock:
         except FileExistsError:
             return False
         except Exception as e:
-            if self.s3 and _precondition(e):
-                return False
-            old_client = isinstance(e, TypeError) or type(e).__name__ == "ParamValidationError"
-            if self.s3 and not _unsupported(e) and not old_client:   # (no If-None-Match there)
-                raise
+            if self.s3 and _condition_failed(e):
+                return False               # (else no If-None-Match there: as below)
         finally:
             self.fs.invalidate_cache(self.key)
         if self.fs.exists(self.key):      # no exclusive create: check, write, wait, read back
@@ -197,24 +213,31 @@ class ObjectLock:
                 return
             if h.alive():
                 raise Held(h)
-            if self._put(doc, got.etag) and self._mine():    # gone: taken over, If-Match
+            if self._put(doc, got.etag) and self._settled() and self._mine():   # gone: taken over
                 self.held = True
                 return
         raise Held(self.read() or Holder.unreadable())
 
-    def beat(self) -> str | None:
-        """Rewrite the claim's heartbeat; why it is no longer this job's, or None."""
+    def _lost(self) -> tuple[str | None, Stored | None]:
+        """Why the claim is no longer this job's (or None), and the claim as read."""
         if not self.held:
-            return "released"
+            return "released", None
         got = self._get()
         if got is None:
-            return f"its lock {self.key!r} was deleted"
+            return f"its lock {self.key!r} was deleted", None
         h = got.holder()
-        if h.token != self.token:
-            return f"taken over by {h.describe()}"
-        if not self._put(beaten(got.data), got.etag):
+        return (None if h.token == self.token else f"taken over by {h.describe()}"), got
+
+    def check(self) -> str | None:
+        """Why the claim is no longer this job's, or None: one GET."""
+        return self._lost()[0]
+
+    def beat(self) -> str | None:
+        """Rewrite the claim's heartbeat; why it is no longer this job's, or None."""
+        why, got = self._lost()
+        if why is None and not self._put(beaten(got.data), got.etag):
             return "taken over while its heartbeat was written"
-        return None
+        return why
 
     def release(self) -> bool:
         """Delete the claim if it is still this job's; True if this call did."""

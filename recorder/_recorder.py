@@ -3,10 +3,11 @@
 It wires the one-way flow and owns the lifecycle, nothing more::
 
     hooks (_hooks) -> captures -> step buffer (_buffer) -> records (_record) -> writer (_writer)
-        -> tables (_store) -> commit
+        -> rank log (_ranklog) -> tables (_store) -> fenced commit
 
 Settings are validated once (``_config``); the run is opened on every rank by
-``_open``; the run's durable state lives with the writer.  Under
+``_ranklog.RankLog.open``, the owner of the rank's durable state, which the
+writer feeds.  Under
 ``on_nonfinite="replay"`` a step's end goes through ``_replay.Replayer`` too.
 A Recorder left open at exit, or collected unclosed, is ended by ``_exit``.
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 
 import numpy as np
@@ -34,7 +34,8 @@ from ._selection import select_layers, unwrap
 from ._budget import resolve as resolve_budget
 from ._buffer import StepBuffer
 from ._drops import DropLedger
-from ._open import all_ranks_then, open_run, rank_and_world
+from ._ranklog import RankLog
+from ._ranks import rank0_decides, rank_and_world
 from ._pool import write_threads
 from ._root import check_mode
 from ._replay import Replayer
@@ -147,7 +148,7 @@ class Recorder:
             outside_step=outside_step, max_bytes=max_bytes, on_error=on_error,
             close_timeout=close_timeout)
         self.metadata = fmt.to_json(metadata or {})
-        self.store_location = os.fspath(store)
+        self.store_location = fmt.location(store)
         engine_choice()                   # a bad TENSORTAPE_ENGINE or TENSORTAPE_WRITE_THREADS:
         write_threads()                   # one line, before anything is written
         self.layers = select_layers(model, layers)
@@ -163,13 +164,12 @@ class Recorder:
         self._own_last: int | None = None            # this Recorder's: steps must increase
         self._dropped_before = self._outside_before = 0
         self._warned_silent = False
-        error = None
-        try:
+
+        def look():                   # rank 0 looks, before any hook; its answer is every rank's
             with quiet():
-                check_mode(self.store_location, self.config.mode)   # before any hook
-        except Exception as e:        # raised after the barrier, so no other rank hangs
-            error = e
-        all_ranks_then(self._world, error)       # every rank looks before rank 0 creates
+                check_mode(self.store_location, self.config.mode)
+            return None, ""
+        rank0_decides(look, self.rank, self._world)
 
     # --- lifecycle ------------------------------------------------------------
     def attach(self) -> "Recorder":
@@ -183,18 +183,17 @@ class Recorder:
         self.config = cfg = dataclasses.replace(self.config, max_bytes=budget.limit)
         if budget.text and self.rank == 0:        # a line, not a warning (-W error)
             print(budget.text, file=sys.stderr)
-        run = open_run(self.store_location, cfg, self.rank, self._world, self._model_class,
-                       self.metadata)
+        log = RankLog.open(self.store_location, cfg, self.rank, self._world, self._model_class,
+                           self.metadata)
         try:                                      # a failure here gives the claim back
-            state = run.state
-            self._last_step, self._dropped_before = state.last_step, state.dropped
-            self._outside_before = state.outside_steps
+            self._last_step, self._dropped_before = log.last_step, log.dropped
+            self._outside_before = log.outside_steps
             drops = DropLedger()                  # one for the step buffer and the writer's handle
-            self._buffer = StepBuffer(cfg, state.layers, drops)
+            self._buffer = StepBuffer(cfg, log.layers, drops)
             self._buffer.summarizer.warm(self._model)
-            self._writer = Writer(run.store, state, run.root_base, cfg, drops, run.claim)
+            self._writer = Writer(log, cfg, drops)
         except BaseException:
-            run.abandon()
+            log.abandon()
             raise
         if self._buffer.keeper is not None:
             self._replayer = Replayer(self._buffer.keeper, self.rank, self.pause,

@@ -225,7 +225,7 @@ def _node(caller) -> dict:
         where, code = _line(user or caller)
         out.update(forward_source=where, forward_code=code)
         if library is not None:
-            out["forward_library_source"] = _line(library)[0]
+            out["forward_library_source"], out["forward_library_code"] = _line(library)
     return out
 
 

@@ -8,8 +8,8 @@ that a live job has claimed (``_lock.live_holder``).  ``open_root`` then opens
 the root group: rank 0 applies the mode (``"w"`` deletes a run's own entries
 and nothing else), other ranks open what rank 0 prepared.
 
-Runs on the training thread at attach (rank 0 under its ``_claim.Claim``,
-before the writer thread starts), and on the caller's thread for the tools
+Runs on the training thread at attach (rank 0 under its claim, before the
+writer thread starts), and on the caller's thread for the tools
 (``tensortape record``'s early check, ``migrate``).  No state.
 """
 
@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import zarr
 
@@ -31,9 +31,6 @@ from ._lock import live_holder
 from ._lockobject import drop_folder
 from .errors import (ConfigError, StoreExistsError, StoreFormatError, StoreNotFoundError,
                      argument)
-
-if TYPE_CHECKING:
-    from ._claim import Claim
 
 __all__ = ["Found", "Contents", "Mode", "check_mode", "look", "open_root"]
 
@@ -139,12 +136,12 @@ def look(location) -> Found:
     return _look_url(location) if fmt.is_url(location) else _look_local(location)
 
 
-def check_mode(location, mode: Mode, claim: Claim | None = None) -> Found:
+def check_mode(location, mode: Mode, claimed: str = "") -> Found:
     """Raise now, before anything is created, if ``mode`` cannot apply to
     ``location``; else say what is there.  Only a tensortape run (and nothing
     beside it) may be overwritten: tensortape never deletes what it did not write,
     and no mode touches a run that a live job has claimed (``_lock.live_holder``;
-    ``claim``: this job's own, which is no obstacle)."""
+    ``claimed``: the token of this job's own claim, which is no obstacle)."""
     location = os.fspath(location)
     found = look(location)
     if found.what is Contents.OTHER:
@@ -155,7 +152,7 @@ def check_mode(location, mode: Mode, claim: Claim | None = None) -> Found:
                                f"overwrite what it did not write: choose a new path for the run "
                                f"(a missing or empty folder)")
     if found.claimed:
-        holder = live_holder(location, ignore=claim.token if claim is not None else "")
+        holder = live_holder(location, ignore=claimed)
         if holder is not None:
             raise StoreExistsError(refusal(location, mode, holder))
     if mode == "w-" and found.what is Contents.RUN:
@@ -190,15 +187,16 @@ def _clear(location: str, entries: tuple[str, ...]) -> None:
 
 
 def open_root(location, mode: Mode, rank: int = 0, attributes: dict | None = None,
-              claim: Claim | None = None) -> zarr.Group:
+              claimed: str = "") -> zarr.Group:
     """Open the root group of a store for writing.  Rank 0 applies the run's
     ``mode`` (``"w"`` deletes a run's own entries; the new root's ``zarr.json`` is
     written once, with ``attributes``); other ranks open what it prepared.
 
-    ``claim``: rank 0's ``Claim`` on the store (``_claim.Claim.acquire``, taken
-    first), which makes what is seen here this job's to change.  Without one (tools
-    that own the store otherwise) a live job's claim still refuses.  Every refusal
-    is a ``StoreExistsError``, ``StoreNotFoundError`` or ``StoreFormatError``."""
+    ``claimed``: the token of rank 0's claim on the store (taken first), which
+    makes what is seen here this job's to change.  Without one (tools that own the
+    store otherwise) a live job's claim still refuses.  Every refusal is a
+    ``StoreExistsError``, ``StoreNotFoundError``, ``StoreFormatError`` or
+    ``ConfigError``."""
     location = os.fspath(location)
     if rank != 0:
         try:
@@ -206,7 +204,7 @@ def open_root(location, mode: Mode, rank: int = 0, attributes: dict | None = Non
         except FileNotFoundError as e:
             raise StoreNotFoundError(f"rank {rank} found no store at {location!r} that rank 0 "
                                      f"prepared: {e}") from e
-    found = check_mode(location, mode, claim)
+    found = check_mode(location, mode, claimed)
     try:
         if mode == "a":
             root = zarr.open_group(location, mode="a")
@@ -225,7 +223,7 @@ def open_root(location, mode: Mode, rank: int = 0, attributes: dict | None = Non
         # under a claim "a": what is left is the claim, and it is ours.  Else locally
         # "w-": zarr's "w" would delete the folder itself (a link's target too); an
         # object store keeps empty "folders" of what was cleared, which "w" removes
-        create = "a" if claim is not None else ("w" if fmt.is_url(location) else "w-")
+        create = "a" if claimed else ("w" if fmt.is_url(location) else "w-")
         return zarr.open_group(location, mode=create, zarr_format=3, attributes=attributes or {})
     except (StoreExistsError, StoreNotFoundError, StoreFormatError, ConfigError):
         raise

@@ -14,8 +14,8 @@
 vector per device, as the summaries' are (``Summarizer.to_host``); the writer
 thread reads them (``Logged.values``).  Nothing here waits for a device.
 
-The store side: ``columns`` makes the rank's scalars table (``format.SCALAR_COLUMNS``),
-and ``ids`` maps names to their index in the rank state's ``scalar_names``.
+The store side: ``columns`` makes the rank's scalars table (``format.SCALAR_COLUMNS``);
+each name's index in the rank state's ``scalar_names`` is ``RankLog``'s.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ._layout import SMALL_CHUNK_ROWS, new_array, step_column
 from ._record import Packed
 from .errors import ConfigError
 
-__all__ = ["Logged", "ScalarLog", "check", "columns", "ids", "resolve"]
+__all__ = ["Logged", "ScalarLog", "check", "columns", "resolve"]
 
 BEFORE_FIRST = "scalars logged before the first step"
 
@@ -150,16 +150,6 @@ def resolve(batches: list[Logged], drops: dict) -> list[tuple[int, list[str], np
             reason = f"scalars failed ({type(e).__name__})"
             drops[reason] = drops.get(reason, 0) + len(b.names)
     return out
-
-
-def ids(state: fmt.RankState, names: list[str]) -> np.ndarray:
-    """The index of each name in ``state.scalar_names`` (new names appended)."""
-    known = {n: i for i, n in enumerate(state.scalar_names)}
-    for n in names:
-        if n not in known:
-            known[n] = len(state.scalar_names)
-            state.scalar_names.append(n)
-    return np.array([known[n] for n in names], np.int64)
 
 
 def columns(g) -> dict:

@@ -4,7 +4,9 @@
 their first row, or reopened at their committed rows), appends the rows the
 writer hands it, writes replay bundles whole, and commits: a reader trusts only
 the committed row counts that ``commit`` writes into the rank group's
-attributes *after* every write they count has finished (``flush``).
+attributes *after* every write they count has finished (``flush``).  What those
+attributes say (the rank's state) is ``_ranklog.RankLog``'s: the store writes
+them as given.
 
 The rooms of the store: ``_root`` (what is at a location, opening the root),
 ``_pool`` (the write threads, one write in flight per array), ``_table``
@@ -13,8 +15,8 @@ writer of a rank's tables: the recorder appends through ``append_stats`` and
 ``append_tensor``, and ``recorder.migrate`` opens a table of the layout it
 copies (``stats_table``, ``tensor_table``) and appends its rows.
 
-Threads: made on the training thread at attach (which reads ``state`` and may
-``commit`` the first state), then used by the writer thread alone; its
+Threads: made on the training thread at attach (which reads the rank's
+attributes and may ``commit`` the first state), then used by the writer thread alone; its
 ``WritePool``'s threads write the chunks.  **Who stops them**: ``close`` (the
 writer at its close; the Recorder when attach fails after making the store;
 the migration when its copy ends), else a finaliser when a store
@@ -56,6 +58,8 @@ class RunStore:
         self.rank = rank
         self.compression = compression     # of full tensors: "auto", a zstd level, or None
         self.rank_group = root.require_group(fmt.rank_group(rank))
+        self.pyramids: dict[str, int] = {}   # stats table -> the rows its stored pyramid
+                                             # covers, as last committed (``_pyramid``)
         self.tables: dict[str, Table] = {}
         self.pool = WritePool(write_threads())
         # a store forgotten without ``close`` ends its threads when it is collected
@@ -63,11 +67,10 @@ class RunStore:
         self._finalizer = weakref.finalize(self, self.pool.shutdown, False)
         self._finalizer.atexit = False
 
-    def state(self) -> fmt.RankState:
-        """The rank's committed state (empty for a new rank, which keeps ``nonfinite``
-        tables)."""
-        return fmt.RankState.from_json(dict(self.rank_group.attrs)
-                                       or {"rank": self.rank, "nonfinite": {}})
+    def attributes(self) -> dict:
+        """The rank group's attributes as stored (its committed state; empty for a new
+        rank)."""
+        return dict(self.rank_group.attrs)
 
     # --- tables --------------------------------------------------------------
     def stats_table(self, path: str, width: int, committed: int = 0,
@@ -91,7 +94,7 @@ class RunStore:
         if not committed:
             return Pyramid(g, pyramid_columns(g, width), 0, self.pool)
         names = {grain: fmt.pyramid_level(grain) for grain in fmt.PYRAMID_GRAINS}
-        if self.state().pyramid.get(path, 0) < committed or not all(
+        if self.pyramids.get(path, 0) < committed or not all(
                 n in g and g[n].shape[0] >= committed // grain for grain, n in names.items()):
             return None
         col = table.columns["stats"]          # its buffer holds the rows of its last chunk
@@ -231,22 +234,22 @@ class RunStore:
             t.flush()
         return {path: t.rows for path, t in self.tables.items() if not _nonfinite(path)}
 
-    def commit(self, state: fmt.RankState, root_attrs: dict[str, Any] | None) -> None:
-        """Advance the commit counters after the data: the rank's state in one
-        write of its ``zarr.json``, then (rank 0) the root's in one write.  The
-        state says, with them, the rows each open stats table's pyramid covers,
-        and each ``nonfinite`` table's rows."""
-        for path, t in self.tables.items():
-            if _nonfinite(path) and state.nonfinite is not None:
-                state.nonfinite[path] = t.rows
-            elif isinstance(t, StatsTable):
-                if t.pyramid is not None:
-                    state.pyramid[path] = t.pyramid.rows
-                else:
-                    state.pyramid.pop(path, None)
-        self.rank_group.update_attributes(state.to_json())
+    def covered(self) -> tuple[dict[str, int], dict[str, int | None]]:
+        """What the open tables hold besides ``flush``'s counts: each ``nonfinite``
+        table's rows, and the rows each stats table's pyramid covers (None: a table
+        without one)."""
+        nonfinite = {p: t.rows for p, t in self.tables.items() if _nonfinite(p)}
+        pyramids = {p: t.pyramid.rows if t.pyramid is not None else None
+                    for p, t in self.tables.items() if isinstance(t, StatsTable)}
+        return nonfinite, pyramids
+
+    def commit(self, rank_attrs: dict[str, Any], root_attrs: dict[str, Any] | None) -> None:
+        """Advance the commit counters after the data: the rank's attributes (its
+        state) in one write of its ``zarr.json``, then (rank 0) the root's in one
+        write; both JSON as given."""
+        self.rank_group.update_attributes(rank_attrs)
         if root_attrs is not None:
-            self.root.update_attributes(fmt.to_json(root_attrs))
+            self.root.update_attributes(root_attrs)
 
     def trim(self) -> None:
         """Cut every table to its rows (at close, after the last flush)."""
@@ -255,9 +258,11 @@ class RunStore:
         for t in self.tables.values():
             t.drain()
 
-    def reset(self) -> None:
+    def reset(self, pyramids: dict[str, int]) -> None:
         """Forget every open table (after a failed write): each is opened again at
-        its committed rows, overwriting whatever was written past them."""
+        its committed rows (its pyramid's at ``pyramids``), overwriting whatever was
+        written past them."""
+        self.pyramids = dict(pyramids)
         for t in self.tables.values():
             t.settle()
         self.tables = {}

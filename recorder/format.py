@@ -77,6 +77,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +159,13 @@ STORED_DTYPES = frozenset({
 def is_url(location: str) -> bool:
     """Whether a store location is an fsspec URL rather than a local path."""
     return "://" in str(location)
+
+
+def location(store) -> str:
+    """A store location as the recorder keeps it: a path or an fsspec URL, a
+    ``file://`` URL as its local path (one file system, one kind of claim)."""
+    where = os.fspath(store)
+    return where.removeprefix("file://") if where.startswith("file://") else where
 
 
 def pyramid_level(grain: int) -> str:

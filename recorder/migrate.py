@@ -62,7 +62,7 @@ def write_run(location, attrs: dict, states: dict[int, fmt.RankState],
     the folder it created, or what it put in the one that was there."""
     from ._root import open_root
     from ._store import RunStore
-    location = os.fspath(location)
+    location = fmt.location(location)
     _check_entry(location, mode, source)
     existed = _exists(location)
     root = open_root(location, mode, attributes={})       # refuses before writing anything
@@ -145,8 +145,9 @@ def _write(root, location: str, attrs: dict, states, tables, RunStore) -> str:
             s.trim()
         last = dict(attrs, tensortape_format=fmt.FORMAT_VERSION)
         ranks = sorted(states)
+        from ._ranklog import RankLog
         for rank in ranks:                   # the counters after the data, the root last
-            store(rank).commit(states[rank], last if rank == ranks[-1] else None)
+            RankLog.commit_copy(store(rank), states[rank], last if rank == ranks[-1] else None)
         if not ranks:
             root.update_attributes(fmt.to_json(last))
     finally:

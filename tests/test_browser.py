@@ -12,9 +12,12 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from tensortape.analysis import first_divergence, open_run
+from tensortape.recorder import Recorder
 
 from test_serve import ROOT, XSS, record_spiky
 
@@ -25,7 +28,7 @@ CHROMIUM = next((p for p in (os.environ.get("TENSORTAPE_CHROMIUM"), shutil.which
                  if p and os.path.exists(p)), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium found (apt-get install "
                                 "chromium, or set TENSORTAPE_CHROMIUM)")
-NONFINITE_RGB = [0xff, 0x2d, 0x75]         # chart.js's colour of a non-finite cell
+NONFINITE_RGB = [0xff, 0x2d, 0x75]         # heat.js's colour of a non-finite cell
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +213,7 @@ def test_layers_filter_by_glob_sort_by_peak_and_a_hover_shows_the_stored_value(p
     import json
     import urllib.request
     pg = page.open(runs["ok"])
-    with urllib.request.urlopen(pg.url.rstrip("/") + "/api/map?stat=abs_max&width=1000") as r:
+    with urllib.request.urlopen(pg.url.split("?")[0].rstrip("/") + "/api/map?stat=abs_max&width=1000") as r:
         m = json.loads(r.read())
     pg.fill("#filter", "encoder.layers.0.*")
     labels = pg.locator("#map-labels div").all_inner_texts()
@@ -254,15 +257,16 @@ def test_jump_shows_every_step_and_no_infinite_or_stray_tick(page, blowup):
     assert f"steps 0–{BLOWUP - 1} ({BLOWUP} steps" in title, title
     shown = [pg.input_value(f"#{i}") or pg.get_attribute(f"#{i}", "placeholder") for i in ("start", "stop")]
     assert shown == ["0", str(BLOWUP - 1)]                # the fields say what the title says
-    ticks = json.loads(pg.get_attribute("[data-testid=histogram] canvas", "data-ticks"))
+    ticks = json.loads(pg.get_attribute("[data-testid=histogram] .chart", "data-ticks"))
     assert ticks and not any("Infinity" in t or "NaN" in t for t in ticks), ticks
-    ys = json.loads(pg.get_attribute("[data-testid=evolution] canvas[data-stat=min]", "data-yticks"))
+    pg.wait_for_selector("[data-testid=evolution][data-complete]")
+    ys = json.loads(pg.get_attribute("[data-testid=evolution] [data-stat=min]", "data-yticks"))
     v = [float(t) for t in ys]
     gap = v[1] - v[0]                                     # evenly spaced, 0 where 0 is meant
     assert all(abs((b - a) - gap) <= 1e-6 * abs(gap) for a, b in zip(v, v[1:])), ys
     assert all(t == "0" for t, x in zip(ys, v) if abs(x) < gap / 2), ys
     # the user's axis: a min of -3.4e38 over data near 0 (a running sum of ticks gave -3.8e22)
-    got = pg.evaluate("() => Chart.ticks(-3.4e38, -0.5, 4).map(Chart.short)")
+    got = pg.evaluate("() => Heat.ticks(-3.4e38, -0.5, 4).map(Heat.short)")
     assert got == ["-3.0e+38", "-2.0e+38", "-1.0e+38", "0"], got
 
 
@@ -293,3 +297,145 @@ def test_two_runs_nan_against_nan_is_drawn_non_finite_and_each_runs_first_named(
     col = list(steps).index(first.step)
     x = box["x"] + (col + 0.5) * box["width"] / len(steps)
     assert pixel(pg, x, label["y"] + label["height"] / 2, "compare-map") == NONFINITE_RGB
+
+
+# --- what the page draws, against the samples; its link; its labels ---------------------------------
+@pytest.fixture(scope="module")
+def embedding(tmp_path_factory):
+    from test_views import record_embedding
+    return record_embedding(str(tmp_path_factory.mktemp("browser") / "embed.zarr"))
+
+
+def drawn_pixel(pg, selector, x, y):
+    """The colour at (x, y) of the canvas uPlot drew in ``selector`` (x, y in its plot's
+    data: ``u.valToPos``)."""
+    return pg.evaluate("""([sel, x, y]) => {
+        const c = document.querySelector(sel + ' canvas'), u = document.querySelector(sel)._u;
+        const px = u.valToPos(x, 'x', true), py = u.valToPos(y, 'y', true);
+        const d = c.getContext('2d').getImageData(px, py, 1, 1).data;
+        return d[3] === 0 ? [255, 255, 255] : Array.from(d).slice(0, 3);     // transparent: the page
+    }""", [selector, x, y])
+
+
+def test_a_gaussian_is_one_bell_of_densities_on_a_linear_axis_as_the_png(page, embedding):
+    """An embedding's output, N(0, 0.028): the page's bars are the PNG's (density per unit
+    of value), ticks are values evenly spaced (no -4.7e-9 beside -1.7e-16), and the bell
+    is drawn: filled at its top, white beside it at that height."""
+    import json
+    from test_views import png_bars, samples
+    pg = page.open(embedding)
+    pg.goto(pg.url.split("?")[0] + "?layer=embed&step=3")          # a link to that cell
+    pg.wait_for_selector("[data-testid=histogram][data-step='3']")
+    bars = json.loads(pg.get_attribute("[data-testid=histogram] .chart", "data-bars"))
+    lo, hi, height = (np.array([float(v) for v in bars[k]]) for k in ("lo", "hi", "height"))
+    png = png_bars(open_run(embedding), 3, "linear")
+    np.testing.assert_array_equal(lo, png[0])
+    np.testing.assert_allclose(height, png[2], rtol=1e-12)
+    x = samples(3).astype(float)
+    count = ((x[:, None] >= lo) & (x[:, None] < hi)).sum(axis=0)
+    np.testing.assert_allclose(height[:-1], (count / (x.size * (hi - lo)))[:-1], rtol=1e-12)
+    ticks = [float(t) for t in json.loads(pg.get_attribute("[data-testid=histogram] .chart", "data-ticks"))]
+    gaps = np.diff(ticks)
+    assert len(ticks) >= 4 and np.allclose(gaps, gaps[0], rtol=1e-9), ticks
+    assert all(t == 0 or abs(t) >= 1e-3 for t in ticks), ticks
+    top = int(np.argmax(height))
+    centre = (lo[top] + hi[top]) / 2
+    assert abs(centre) < 0.02
+    blue = drawn_pixel(pg, "[data-testid=histogram] .chart", centre, height[top] / 2)
+    white = drawn_pixel(pg, "[data-testid=histogram] .chart", 0.09, height[top] / 2)
+    assert blue[2] > 200 and blue[0] < 200 and white == [255, 255, 255], (blue, white)
+    assert "per unit of value" in pg.inner_text("[data-testid=histogram]")
+    pg.select_option("#scale", "symlog")
+    pg.wait_for_selector("[data-testid=histogram][data-scale=symlog]")
+    assert "per decade" in pg.inner_text("[data-testid=histogram]")
+    assert "0" in json.loads(pg.get_attribute("[data-testid=histogram] .chart", "data-ticks"))
+
+
+def test_a_link_restores_the_view_runs_kind_statistic_filter_zoom_and_cell(page, runs):
+    first = open_run(runs["nan"]).first_nonfinite()
+    pg = page.open(runs["nan"])
+    pg.select_option("#kind", first.kind)
+    pg.select_option("#stat", "std")
+    pg.wait_for_function("() => document.getElementById('map-title').textContent.startsWith('std of')")
+    pg.fill("#filter", "encoder.*")
+    pg.fill("#start", "2")
+    pg.fill("#stop", "12")
+    pg.click("#zoom")
+    pg.wait_for_function("() => document.getElementById('map').dataset.first === '2'")
+    box = pg.locator(f"[data-testid=first-nonfinite-cell][data-step='{first.step}']").bounding_box()
+    pg.mouse.click(*centre(box))
+    pg.wait_for_selector(f"[data-testid=histogram][data-step='{first.step}']")
+    pg.select_option("#scale", "symlog")
+    link = pg.url
+    other = page.context.browser.new_page(viewport={"width": 1300, "height": 1000})
+    try:
+        other.goto(link)
+        other.wait_for_selector("body[data-ready='1']", timeout=60000)
+        other.wait_for_selector(f"[data-testid=histogram][data-step='{first.step}']")
+        assert other.input_value("#kind") == first.kind and other.input_value("#stat") == "std"
+        assert other.input_value("#filter") == "encoder.*" and other.input_value("#scale") == "symlog"
+        assert other.eval_on_selector("#map", "c => [c.dataset.first, c.dataset.last]") == ["2", "12"]
+        assert other.get_attribute("[data-testid=histogram]", "data-layer") == first.layer
+        labels = other.locator("#map-labels div").all_inner_texts()
+        assert labels and all(t.startswith("encoder.") for t in labels)
+        mark = other.locator("[data-testid=selected-cell]")
+        assert (mark.get_attribute("data-layer"), mark.get_attribute("data-step")) == (first.layer, str(first.step))
+    finally:
+        other.close()
+
+
+WIDE = 60                     # blocks of two layers: 120 rows
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """120 layers with Llama's names, 300 steps; a scalar logged each step, two once."""
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList(torch.nn.ModuleDict(
+                {"mlp": torch.nn.ModuleDict({"down_proj": torch.nn.Linear(4, 4)}),
+                 "post_attention_layernorm": torch.nn.LayerNorm(4)}) for _ in range(WIDE))
+
+        def forward(self, x):
+            for b in self.model.layers:
+                x = b["post_attention_layernorm"](b["mlp"]["down_proj"](x))
+            return x
+    model = Blocks()
+    path = str(tmp_path_factory.mktemp("browser") / "wide.zarr")
+    with Recorder(model, path, layers="model.layers.*.*", capture="activations",
+                  tensors_every=None) as rec:
+        for step in range(300):
+            with rec.step(step), torch.no_grad():
+                model(torch.randn(2, 4))
+                rec.log({"loss": 1.0 / (step + 1)})
+        rec.log({"train_runtime": 12.5, "total_flos": 3.0e9})
+    return path
+
+
+def test_a_hundred_layers_keep_readable_labels_round_step_ticks_and_numbers_apart(page, wide):
+    import re
+    pg = page.open(wide)
+    names = open_run(wide).layers
+    labels = pg.locator("#map-labels div")
+    assert labels.count() == 2 * WIDE
+    for i in (0, 1, 77, 2 * WIDE - 1):
+        d = labels.nth(i)
+        name, text = d.get_attribute("title"), d.inner_text()
+        assert name == names[i] and d.get_attribute("data-layer") == name      # full on hover
+        assert d.bounding_box()["height"] >= 12 and d.is_visible()
+        pattern = re.compile(".*".join(map(re.escape, text.split("…"))) + "$")
+        assert pattern.match(name) and re.findall(r"\d+", text) == re.findall(r"\d+", name), text
+    label = labels.nth(2 * WIDE - 1)                 # the last row: scrolled to, it shows
+    label.scroll_into_view_if_needed()
+    assert label.is_visible()
+    ticks = [int(t) for t in pg.locator("#map-axis span").all_inner_texts()]
+    assert len(ticks) >= 3
+    k = ticks[1] - ticks[0]
+    assert all(t % k == 0 for t in ticks) and str(k).strip("0") in ("1", "2", "5"), ticks
+    # one-off values are a table, not charts of one point
+    assert pg.locator("[data-testid=scalars] .chart").count() == 1
+    rows = pg.locator("[data-testid=scalars] table.once tr").all_inner_texts()
+    assert sorted(r.split()[0] for r in rows) == ["total_flos", "train_runtime"]
+    assert "logged once" in pg.inner_text("[data-testid=scalars] .caption")

@@ -21,7 +21,7 @@ from tensortape.recorder import Recorder, StoreExistsError
 from tensortape.recorder import format as fmt
 from tensortape.recorder._claim import Claim
 from tensortape.recorder._holder import this_node
-from conftest import InplaceMLP
+from conftest import InplaceMLP, at_once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 20
@@ -250,47 +250,35 @@ def test_a_killed_owner_s_claim_is_taken_over(tmp_path, jobs, mode):
     assert sorted(os.listdir(store)) == ["rank0", "zarr.json"]
 
 
-def test_claim_api(tmp_path, monkeypatch):
+def test_claim_api(tmp_path):
     store = str(tmp_path / "run.zarr")
     claim = Claim.acquire(store, "w-")
     info = claim_doc(store)["attributes"]["tensortape_claim"]
     assert info["pid"] == os.getpid() and info["token"] == claim.token and claim.held
     with pytest.raises(StoreExistsError, match="this process"):
         Claim.acquire(store, "w")
-    assert claim.refresh() is True
+    assert claim.confirm() is True and claim.confirm(read=True) is True
+    other = Claim.shared(store, claim.token)                  # other ranks share rank 0's
+    assert not other.held and other.confirm(read=True) and not other.release()
     assert claim.release() is True and not os.path.exists(os.path.join(store, fmt.CLAIM_NAME))
-    assert claim.release() is False and claim.refresh() is False
-    other = Claim.acquire(store, "w-", rank=1, world=2)      # other ranks share rank 0's
-    assert not other.held and other.refresh() and not other.release()
-    assert not os.path.exists(os.path.join(store, fmt.CLAIM_NAME))
-    # a claim taken over (here: rewritten by hand) is lost, and refresh() says so
+    assert claim.release() is False and claim.confirm() is False
+    assert other.confirm(read=True)                 # released at rank 0's close: not lost
+    # a claim taken over (here: rewritten by hand) is lost, and confirm() says so
     claim = Claim.acquire(store, "w-")
+    other = Claim.shared(store, claim.token)
     doc = claim_doc(store)
     doc["attributes"]["tensortape_claim"]["token"] = "someone-else"
     with open(claim_of(store), "w") as f:
         json.dump(doc, f)
-    monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "0")
-    assert claim.refresh() is False and "taken over" in claim.lost
+    assert claim.confirm() is True                  # within its lease: the store is not asked
+    assert claim.confirm(read=True) is False and "taken over" in claim.lost
+    assert other.confirm(read=True) is False and "taken over" in other.lost
     assert claim.release() is False and os.path.exists(claim_of(store))   # not ours to delete
 
 
 def claims_at_once(location, n=6) -> list:
     """``n`` threads claim ``location`` at once: what each got (a Claim or the error)."""
-    barrier = threading.Barrier(n)
-    got = [None] * n
-
-    def one(i):
-        barrier.wait()
-        try:
-            got[i] = Claim.acquire(location, "w-")
-        except Exception as e:
-            got[i] = e
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return got
+    return at_once(lambda i: Claim.acquire(location, "w-"), n)
 
 
 def check_one_claim(got):

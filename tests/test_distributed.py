@@ -1,16 +1,11 @@
 """Two DDP ranks (gloo, on loopback) record into one store."""
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import zarr
 
+from ranks import PREAMBLE, run_ranks
 from tensortape.analysis import open_run
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = textwrap.dedent("""
     import os, sys, time
@@ -41,17 +36,7 @@ WORKER = textwrap.dedent("""
 
 
 def _run_ranks(store, out, delay, world=2, worker=WORKER):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen([sys.executable, "-c", worker, store, str(out), str(delay)],
-                                      env=env, cwd=ROOT))
-    for p in procs:
-        assert p.wait(timeout=120) == 0
+    assert run_ranks(worker, store, out, delay, world=world, timeout=120) == [0] * world
     return [(out / f"result{rank}").read_text() for rank in range(world)]
 
 
@@ -69,18 +54,6 @@ def test_two_ranks_record_into_one_store(tmp_path):
     assert _run_ranks(store, tmp_path, delay=0.0) == ["StoreExistsError", "StoreExistsError"]
     assert open_run(store).ranks == [0, 1]
 
-
-# a worker's first lines: joins the gloo group of the test's ranks
-PREAMBLE = textwrap.dedent("""
-    import os, sys, json
-    import numpy as np, torch, torch.distributed as dist
-    from torch import nn
-    from tensortape.recorder import Recorder
-    store, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo", init_method="env://")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-""")
 
 FSDP_WORKER = PREAMBLE + textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard

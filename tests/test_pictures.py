@@ -207,10 +207,34 @@ def _overlap(a, b):
     return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
 
 
-@pytest.mark.parametrize("panels", [1, 2, 7, 8, 13, 40])
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory):
+    """24 layers whose std moves in its sixth digit (a log axis over it labels every tick
+    with all its digits); 23 of them go NaN at step 30."""
+    model = Deep()
+    path = str(tmp_path_factory.mktemp("narrow") / "narrow.zarr")
+    base = torch.from_numpy(RNG.normal(0, 0.3, 64).astype(np.float32))
+    with Recorder(model, path, layers=f"encoder.layers.*.{LONG}", capture="activations",
+                  tensors_every=None) as rec:
+        for step in range(50):
+            with rec.step(step):
+                model(base * (1 + 1e-5 * (step % 7)), bad=set(range(1, 24)) if step >= 30 else ())
+    return open_run(path)
+
+
+@pytest.mark.parametrize("panels", [1, 2, 7, 8, 13, 24, 40])
 def test_small_multiples_titles_are_whole_and_never_collide(deep, panels):
-    names = deep.layers[:panels]
-    fig = deep.plot_evolution(layers=names, stat="abs_max")
+    _titles_whole_and_apart(deep, deep.layers[:panels], "abs_max")
+
+
+def test_small_multiples_of_values_within_a_decade_keep_their_titles_whole(narrow):
+    _titles_whole_and_apart(narrow, narrow.layers[:24], "std")
+
+
+def _titles_whole_and_apart(run, names, stat):
+    """Every title (the full names, wrapped) inside the figure, apart from each other
+    and from every other panel, as the renderer lays them out."""
+    fig = run.plot_evolution(layers=names, stat=stat)
     FigureCanvasAgg(fig).draw()
     renderer = fig.canvas.get_renderer()
     axes = [a for a in fig.axes if a.get_visible()]

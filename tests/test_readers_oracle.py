@@ -10,7 +10,8 @@ extreme values (NaN, +-Inf, +-0, the largest and smallest of the dtype, subnorma
 a large mean with a tiny spread), micro-batches, layers that skip a micro-batch,
 sometimes enough steps for the browser map's summary pyramid, and a resume with
 ``mode="a"`` that records some steps again.  ``test_ranks_agree_with_the_oracle``
-records the same on two gloo ranks, whose steps differ (a resume: a new job).
+records the same on two gloo ranks, whose steps differ, the resume within the same
+job (every rank closes its Recorder and opens the next).
 
 The truth is ``oracle.Oracle`` (plain hooks) on the same schedule, played again
 without tensortape, with exact ``Fraction`` sums (``oracle.exact``).  Every
@@ -253,15 +254,14 @@ def train(spec: Spec, model: Bank, rng, micros: int, log) -> None:
             log.log({name: scalar(rng)})
 
 
-def play(spec: Spec, rank: int = 0, store: str | None = None, between=None, sessions=None):
+def play(spec: Spec, rank: int = 0, store: str | None = None, between=None):
     """Run ``spec``'s schedule on a fresh model: recorded by tensortape into ``store``,
     or (``store=None``) by the oracle, whose truth it returns.  ``between(session)``:
-    called after each recording closes; ``sessions``: only these recordings (a job
-    of several ranks resumes as a new job)."""
+    called after each recording closes."""
     model = Bank(spec.layers)
     oracle = None if store else Oracle(model, spec.patterns, spec.capture, spec.stats_every,
                                        spec.tensors_every, spec.ring, spec.on_nonfinite)
-    for session in sessions or range(len(spec.sessions)):
+    for session in range(len(spec.sessions)):
         rec = None
         if store:
             rec = Recorder(model, store, layers=spec.patterns, capture=spec.capture,
@@ -1005,35 +1005,33 @@ WORKER = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from test_readers_oracle import Spec, play
     dist.init_process_group("gloo", init_method="env://")
-    play(Spec.from_json(open(sys.argv[2]).read()), dist.get_rank(), sys.argv[3],
-         sessions=[int(sys.argv[4])])
+    play(Spec.from_json(open(sys.argv[2]).read()), dist.get_rank(), sys.argv[3])
     dist.destroy_process_group()
 """)
 
 
 def record_ranks(spec: Spec, path: str, tmp: str) -> None:
-    """Record ``spec`` on ``spec.ranks`` gloo processes into ``path``: a job of its
-    own for each recording (a resumed job is a new one)."""
+    """Record ``spec`` on ``spec.ranks`` gloo processes into ``path``: one job, whose
+    every rank closes its Recorder and opens the next for the resume."""
     with open(os.path.join(tmp, "spec.json"), "w") as f:
         f.write(spec.to_json())
-    for session in range(len(spec.sessions)):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [subprocess.Popen([sys.executable, "-c", WORKER, HERE, f.name, path, str(session)],
-                                  env=dict(os.environ, MASTER_ADDR="127.0.0.1",
-                                           MASTER_PORT=str(port), RANK=str(r),
-                                           WORLD_SIZE=str(spec.ranks)), cwd=tmp)
-                 for r in range(spec.ranks)]
-        codes = []
-        try:
-            codes = [p.wait(timeout=600) for p in procs]
-        finally:
-            for p in procs:                  # a rank that failed leaves the others waiting
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        assert codes == [0] * spec.ranks, ("a rank failed", session, codes)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, HERE, f.name, path],
+                              env=dict(os.environ, MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port), RANK=str(r),
+                                       WORLD_SIZE=str(spec.ranks)), cwd=tmp)
+             for r in range(spec.ranks)]
+    codes = []
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:                      # a rank that failed leaves the others waiting
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0] * spec.ranks, ("a rank failed", codes)
 
 
 # --- the tests ------------------------------------------------------------------------------

@@ -719,3 +719,104 @@ def test_a_forward_hook_of_torch_distributed_on_a_descendant_rules_out_a_replay(
     m[1][1].register_forward_pre_hook(functools.partial(gather))
     assert "'1.1' in it" in collectives(m) and "torch.distributed" in collectives(m)
     assert collectives(m[0]) is None            # a sibling without it is replayed
+
+
+# --- a library's module: where the op ran, and the user's call that led there ----------------------
+NORMLIB = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    class RMSNorm(nn.Module):
+        """Hugging Face Llama's RMS norm; the test sets its eps to 0."""
+
+        def __init__(self, eps=1e-6):
+            super().__init__()
+            self.eps = eps
+
+        def forward(self, hidden_states):
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            return hidden_states * torch.rsqrt(variance + self.eps)
+
+
+    class Root(nn.Module):
+        """A root whose input the test scales to 0: a finite forward, NaN in backward."""
+
+        def __init__(self):
+            super().__init__()
+            self.scale = 1.0
+
+        def forward(self, x):
+            return torch.sqrt(x * x * self.scale)
+''')
+
+
+def installed_library(folder):
+    """``normlib``, imported from a ``site-packages`` folder: a library, as transformers is."""
+    import importlib.util
+    path = folder / "site-packages" / "normlib.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(NORMLIB)
+    spec = importlib.util.spec_from_file_location("normlib", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, str(path)
+
+
+def train_library_model(model, rec, fault):
+    for i in range(2):
+        fault(i)
+        with rec.step(i):
+            out = model(batch6(i))
+            out.pow(2).mean().backward()
+
+
+def record_library_fault(folder, where: str = "forward") -> tuple[str, str]:
+    """A run whose first NaN is made in a library's module: its RMS norm (forward) or its
+    square root (backward), at step 1.  The store and the library's file."""
+    lib, path = installed_library(folder)
+    torch.manual_seed(0)
+    inner = lib.RMSNorm() if where == "forward" else lib.Root()
+    m = nn.Sequential(nn.Linear(6, 6), inner, nn.Linear(6, 3))
+
+    def fault(i):
+        if i == 1 and where == "forward":
+            inner.eps = 0.0
+            with torch.no_grad():
+                m[0].weight.zero_()
+                m[0].bias.zero_()
+        elif i == 1:
+            inner.scale = 0.0
+    store = str(folder / f"{where}.zarr")
+    with Recorder(m, store, on_nonfinite="replay", tensors_every=None, layers="*") as rec:
+        train_library_model(m, rec, fault)
+    return store, path
+
+
+def test_a_library_modules_op_is_named_at_its_line_and_at_the_users_call(tmp_path):
+    store, lib = record_library_fault(tmp_path, "forward")
+    r = open_run(store).first_nonfinite().replay
+    assert r["op"] == "aten::rsqrt" and r["module_class"] == "RMSNorm", r
+    user = line_of(train_library_model, "out = model(")
+    ran = f"{lib}:{NORMLIB.splitlines().index('        return hidden_states * torch.rsqrt(variance + self.eps)') + 1}"
+    assert (r["library_source"], r["source"]) == (ran, user), r
+    out = CliRunner().invoke(cli, ["nan", store])
+    assert out.exit_code == 1
+    text = out.output
+    assert (f"made by aten::rsqrt in 1 (RMSNorm) ran at {ran} (library code)\n"
+            f"    return hidden_states * torch.rsqrt(variance + self.eps)\n"
+            f"  called from {user} (your code)\n"
+            f"    out = model(batch6(i))\n") in text, text
+
+
+def test_in_backward_a_library_forward_line_is_named_with_the_users_call(tmp_path):
+    store, lib = record_library_fault(tmp_path, "backward")
+    r = open_run(store).first_nonfinite().replay
+    assert r["phase"] == "backward" and r["node"] == "SqrtBackward0", r
+    ran = f"{lib}:{NORMLIB.splitlines().index('        return torch.sqrt(x * x * self.scale)') + 1}"
+    user = line_of(train_library_model, "out = model(")
+    assert (r["forward_library_source"], r["forward_source"]) == (ran, user), r
+    text = CliRunner().invoke(cli, ["nan", store]).output
+    assert (f"the forward op that made that node ran at {ran} (library code)\n"
+            f"    return torch.sqrt(x * x * self.scale)\n"
+            f"  called from {user} (your code)\n") in text, text

@@ -412,13 +412,30 @@ def test_no_path_outside_the_page_is_served(spiky, serve, path):
 
 
 def test_the_page_is_self_contained(spiky, serve):
+    """Every file the page loads is served from the package; the page's own code names
+    no other site; the vendored uPlot is the one its fetch script recorded (sha256),
+    fetches nothing, and names only its own home in its licence header."""
+    import hashlib
+    import re
+    from tensortape.analysis._serve import STATIC
     s = serve(spiky)
     status, page, ctype = s.raw("/")
     assert status == 200 and ctype.startswith("text/html")
-    for asset in ("/app.js", "/chart.js", "/app.css"):
-        assert s.raw(asset)[0] == 200
-    text = page.decode() + s.raw("/app.js")[1].decode() + s.raw("/chart.js")[1].decode()
-    assert "http://" not in text and "https://" not in text and "innerHTML" not in text
+    loaded = re.findall(r'(?:src|href)="(/[^"]*)"', page.decode())
+    assert loaded and set(loaded) <= set(STATIC), loaded
+    vendor = os.path.join(ROOT, "analysis", "static", "vendor")
+    with open(os.path.join(vendor, "SHA256SUMS")) as f:
+        sums = dict(reversed(line.split()) for line in f if not line.startswith("#"))
+    for path in STATIC:
+        status, body, _ = s.raw(path)
+        assert status == 200, path
+        text = body.decode()
+        if path.startswith("/vendor/"):
+            assert hashlib.sha256(body).hexdigest() == sums[path.rsplit("/", 1)[1]], path
+            assert set(re.findall(r"https?://[^\s\"')]*", text)) <= {"https://github.com/leeoniya/uPlot"}
+            assert not re.search(r"fetch\(|XMLHttpRequest|import\(|innerHTML|WebSocket", text), path
+        else:
+            assert "http://" not in text and "https://" not in text and "innerHTML" not in text, path
 
 
 def test_a_layer_named_like_html_is_returned_as_data(spiky, serve):
@@ -439,6 +456,51 @@ def test_serving_never_writes_into_the_store(spiky, serve):
     s = serve(spiky)
     s.get("runs"), s.get("map"), s.get("histogram", layer="first", step=3), s.get("stats", layer="last")
     assert snapshot() == before
+
+
+def _with_host(url: str, path: str, host: str | None) -> tuple[int, bytes]:
+    """GET ``path`` from the server at ``url`` with this ``Host`` header (None: none)."""
+    import http.client
+    u = urllib.parse.urlsplit(url)
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    try:
+        c.putrequest("GET", path, skip_host=True)
+        if host is not None:
+            c.putheader("Host", host)
+        c.endheaders()
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("path", ["/api/runs", "/api/map", "/", "/app.js"])
+def test_a_page_of_another_site_rebound_to_loopback_is_refused(spiky, serve, path):
+    """DNS rebinding: the browser sends the attacker's name as Host; only the server's
+    own names are answered (any port), as Jupyter does."""
+    s = serve(spiky)
+    port = s.server.server_address[1]
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example",
+                 f"localhost.evil.example:{port}", "[::2]", f"10.0.0.1:{port}"):
+        status, body = _with_host(s.url, path, host)
+        assert status == 403, (host, status)
+        assert "DNS rebinding" in json.loads(body)["error"]
+        assert b"spiky" not in body and b"first" not in body     # nothing of the run
+    for host in (f"127.0.0.1:{port}", "127.0.0.1", f"localhost:{port}", "LOCALHOST", "[::1]",
+                 f"[::1]:{port}", None):
+        assert _with_host(s.url, path, host)[0] == 200, host
+
+
+def test_a_server_bound_beyond_loopback_answers_any_host(spiky):
+    from tensortape.analysis._serve import make_server
+    server = make_server([spiky], "0.0.0.0", 0, warm=False)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert _with_host(url, "/api/runs", "tensortape.lan:8765")[0] == 200
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # --- the command ---------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ tensortape's own readers.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
 import time
 
@@ -28,6 +30,7 @@ from torch import nn
 
 from tensortape import Recorder
 from tensortape.analysis import _serve
+from tensortape.recorder import format as fmt
 from tensortape.recorder.errors import StoreFormatError
 
 from test_serve import as_float, serve  # noqa: F401  (serve: the fixture of a server)
@@ -260,13 +263,23 @@ def test_a_run_recorded_anew_at_its_path_is_read_again(tmp_path, serve):
         check_map(m, truth, 1, "abs_max")
 
 
-def as_rank(monkeypatch, rank):
+def as_rank(monkeypatch, rank, path):
     """The recorder of this process records as ``rank`` of a job whose rank 0 made
-    the store, as that rank does: it opens the store rank 0 prepared.  Its check of
-    the mode, which in a job runs on every rank before rank 0 makes the store, is
-    left out (here rank 0 made it before)."""
+    the store at ``path``, as that rank does: it opens the store rank 0 prepared,
+    under rank 0's claim (its token, which rank 0 sends its ranks, read here from
+    the claim if rank 0 still holds it).  Rank 0's check of the mode is left out
+    (here rank 0 made the store before)."""
     monkeypatch.setattr("tensortape.recorder._recorder.rank_and_world", lambda: (rank, 1))
     monkeypatch.setattr("tensortape.recorder._recorder.check_mode", lambda *a, **k: None)
+
+    def rank0_told(decide, rank, world):
+        claim = os.path.join(path, fmt.CLAIM_NAME, "zarr.json")
+        if not os.path.exists(claim):
+            return None, ""
+        with open(claim) as f:
+            return None, json.load(f)["attributes"]["tensortape_claim"]["token"]
+    if rank:
+        monkeypatch.setattr("tensortape.recorder._ranklog.rank0_decides", rank0_told)
 
 
 def test_a_rank_that_appears_while_the_run_is_live_is_served(tmp_path, serve, monkeypatch):
@@ -279,7 +292,7 @@ def test_a_rank_that_appears_while_the_run_is_live_is_served(tmp_path, serve, mo
         _, runs = s.get("runs")
         assert runs[0]["ranks"] == [0] and runs[0]["status"] == "recording"
         with monkeypatch.context() as m:
-            as_rank(m, 1)
+            as_rank(m, 1, path)
             truths[1] = record(path, range(5, 25), seed=7)
         _settle()
         _, runs = s.get("runs")
@@ -320,7 +333,7 @@ def test_runs_gives_the_steps_of_every_rank(tmp_path, serve, monkeypatch):
     spans = {0: range(0, 150), 1: range(10, 175), 2: range(20, 200)}
     for rank, steps in spans.items():
         with monkeypatch.context() as m:
-            as_rank(m, rank)
+            as_rank(m, rank, path)
             record(path, steps, stats_every=1 if rank else 2, seed=rank)
     _, runs = serve(path).get("runs")
     held = set(range(0, 150, 2)) | set(range(10, 200))

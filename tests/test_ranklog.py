@@ -1,0 +1,159 @@
+"""``RankLogTests``: what a rank commits, and whether it may still commit, asked
+the same way of every kind of store (local, ``memory://``, S3), through the
+public API: a commit after the claim was lost writes nothing, a fault is
+written again from the last commit, rank 0's refusal is every rank's under gloo
+(2 and 4 ranks; ``memory://`` is one process's, so not there), and
+``mode="a"`` resumes a run."""
+import json
+import time
+import uuid
+import warnings
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from faultstore import faulty
+from ranks import BUILT_THEN_GO, run_ranks
+from tensortape.analysis import open_run
+from tensortape.recorder import Recorder
+from tensortape.recorder import format as fmt
+
+
+def train(rec, model, steps):
+    for i in steps:
+        with rec.step(i):
+            model(torch.full((2, 3), float(i))).sum().backward()
+
+
+def snapshot(location) -> dict:
+    """Every object under a store, with its bytes."""
+    fs, root = fsspec.core.url_to_fs(location)
+    fs.invalidate_cache()
+    return {p: fs.cat_file(p) for p in fs.find(root)}
+
+
+def take_over(location) -> None:
+    """Another job's claim written over this one's, as a takeover writes it."""
+    fs, root = fsspec.core.url_to_fs(location)
+    info = dict(token=uuid.uuid4().hex, host="elsewhere", node="elsewhere|boot|ns", pid=4242,
+                started="2026-01-01T00:00:00+00:00", heartbeat=time.time(), world=1, mode="w")
+    raw = json.dumps({"zarr_format": 3, "node_type": "group",
+                      "attributes": {"tensortape_claim": info}}).encode()
+    path = f"{root.rstrip('/')}/{fmt.CLAIM_NAME}/zarr.json"
+    if fmt.is_url(location):
+        fs.pipe_file(path, raw)
+    else:
+        with open(path, "r+b") as f:          # in place, as a takeover under flock writes it
+            f.truncate(0)
+            f.write(raw)
+    fs.invalidate_cache()
+
+
+
+
+class RankLogTests:
+    """The suite; a subclass gives ``location`` (a fixture: a new store's)."""
+
+    shared = True                  # the store is seen by other processes
+
+    def test_a_commit_after_the_claim_was_lost_writes_nothing(self, location, monkeypatch):
+        monkeypatch.setenv("TENSORTAPE_CLAIM_STALE", "1")
+        monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")    # the job pauses: no beat
+        model = nn.Linear(3, 2)
+        rec = Recorder(model, location, tensors_every=1, max_bytes=None)
+        train(rec, model, range(3))
+        rec.flush()
+        time.sleep(1.2)                      # past the stale time: another job takes it over
+        take_over(location)
+        before = snapshot(location)
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            train(rec, model, range(3, 6))
+            rec.flush()
+            rec.close()
+        lost = [str(w.message) for w in told if "was lost" in str(w.message)]
+        assert len(lost) == 1 and "after step 2" in lost[0], [str(w.message) for w in told]
+        assert snapshot(location) == before
+        run = open_run(location)
+        assert run.steps().tolist() == [0, 1, 2] and run.status == "recording"
+
+    def test_a_fault_is_written_again_from_the_last_commit(self, location):
+        model = nn.Linear(3, 2)
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            with Recorder(model, location, tensors_every=None, max_bytes=None,
+                          flush_interval=60.0) as rec:
+                train(rec, model, range(2))
+                rec.flush()
+                with faulty(fail=1.0, after=0.0) as faults:
+                    train(rec, model, range(2, 5))
+                    rec.flush()              # a commit that fails
+                assert faults.failures
+                train(rec, model, range(5, 7))
+        assert any("cannot be written" in str(w.message) for w in told), \
+            [str(w.message) for w in told]
+        run = open_run(location)
+        assert run.steps().tolist() == list(range(7)) and run.status == "complete"
+        means = run.stats(kind="activations")["mean"].sel(layer="(root)").values
+        with torch.no_grad():
+            want = [model(torch.full((2, 3), float(i))).double().mean().item() for i in range(7)]
+        np.testing.assert_allclose(means, want, rtol=1e-6)
+
+    def test_mode_a_resumes_the_run(self, location):
+        model = nn.Linear(3, 2)
+        with Recorder(model, location, max_bytes=None) as rec:
+            train(rec, model, range(3))
+        with Recorder(model, location, mode="a", max_bytes=None) as rec:
+            train(rec, model, range(2, 5))          # step 2 recorded again
+        run = open_run(location)
+        assert run.steps().tolist() == [0, 1, 2, 3, 4] and run.status == "complete"
+        assert run.state().recording == 1
+
+    @pytest.mark.parametrize("world", [2, 4])
+    def test_rank_0_s_refusal_is_every_rank_s_and_no_rank_writes(self, location, tmp_path,
+                                                                   world, monkeypatch):
+        if not self.shared:
+            pytest.skip("a memory:// store is one process's")
+        monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")   # the owner's claim, unchanged
+        model = nn.Linear(3, 2)
+        with Recorder(model, location, max_bytes=None) as rec:     # another job records there
+            train(rec, model, [0])
+            rec.flush()
+            before = snapshot(location)
+            go = tmp_path / "go"
+            go.touch()
+            assert run_ranks(BUILT_THEN_GO, location, tmp_path, "w", go,
+                             world=world) == [0] * world
+            assert snapshot(location) == before
+        got = [(tmp_path / f"result{r}").read_text() for r in range(world)]
+        assert all(g.startswith("StoreExistsError") and "being recorded by another job" in g
+                   for g in got), got
+        assert open_run(location).ranks == [0]
+
+
+class TestLocal(RankLogTests):
+    @pytest.fixture
+    def location(self, tmp_path):
+        return str(tmp_path / "run.zarr")
+
+
+class TestMemory(RankLogTests):
+    shared = False
+
+    @pytest.fixture
+    def location(self):
+        name = f"ranklog-{uuid.uuid4().hex}"
+        yield f"memory://{name}/run.zarr"
+        fs = fsspec.filesystem("memory")
+        if fs.exists(name):                   # a skipped test made nothing
+            fs.rm(name, recursive=True)
+
+
+class TestS3(RankLogTests):
+    @pytest.fixture
+    def location(self, s3_server):
+        return f"{s3_server}/run.zarr"
