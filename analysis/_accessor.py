@@ -30,7 +30,7 @@ class UncachedAccessor(Generic[_A]):
         return self._accessor(obj)
 
 
-def _with_range(h, st):
+def with_range(h, st):
     """Histogram ``h`` with each step's true ``min`` and ``max`` (from ``st``) as coords."""
     return h.assign_coords(min=("step", st["min"].values.astype(float)),
                            max=("step", st["max"].values.astype(float)))
@@ -62,7 +62,7 @@ class RunPlotAccessor:
         from . import _plots
         h = run.histogram(layer, kind, rank=rank).compute()
         st = one_layer(run.stats(kind, Names([layer]), rank=rank)).compute()
-        return _plots.histogram(_with_range(h, st), steps, ax, density=density, scale=scale)
+        return _plots.histogram(with_range(h, st), steps, ax, density=density, scale=scale)
 
     def evolution(self, layers=None, kind="activations", stat="std", rank=None, ax=None,
                   steps: slice | None = None):
@@ -88,4 +88,4 @@ class RunPlotAccessor:
         from . import _plots
         h = within(run.histogram(layer, kind, rank=rank), steps).compute()
         st = one_layer(within(run.stats(kind, Names([layer]), rank=rank), steps))
-        return _plots.distribution(_with_range(h, st), ax)
+        return _plots.distribution(with_range(h, st), ax)

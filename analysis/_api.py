@@ -59,7 +59,7 @@ def ints(a) -> list:
 
 
 # --- checks ----------------------------------------------------------------------------
-def _rank(run, rank) -> int:
+def checked_rank(run, rank) -> int:
     if rank is None:
         return run.ranks[0] if run.ranks else 0
     if rank not in run.ranks:
@@ -67,19 +67,19 @@ def _rank(run, rank) -> int:
     return rank
 
 
-def _kind(run, kind: str, rank: int) -> None:
+def checked_kind(run, kind: str, rank: int) -> None:
     if kind not in run.kinds_of(rank):
         raise NotFound(f"no kind {kind!r} on rank {rank}; the run has {run.kinds_of(rank)}")
 
 
-def _layer(run, layer: str, kind: str, rank: int) -> int:
+def checked_layer(run, layer: str, kind: str, rank: int) -> int:
     names = run.index.stats_layers(kind, rank)
     if layer not in names:
         raise NotFound(f"no layer {layer!r} with {kind} statistics")
     return names.index(layer)
 
 
-def _stat(stat: str, allowed) -> None:
+def checked_stat(stat: str, allowed) -> None:
     if stat not in allowed:
         raise NotFound(f"no statistic {stat!r}; one of {', '.join(allowed)}")
 
@@ -113,27 +113,27 @@ def _run(run, size) -> dict:
 
 
 # --- the map --------------------------------------------------------------------------------
-def _width(width) -> int:
+def checked_width(width) -> int:
     """``width``, checked: a number of columns, at least 1 (a bad one is the asker's: 400)."""
     if int(width) < 1:
         raise BadRequest(f"width={width} is not valid; use a number of columns, at least 1")
     return int(width)
 
 
-def _columns(n: int, width: int) -> np.ndarray:
+def column_edges(n: int, width: int) -> np.ndarray:
     """Edges (``cols + 1`` row offsets) that split ``n`` rows into at most ``width``
     columns of consecutive rows, as even as can be."""
     cols = max(1, min(width, n))
     return (np.arange(cols + 1) * n) // cols
 
 
-def _window(steps: np.ndarray, start, stop) -> tuple[int, int]:
+def window_of(steps: np.ndarray, start, stop) -> tuple[int, int]:
     i0 = 0 if start is None else int(np.searchsorted(steps, start, "left"))
     i1 = len(steps) if stop is None else int(np.searchsorted(steps, stop, "left"))
     return i0, max(i0, i1)
 
 
-def _grid(i0: int, i1: int, width: int, grains) -> tuple:
+def grid_of(i0: int, i1: int, width: int, grains) -> tuple:
     """How a window of rows ``i0:i1`` is cut into at most ``width`` columns: (level,
     edges, g0, g1).  With ``grains`` (the server's cache), a window of at least
     ``width / 4`` grains of a pyramid level (``fmt.PYRAMID_GRAINS``: 64, else 8
@@ -144,15 +144,15 @@ def _grid(i0: int, i1: int, width: int, grains) -> tuple:
     level = next((g for g in fmt.PYRAMID_GRAINS if i1 // g + i0 // -g >= max(1, width // 4)),
                  None) if grains is not None else None
     if not level:
-        return None, _columns(n, width), 0, 0
+        return None, column_edges(n, width), 0, 0
     g0, g1 = -(i0 // -level), i1 // level
-    edges = np.concatenate([[0], _columns(g1 - g0, width)[1:-1] * level + g0 * level - i0,
+    edges = np.concatenate([[0], column_edges(g1 - g0, width)[1:-1] * level + g0 * level - i0,
                             [n]]).astype(np.int64)
     return level, edges, g0, g1
 
 
-def _fill(out: MapColumns, grid: tuple, grains, rows: np.ndarray, i0: int, i1: int) -> None:
-    """``out``'s columns from the grains of ``grid`` (``_grid``), the pyramid, the rows."""
+def fill_columns(out: MapColumns, grid: tuple, grains, rows: np.ndarray, i0: int, i1: int) -> None:
+    """``out``'s columns from the grains of ``grid`` (``grid_of``), the pyramid, the rows."""
     level, _, g0, g1 = grid
     if level == GRAIN:
         got = grains.get(out.run, out.kind, out.rank, rows, g1)[g0:g1, out.cols]
@@ -170,26 +170,26 @@ def map_(run, kind: str = "activations", stat: str = "abs_max", rank=None, start
     """The layer x step map of ``stat`` over steps [start, stop), in at most ``width``
     columns; rows in execution order.  ``grains``: a cache of each layer's maxima
     per ``GRAIN`` rows; with it, a window of at least ``width / 4`` grains of a
-    pyramid level has columns of whole grains of that level (``_grid``), read
+    pyramid level has columns of whole grains of that level (``grid_of``), read
     from the cache (64), the stored pyramid where it holds them, or the rows.
     Every column is the largest of its rows however it is read, bit for bit.
     Memory: a block of ``BLOCK`` rows read at a time, whatever the window."""
-    _stat(stat, MAP_STATS)
-    rank = _rank(run, rank)
-    _kind(run, kind, rank)
+    checked_stat(stat, MAP_STATS)
+    rank = checked_rank(run, rank)
+    checked_kind(run, kind, rank)
     _, rows, steps = Statistics(run.index).rows(kind, rank)
     names = run.index.stats_layers(kind, rank)
-    i0, i1 = _window(steps, start, stop)
+    i0, i1 = window_of(steps, start, stop)
     n = i1 - i0
-    grid = _grid(i0, i1, _width(width), grains)
+    grid = grid_of(i0, i1, checked_width(width), grains)
     edges = grid[1]
     out = MapColumns(run, kind, rank, rows, stat, i0, edges, len(names))
-    _fill(out, grid, grains, rows, i0, i1)
+    fill_columns(out, grid, grains, rows, i0, i1)
     lo = steps[i0 + edges[:-1]] if n else np.zeros(0, np.int64)
     hi = steps[i0 + edges[1:] - 1] if n else np.zeros(0, np.int64)
     between = Between(run, kind, rank, start, stop)     # NaN/Inf at steps without statistics
     values, bad, lo, hi, names = between.fold(out.values, out.bad, lo, hi, names, stat,
-                                              lambda k: _columns(k, width))
+                                              lambda k: column_edges(k, width))
     order = {n: i for i, n in enumerate(run.layers_of(rank))}
     cols = sorted(range(len(names)), key=lambda i: order.get(names[i], len(order) + i))
     return {"kind": kind, "stat": stat, "rank": rank, "layers": [names[i] for i in cols],
@@ -208,10 +208,10 @@ def scalars(run, rank=None) -> dict:
     alone (``step``, ``value``)}; ``once``: the names logged at one step only (a
     trainer's ``train_runtime``: a number, not a line).  A name is only ever a key of
     ``values``, ``nonfinite`` and ``series``, so any name keeps its values."""
-    rank = _rank(run, rank)
+    rank = checked_rank(run, rank)
     read = getattr(run, "scalars", None)
     if read is None:
-        return {"step": [], "values": {}, "nonfinite": {}}
+        return {"step": [], "values": {}, "nonfinite": {}, "series": {}, "once": []}
     ds = read(rank=rank) if len(run.ranks) > 1 else read()
     steps = ints(ds["step"].values) if "step" in ds.coords else []
     out = {"step": steps, "values": {str(name): numbers(ds[name].values) for name in ds.data_vars},
@@ -252,7 +252,7 @@ def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=
     layers, and ``first_divergence`` of ``kind``.  ``cache``: a dict that keeps
     the comparison between calls (the caller clears it when a run changes)."""
     from ._compare import compare_runs, divergence
-    _stat(metric, COMPARE_METRICS)
+    checked_stat(metric, COMPARE_METRICS)
     key = (kind, rank, rtol)
     if cache is not None and key in cache:
         ds, first = cache[key]
@@ -271,9 +271,9 @@ def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=
     if layers:
         names = match_layers(names, layers, strict=False)
     steps = ds.step.values
-    i0, i1 = _window(steps, start, stop)
+    i0, i1 = window_of(steps, start, stop)
     n = i1 - i0
-    edges = _columns(n, _width(width))
+    edges = column_edges(n, checked_width(width))
     raw = np.abs(ds[metric].sel(layer=layer_coord(names)).values[i0:i1].astype(np.float64))
     values = np.full((len(edges) - 1, len(names)), np.nan)
     bad = np.zeros(values.shape, bool)

@@ -47,6 +47,7 @@ class _Part:
     token ids and mask that go with it (-1: none)."""
 
     rank: int
+    path: str                       # the layer's table
     data: object                    # the table's ``data`` array (read a chunk at a time)
     logical: str | None
     rows: np.ndarray
@@ -57,6 +58,7 @@ class _Part:
     token_rows: np.ndarray | None = None
     mask: object | None = None
     mask_rows: np.ndarray | None = None
+    beside: dict = dataclasses.field(default_factory=dict)     # role -> the tokens' or mask's table
 
 
 class Rows:
@@ -86,6 +88,7 @@ class Rows:
         self.unmatched: list[tuple[int, int, int]] = []
         chosen = index.ranks if ranks is None else [index.rank(r) for r in np.atleast_1d(ranks)]
         tensors = Tensors(index)
+        self._index = index
         self.parts = [self._part(index, tensors, r, steps, micros, tokens, mask) for r in chosen]
         widths = {int(w) for p in self.parts for w in np.unique(p.extent[:, -1])}
         if len(widths) > 1:
@@ -109,7 +112,7 @@ class Rows:
         if data.ndim < 3:
             raise ConfigError(f"{self.layer!r} ({kind}) holds 1-D tensors; a row is a vector "
                               f"along a tensor's last axis, so it needs two axes or more")
-        part = _Part(rank, data, dict(data.attrs).get(fmt.LOGICAL_ATTR), rows[keep], st[keep],
+        part = _Part(rank, path, data, dict(data.attrs).get(fmt.LOGICAL_ATTR), rows[keep], st[keep],
                      mi[keep], ext[keep][:, : data.ndim - 1])
         if tokens == "auto":
             held = tensors.paths("inputs", rank) if "inputs" in index.kinds_of(rank) else {}
@@ -148,6 +151,7 @@ class Rows:
             raise ConfigError(f"{role} {layer!r} at step {int(part.steps[i])} has shape "
                               f"{tuple(map(int, ext[at[i]][: lead.shape[1]]))}, not the leading "
                               f"axes {tuple(map(int, lead[i]))} of {self.layer!r}; {fix}")
+        part.beside[role] = path
         if role == "tokens":
             part.tokens, part.token_rows = data, rows[at]
         else:
@@ -175,7 +179,7 @@ class Rows:
 
     def iterate(self, worker: int = 0, workers: int = 1) -> Iterator[dict]:
         """The rows of ``worker``'s chunks (of ``workers``), shuffled or in order."""
-        blocks = (self.read(c) for c in self.order(worker, workers))
+        blocks = (b for b in (self.read(c) for c in self.order(worker, workers)) if b)
         if self.shuffle:
             rng = np.random.default_rng([self.seed, self.epoch, worker, 1])
             blocks = _mixed(blocks, max(1, min(self.buffer_rows, len(self))), rng)
@@ -192,6 +196,12 @@ class Rows:
             block = decode_bits(block, p.logical)
         tokens = _rows_of(p.tokens, p.token_rows, at)
         mask = _rows_of(p.mask, p.mask_rows, at)
+        bad = self._lost(p, at)           # rows whose chunk was found undecodable as read
+        if bad.any():
+            at = at[~bad]
+            tokens, mask = ((b[0][~bad], b[1]) if b is not None else None for b in (tokens, mask))
+            if not len(at):
+                return {}
         if tokens is None and mask is None and _whole(p, at, block):
             return self._whole_rows(p, at, lo, block)
         parts: dict[str, list] = {k: [] for k in ("x", *META)}
@@ -213,6 +223,24 @@ class Rows:
                 parts[c].append(v)
         return {c: (np.concatenate(v).astype(np.int64, copy=False) if c != "x"
                     else np.concatenate(v)) for c, v in parts.items() if v}
+
+    def _lost(self, p: _Part, at: np.ndarray) -> np.ndarray:
+        """Which of a chunk's rows damage keeps from being read: their own, their token
+        ids' or their mask's chunk missing or undecodable (as the run's index knows it;
+        unpickled in another process, where the index does not travel, such a chunk
+        raises ``StoreFormatError`` instead)."""
+        ix = self.__dict__.get("_index")
+        bad = np.zeros(len(at), bool)
+        if ix is None:
+            return bad
+        bad |= ix.lost(p.path, p.rank)[p.rows[at]]
+        for role, rows in (("tokens", p.token_rows), ("mask", p.mask_rows)):
+            if role in p.beside:
+                bad |= ix.lost(p.beside[role], p.rank)[rows[at]]
+        return bad
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_index"}
 
     def _whole_rows(self, p: _Part, at, lo: int, block) -> dict[str, np.ndarray]:
         """``read`` of a chunk whose rows are whole and consecutive (``_whole``)."""

@@ -19,7 +19,7 @@ import numpy as np
 from tensortape.recorder import format as fmt
 
 from ._grains import BLOCK, read, reduce
-from ._plot_histogram import RESOLUTION, _edges, _groups, _linthresh, _t
+from ._plot_histogram import RESOLUTION, edges_closed, bin_groups, linthresh_of, to_axis
 from ._tables import as_slice
 
 __all__ = ["distribution"]
@@ -45,7 +45,7 @@ def distribution(run, kind: str, rank: int, rows: np.ndarray, edges: np.ndarray,
     ``neginf`` (per column); ``linthresh`` (symlog); ``lo``/``hi``: the true range."""
     path = fmt.stats_group(rank, kind)
     n, ncol = int(edges[-1]), len(edges) - 1
-    lo_e, hi_e = _edges(h)
+    lo_e, hi_e = edges_closed(h)
     sums = np.zeros((ncol, len(lo_e)), np.int64)
     bad = {k: np.zeros(ncol, np.int64) for k in NONFINITE}
     vmin, vmax = np.full(ncol, np.nan), np.full(ncol, np.nan)
@@ -70,17 +70,17 @@ def distribution(run, kind: str, rank: int, rows: np.ndarray, edges: np.ndarray,
         return {**out, "row_lo": empty, "row_hi": empty, "row_t_lo": empty, "row_t_hi": empty,
                 "density": np.zeros((0, ncol))}
     mid = np.where(lo_e * hi_e > 0, np.sign(lo_e) * np.sqrt(np.abs(lo_e * hi_e)), 0.0)
-    lt = _linthresh(total, mid) if scale == "symlog" else None
+    lt = linthresh_of(total, mid) if scale == "symlog" else None
     rng = (out["lo"], out["hi"]) if np.isfinite(out["lo"]) else (lo_e[used].min(),
                                                                     hi_e[used].max())
-    group, g_lo, g_hi, _ = _groups(lo_e, hi_e, used, lt, rng)
+    group, g_lo, g_hi, _ = bin_groups(lo_e, hi_e, used, lt, rng)
     g_lo, g_hi = np.maximum(g_lo, rng[0]), np.minimum(g_hi, rng[1])   # the true range
     per = np.zeros((len(g_lo), ncol), np.int64)
     inside = group >= 0
     np.add.at(per, group[inside], sums[:, inside].T)
     keep = per.any(axis=1)
     g_lo, g_hi, per = g_lo[keep], g_hi[keep], per[keep]
-    t_lo, t_hi = _t(g_lo, lt), _t(g_hi, lt)
+    t_lo, t_hi = to_axis(g_lo, lt), to_axis(g_hi, lt)
     width = np.maximum(t_hi - t_lo, (t_hi.max() - t_lo.min()) / RESOLUTION / 1e6)
     with np.errstate(invalid="ignore", divide="ignore"):
         density = per / (finite[None, :] * width[:, None])

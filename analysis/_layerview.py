@@ -10,8 +10,8 @@ import numpy as np
 
 from tensortape.recorder import format as fmt, pyramid
 
-from ._api import (MAP_STATS, NONFINITE, NotFound, _columns, _fill, _grid, _kind, _layer, _rank,
-                   _stat, _width, _window, ints, numbers)
+from ._api import (MAP_STATS, NONFINITE, NotFound, column_edges, fill_columns, grid_of, checked_kind, checked_layer, checked_rank,
+                   checked_stat, checked_width, window_of, ints, numbers)
 from ._grains import BLOCK, MAP_NEEDS, Grains, MapColumns, read as _read, reduce as _reduce
 from ._stats import Statistics
 from ._tables import as_slice
@@ -42,8 +42,8 @@ def _scale(scale: str) -> str:
 def _ticks(values, lt) -> list[dict]:
     """Ticks of a symmetric-log axis: each value's place on the drawn axis, its label."""
     from ._axes import value_text
-    from ._plot_histogram import _t
-    return [{"t": float(_t(v, lt)), "label": value_text(v)} for v in values]
+    from ._plot_histogram import to_axis
+    return [{"t": float(to_axis(v, lt)), "label": value_text(v)} for v in values]
 
 
 def histogram(run, layer: str, kind: str = "activations", step=None, rank=None,
@@ -52,15 +52,15 @@ def histogram(run, layer: str, kind: str = "activations", step=None, rank=None,
     bins outside ``[first_bin, first_bin + len(counts))`` hold none), its NaN/Inf
     counts, and ``bars`` as the picture draws them (``_plot_histogram.layout``: the
     density on a ``scale`` "linear" or "symlog" axis; ``masses``: exact zeros)."""
-    from ._accessor import _with_range
-    from ._plot_histogram import _t, layout
-    rank = _rank(run, rank)
-    _kind(run, kind, rank)
-    _layer(run, layer, kind, rank)
+    from ._accessor import with_range
+    from ._plot_histogram import to_axis, layout
+    rank = checked_rank(run, rank)
+    checked_kind(run, kind, rank)
+    checked_layer(run, layer, kind, rank)
     i = _step(run, kind, rank, step)
     h = run.histogram(layer, kind, rank=rank).isel(step=[i]).compute()
     st = run.stats(kind, [layer], rank=rank).isel(layer=0, step=[i]).compute()
-    h = _with_range(h, st)
+    h = with_range(h, st)
     counts = np.asarray(h.values[0], np.int64)
     held = np.nonzero(counts > 0)[0]
     a, b = (int(held[0]), int(held[-1]) + 1) if len(held) else (0, 0)
@@ -75,10 +75,10 @@ def histogram(run, layer: str, kind: str = "activations", step=None, rank=None,
             "scale": scale, "total": bars["total"] if bars else 0,
             "bars": {k: (ints(bars[k]) if k == "count" else numbers(bars[k])) if bars else []
                      for k in ("lo", "hi", "t_lo", "t_hi", "count", "height")},
-            "masses": [{"value": float(m["value"]), "t": float(_t(m["value"], lt)),
+            "masses": [{"value": float(m["value"]), "t": float(to_axis(m["value"], lt)),
                         "count": int(m["count"])} for m in drawn["masses"]],
             "linthresh": lt, "xlim": numbers(drawn["xlim"]) if drawn["xlim"] else None,
-            "t_xlim": numbers(_t(drawn["xlim"], lt)) if drawn["xlim"] else None,
+            "t_xlim": numbers(to_axis(drawn["xlim"], lt)) if drawn["xlim"] else None,
             "ticks": _ticks(drawn["ticks"], lt) if drawn["ticks"] else None,
             "xlabel": drawn["xlabel"].split("\n")[0], "ylabel": drawn["ylabel"],
             "bulk": bool(drawn["bulk"])}
@@ -89,13 +89,13 @@ def distribution(run, layer: str, kind: str = "activations", rank=None, start=No
     """The layer's histograms over steps [start, stop) in at most ``width`` columns of
     consecutive steps, each the sum of its steps' counts (``_distribution``)."""
     from ._distribution import distribution as columns
-    rank = _rank(run, rank)
-    _kind(run, kind, rank)
-    col = _layer(run, layer, kind, rank)
+    rank = checked_rank(run, rank)
+    checked_kind(run, kind, rank)
+    col = checked_layer(run, layer, kind, rank)
     _, rows, steps = Statistics(run.index).rows(kind, rank)
-    i0, i1 = _window(steps, start, stop)
+    i0, i1 = window_of(steps, start, stop)
     n = i1 - i0
-    edges = _columns(n, _width(width))
+    edges = column_edges(n, checked_width(width))
     h = run.histogram(layer, kind, rank=rank)
     got = columns(run, kind, rank, rows[i0:i1], edges if n else edges[:1], col, h,
                   _scale(scale))
@@ -121,20 +121,20 @@ def stats(run, layer: str, kind: str = "activations", rank=None, start=None, sto
     """Every statistic of the layer (and ``rms``; ``only``: those named) at each step
     of [start, stop).  With ``width``, at most that many columns, each the largest
     of its steps' (``step`` is each column's first step, ``step_hi`` its last),
-    cut as the map cuts them (``_grid``): the map's statistics (``MAP_STATS``) of a
+    cut as the map cuts them (``grid_of``): the map's statistics (``MAP_STATS``) of a
     long window are its grains' (``grains``, the pyramid), the others read from
     the rows.  ``nonfinite``: whether each column holds a step with a NaN or an Inf
     (where its other statistics cover only the finite values)."""
-    rank = _rank(run, rank)
-    _kind(run, kind, rank)
-    col = _layer(run, layer, kind, rank)
+    rank = checked_rank(run, rank)
+    checked_kind(run, kind, rank)
+    col = checked_layer(run, layer, kind, rank)
     wanted = tuple(STAT_CHOICES) if only is None else tuple(dict.fromkeys(only))
     for s in wanted:
-        _stat(s, STAT_CHOICES)
+        checked_stat(s, STAT_CHOICES)
     _, rows, steps = Statistics(run.index).rows(kind, rank)
-    i0, i1 = _window(steps, start, stop)
+    i0, i1 = window_of(steps, start, stop)
     n = i1 - i0
-    grid = _grid(i0, i1, _width(width) if width is not None else max(n, 1),
+    grid = grid_of(i0, i1, checked_width(width) if width is not None else max(n, 1),
                  grains if width is not None else None)
     edges = grid[1]
     out = {s: np.full(len(edges) - 1, np.nan) for s in wanted}
@@ -142,7 +142,7 @@ def stats(run, layer: str, kind: str = "activations", rank=None, start=None, sto
     if grid[0]:                   # the map's statistics from its grains, the rest from rows
         for s in [s for s in wanted if s in MAP_STATS] or ["nonfinite"]:
             got = MapColumns(run, kind, rank, rows, s, i0, edges, 1, first=col)
-            _fill(got, grid, grains, rows, i0, i1)
+            fill_columns(got, grid, grains, rows, i0, i1)
             out[s], bad = got.values[:, 0], got.bad[:, 0]
     rest = [s for s in wanted if not (grid[0] and s in MAP_STATS)]
     needs = [k for s in rest for k in (MAP_NEEDS[s] if s in MAP_STATS else (s,))]

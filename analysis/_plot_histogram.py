@@ -35,7 +35,7 @@ LINSCALE = 0.5                   # matplotlib's linscale of the symmetric-log ax
 _LINADJ = LINSCALE / (1 - 1 / 10)  # the width (in decades) of [0, linthresh] on that axis
 
 
-def _t(x, lt):
+def to_axis(x, lt):
     """The drawn coordinate of values ``x``: the value itself (``lt`` None), or on the
     symmetric-log axis, in decades (matplotlib's transform divided by ``lt``)."""
     x = np.asarray(x, float)
@@ -54,7 +54,7 @@ def _t_inv(t, lt):
     return np.where(a > _LINADJ, np.sign(t) * lt * 10.0 ** (a - _LINADJ), t * lt / _LINADJ)
 
 
-def _linthresh(counts: np.ndarray, mid: np.ndarray) -> float:
+def linthresh_of(counts: np.ndarray, mid: np.ndarray) -> float:
     """A power of ten at or below the 5th percentile of the nonzero magnitudes
     (weighted by their counts), so that the bulk sits on the log part."""
     keep = (counts > 0) & (mid != 0) & np.isfinite(mid)
@@ -66,14 +66,14 @@ def _linthresh(counts: np.ndarray, mid: np.ndarray) -> float:
     return float(10.0 ** np.floor(np.log10(q)))
 
 
-def _edges(h):
+def edges_closed(h):
     """The bins' edges, an open-ended tail bin closed at twice its finite edge (the
     step's true min and max clip it when ``h`` carries them)."""
     lo, hi = h.bin_lo.values.astype(float), h.bin_hi.values.astype(float)
     return np.where(np.isfinite(lo), lo, 2 * hi), np.where(np.isfinite(hi), hi, 2 * lo)
 
 
-def _groups(lo, hi, used, lt, range_):
+def bin_groups(lo, hi, used, lt, range_):
     """Sums of neighbouring bins: an index (into the groups) per bin in the span of
     the ``used`` bins (-1 for the zero-width ones and those outside), and each
     group's (lo, hi).  A bin narrower than the finest bar joins the bins whose edge
@@ -81,12 +81,12 @@ def _groups(lo, hi, used, lt, range_):
     span = np.zeros(lo.size, bool)
     span[used.min():used.max() + 1] = True
     span &= (hi > lo) & (hi > range_[0]) & (lo < range_[1])
-    t_lo, t_hi = _t(range_, lt)
+    t_lo, t_hi = to_axis(range_, lt)
     step = max((t_hi - t_lo) / RESOLUTION, np.finfo(float).tiny)
     lo_s, hi_s = lo[span], hi[span]
     inner = np.where(lo_s >= 0, lo_s, hi_s)
     with np.errstate(over="ignore"):
-        key = np.where(lo_s >= 0, 1, -1) * (np.floor(np.abs(_t(inner, lt)) / step) + 1)
+        key = np.where(lo_s >= 0, 1, -1) * (np.floor(np.abs(to_axis(inner, lt)) / step) + 1)
     keys, index = np.unique(key, return_inverse=True)           # in value order
     group = np.full(lo.size, -1)
     group[span] = index
@@ -118,7 +118,7 @@ def _bars_of(c, rng, group, g_lo, g_hi, lt, step):
     keep = n > 0
     lo, hi, n = g_lo[keep], g_hi[keep], n[keep].astype(np.int64)
     if np.isfinite(rng[0]):
-        t_lo, t_hi = _t(lo, lt), _t(hi, lt)
+        t_lo, t_hi = to_axis(lo, lt), to_axis(hi, lt)
         lo = np.maximum(lo, np.minimum(rng[0], _t_inv(t_hi - step, lt)))
         hi = np.minimum(hi, np.maximum(rng[1], _t_inv(t_lo + step, lt)))
     return lo, hi, n
@@ -146,7 +146,7 @@ def layout(h, steps=None, density: bool = True, scale: str = "linear") -> dict:
     if scale not in SCALES:
         raise ValueError(f"scale {scale!r}: use one of {', '.join(SCALES)}")
     steps = _steps_of(h, steps)
-    lo_e, hi_e = _edges(h)
+    lo_e, hi_e = edges_closed(h)
     data = _read(h, steps)
     occupied = [d for d in data if d[1].sum()]
     out = {"steps": steps, "scale": scale, "density": density, "bars": [], "masses": [],
@@ -164,12 +164,12 @@ def layout(h, steps=None, density: bool = True, scale: str = "linear") -> dict:
     lo_r = np.nanmin(ranges[:, 0]) if np.isfinite(ranges).any() else lo_e[used].min()
     hi_r = np.nanmax(ranges[:, 1]) if np.isfinite(ranges).any() else hi_e[used].max()
     mid = np.where(lo_e * hi_e > 0, np.sign(lo_e) * np.sqrt(np.abs(lo_e * hi_e)), 0.0)
-    lt = _linthresh(total, mid) if scale == "symlog" else None
-    group, g_lo, g_hi, step = _groups(lo_e, hi_e, used, lt, (lo_r, hi_r))
+    lt = linthresh_of(total, mid) if scale == "symlog" else None
+    group, g_lo, g_hi, step = bin_groups(lo_e, hi_e, used, lt, (lo_r, hi_r))
     ends = []
     for s, c, _, rng in occupied:
         lo, hi, k = _bars_of(c, rng, group, g_lo, g_hi, lt, step)
-        t_lo, t_hi = _t(lo, lt), _t(hi, lt)
+        t_lo, t_hi = to_axis(lo, lt), to_axis(hi, lt)
         n = int(c.sum())
         out["bars"].append({"step": s, "total": n, "lo": lo, "hi": hi, "t_lo": t_lo,
                             "t_hi": t_hi, "count": k,

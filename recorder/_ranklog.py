@@ -33,22 +33,23 @@ import collections
 import dataclasses
 import threading
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from . import _overbudget
 from . import format as fmt
 from ._claim import Claim
-from ._config import RecorderConfig
 from ._journal import Journal, Unsaved
 from ._quiet import quiet
-from ._ranks import all_agree, rank0_decides
-from ._record import TensorRow
 from ._root import check_mode, open_root
 from ._store import RunStore
 from ._worker import Notice
 from .errors import StoreExistsError
+
+if TYPE_CHECKING:                    # torch is imported where a recording opens, not by migrate
+    from ._config import RecorderConfig
+    from ._record import TensorRow
 
 __all__ = ["RankLog"]
 
@@ -82,7 +83,7 @@ class RankLog:
         """Open (or create, by ``cfg.mode``) the run at ``location`` for this rank, on
         every rank together (see the module)."""
         fresh = dict(tensortape_format=fmt.FORMAT_VERSION, status=fmt.STATUS_RECORDING,
-                     torch_version=torch.__version__, model_class=model_class,
+                     torch_version=_torch_version(), model_class=model_class,
                      config=cfg.to_json(), metadata=metadata,
                      created=datetime.now(timezone.utc).isoformat())
 
@@ -97,6 +98,7 @@ class RankLog:
                     claim.release()
                     raise
             return (claim, root), claim.token
+        from ._ranks import all_agree, rank0_decides
         opened, token = rank0_decides(decide, rank, world)
         claim, root = opened if rank == 0 else (Claim.shared(location, token), None)
         log, error = None, None
@@ -382,3 +384,9 @@ def _covered(state: fmt.RankState, store: RunStore) -> None:
             state.pyramid.pop(path, None)
         else:
             state.pyramid[path] = rows
+
+
+def _torch_version() -> str:
+    """The recording's torch (imported here: ``migrate`` copies a run without torch)."""
+    import torch
+    return torch.__version__

@@ -22,12 +22,12 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from click.testing import CliRunner
 from torch import nn
 
 from tensortape import cli
 from tensortape.analysis import compare_runs, first_divergence, open_run, plot_comparison
+import ranks
 from oracle import STATS, histogram, statistics
 from tensortape.recorder import Recorder
 
@@ -406,52 +406,54 @@ STEPS = 4
 PIPE_LAYERS = "stage*.*"
 
 
-def _fake_rank(rank):
-    """torch.distributed as rank ``rank`` of 2, in this process (collectives do nothing)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+# each rank holds and runs its own stage, and records it; the activation goes forward and its
+# gradient back between the ranks (gloo send and receive), as pipeline parallelism sends them
+PIPE_WORKER = ranks.PREAMBLE + """
+sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+from test_absent import D, KINDS, PIPE_LAYERS, STEPS, Pipe
+model = Pipe()
+if rank == 0:
+    model.stage1 = None
+else:
+    model.stage0 = None
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+gen = torch.Generator().manual_seed(2)
+xs = [torch.randn(5, D, generator=gen) for _ in range(STEPS)]
+with Recorder(model, store, layers=PIPE_LAYERS, capture=KINDS, tensors_every=1) as rec:
+    for i, x in enumerate(xs):
+        with rec.step(i):
+            if rank == 0:
+                h = model(x)
+                dist.send(h.detach().contiguous(), 1)
+                g = torch.empty_like(h)
+                dist.recv(g, 1)
+                h.backward(g)
+            else:
+                sent = torch.empty(5, 8)
+                dist.recv(sent, 0)
+                sent.requires_grad_()
+                model.stage1.step = i
+                model(sent).pow(2).mean().backward()
+                dist.send(sent.grad.contiguous(), 0)
+        opt.step()
+        opt.zero_grad()
+open(f"{out}/result{rank}", "w").write("ok")
+dist.destroy_process_group()
+"""
 
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """Rank 0 holds and runs stage 0, rank 1 stage 1 (the other stage deleted, names
-    kept, as pipeline splitting does); each rank records its model with the same
-    arguments.  The activation goes forward and its gradient back as the ranks
-    would send them."""
-    path = str(tmp_path_factory.mktemp("pipe") / "run.zarr")
-    full = Pipe()
-    models = [copy.deepcopy(full), copy.deepcopy(full)]
-    models[0].stage1 = None
-    models[1].stage0 = None
-    ref = copy.deepcopy(full)
-    try:
-        recs = []                      # every rank looks at the store before rank 0 makes it
-        for rank in (0, 1):
-            _fake_rank(rank)
-            recs.append(Recorder(models[rank], path, layers=PIPE_LAYERS, capture=KINDS, tensors_every=1))
-        for rec in recs:
-            rec.attach()
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-        gen = torch.Generator().manual_seed(2)
-        xs = [torch.randn(5, D, generator=gen) for _ in range(STEPS)]
-        for i, x in enumerate(xs):
-            with recs[0].step(i):
-                h = models[0](x)
-                sent = h.detach().requires_grad_()                   # rank 0 -> rank 1
-                with recs[1].step(i):
-                    models[1].stage1.step = i
-                    models[1](sent).pow(2).mean().backward()
-                h.backward(sent.grad)                                # rank 1 -> rank 0
-            for o in opts:
-                o.step()
-                o.zero_grad()
-        for rec in reversed(recs):
-            rec.close()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    kept, as pipeline splitting does), two gloo ranks; each rank records its model with
+    the same arguments.  The truth: plain hooks on the whole model in this process."""
+    out = tmp_path_factory.mktemp("pipe")
+    path = str(out / "run.zarr")
+    assert ranks.run_ranks(PIPE_WORKER, path, str(out)) == [0, 0]
+    assert [(out / f"result{r}").read_text() for r in (0, 1)] == ["ok", "ok"]
+    ref = Pipe()
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(5, D, generator=gen) for _ in range(STEPS)]
     modules = {f"stage0.{n}": m for n, m in ref.stage0.named_children()}
     modules.update({f"stage1.{n}": m for n, m in ref.stage1.named_children()})
     hooks = Hooks(modules)

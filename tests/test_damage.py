@@ -322,3 +322,25 @@ def test_the_hdf5_export_refuses_a_damaged_run_in_one_line(pristine, tmp_path):
     assert err[-1].startswith("Error: ") and "hist/c/1/0/0 is missing" in err[-1]
     assert "refuses a damaged run" in err[-1]
     assert err[0].startswith("warning: ") and len(err) == 2
+
+
+def test_rows_of_a_data_set_never_come_from_an_undecodable_chunk(pristine, tmp_path):
+    """``run.rows`` (a data set to train on) leaves out the rows of a full-tensor chunk
+    that cannot be decoded, as every other reader does: before, they came out as the
+    chunk's fill (NaN) with their step and position, as if recorded."""
+    damaged = str(tmp_path / "damaged.zarr")
+    shutil.copytree(pristine, damaged)
+    HOW["corrupt"](os.path.join(damaged, "rank0/tensors/activations/fc1/data/c/0/0/0"))
+
+    def rows(path):
+        got = {}
+        for r in open_run(path).rows("fc1", shuffle=False):
+            got[(r["step"], r["micro"], r["sequence"], r["position"])] = r["x"]
+        return got
+
+    truth = rows(pristine)
+    with pytest.warns(TensortapeWarning, match="cannot be read|damaged"):
+        got = rows(damaged)
+    assert got and len(got) < len(truth)
+    assert not any(np.isnan(x).any() for x in got.values())
+    assert all(np.array_equal(x, truth[k]) for k, x in got.items())

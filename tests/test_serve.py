@@ -250,7 +250,8 @@ def test_histogram_and_stats_are_the_runs_own_numbers(diverged, serve):
 def test_scalars_answer_empty_for_a_run_without_them(diverged, serve):
     s = serve(diverged)
     status, sc = s.get("scalars")
-    assert status == 200 and sc == {"step": [], "values": {}, "nonfinite": {}}
+    assert status == 200 and sc == {"step": [], "values": {}, "nonfinite": {}, "series": {},
+                                    "once": []}
 
 
 def test_scalars_are_the_runs_logged_values(spiky, serve):
@@ -326,9 +327,13 @@ def test_a_scalar_keeps_its_values_whatever_its_name(tmp_path, serve, name):
                 rec.log({k: v[step] for k, v in logged.items()})
     status, sc = serve(path).get("scalars")
     shown = {"step": "step'"}.get(name, name)       # run.scalars()' coordinate, renamed
-    assert status == 200 and sc["step"] == [0, 1, 2] and set(sc) == {"step", "values", "nonfinite"}
+    assert status == 200 and sc["step"] == [0, 1, 2]
+    assert set(sc) == {"step", "values", "nonfinite", "series", "once"}
     assert sc["values"] == {shown: [0.5, "inf", -2.0], "loss": ["nan", 1.0, 3.0]}
     assert sc["nonfinite"] == {shown: [1], "loss": [0]}
+    assert sc["series"] == {shown: {"step": [0, 1, 2], "value": [0.5, "inf", -2.0]},
+                            "loss": {"step": [0, 1, 2], "value": ["nan", 1.0, 3.0]}}
+    assert sc["once"] == []
 
 
 # --- refusals ---------------------------------------------------------------------------------
