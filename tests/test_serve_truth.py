@@ -279,7 +279,7 @@ def as_rank(monkeypatch, rank, path):
         with open(claim) as f:
             return None, json.load(f)["attributes"]["tensortape_claim"]["token"]
     if rank:
-        monkeypatch.setattr("tensortape.recorder._ranklog.rank0_decides", rank0_told)
+        monkeypatch.setattr("tensortape.recorder._ranks.rank0_decides", rank0_told)
 
 
 def test_a_rank_that_appears_while_the_run_is_live_is_served(tmp_path, serve, monkeypatch):
