@@ -73,6 +73,7 @@ class Worker:
         self.beat = time.monotonic()          # the worker's last message handled
         self.progress = progress              # and the time of its last write that ended
         self.outbox = outbox                  # Notices, for the training thread
+        self._halted = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
@@ -121,6 +122,13 @@ class Worker:
                 return msg.done.is_set()
         return True
 
+    def halt(self) -> None:
+        """Handle no more messages: the thread ends after the one it handles now, or
+        waits where it is blocked.  For a run given up: its work is no longer wanted,
+        and a thread still inside torch when the interpreter finalizes aborts the
+        process (CPython ends such a thread through torch's C++ frames)."""
+        self._halted = True
+
     def post_nowait(self, msg) -> None:
         """Queue ``msg`` without waiting or taking a lock (from a finaliser, which may
         run while this thread holds the inbox's lock), past the inbox's bounds; the
@@ -142,8 +150,10 @@ class Worker:
             self._cond.notify_all()
 
     def _loop(self) -> None:
-        while True:
+        while not self._halted:
             msg, nbytes = self._take()
+            if self._halted:
+                return
             self.beat = time.monotonic()
             final = isinstance(msg, Barrier) and msg.final
             try:

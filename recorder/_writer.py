@@ -253,7 +253,11 @@ class Writer:
         # rank 0 marks the run, if the store answers: from a thread, waited for briefly
         mark = threading.Thread(target=self.log.mark_interrupted, args=(note,), daemon=True)
         mark.start()
-        mark.join(max(1.0, min(5.0, self.config.close_timeout)))
+        grace = max(1.0, min(5.0, self.config.close_timeout))
+        mark.join(grace)
+        # the worker stops too, and the exit waits for it to leave torch (see Worker.halt)
+        self.worker.halt()
+        self.worker.thread.join(grace)
         self._notice(Notice("close", f"tensortape: {note}; the run is marked 'interrupted'"))
 
     def tell(self) -> None:

@@ -401,13 +401,14 @@ import sys, threading, torch
 sys.path.insert(0, sys.argv[2])
 from faultstore import faulty
 from tensortape.recorder import Recorder
-model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(24)])
 hang = faulty(hang=lambda key: "/c" in key and "/data/" in key, release=threading.Event())
 hang.__enter__()                                   # never released
-rec = Recorder(model, sys.argv[1], layers="*", flush_interval=0.05, close_timeout=1.0).attach()
+rec = Recorder(model, sys.argv[1], layers="*", tensors_every=1, flush_interval=0.05,
+               close_timeout=1.0).attach()
 for i in range(20):
     with rec.step(i):
-        model(torch.randn(64, 16)).sum().backward()
+        model(torch.randn(256, 256)).sum().backward()
 print("trained", flush=True)
 """
 
@@ -428,7 +429,7 @@ def test_a_hung_store_never_hangs_the_interpreter_s_exit(tmp_path, threads):
                         os.path.dirname(__file__)], capture_output=True, text=True, env=env,
                        timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "trained" in p.stdout
+    assert "trained" in p.stdout and "did not commit within close_timeout" in p.stderr
     assert time.monotonic() - start < 60
     assert open_run(str(tmp_path / "run.zarr")).attrs["status"] == "interrupted"
 
