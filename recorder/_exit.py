@@ -48,8 +48,8 @@ from . import format as fmt
 __all__ = ["closed", "opened"]
 
 _open: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Recorder -> its finaliser
-_ending: set = set()                    # (thread, timeout) of the writers a finaliser asked to
-                                        # end the run: a thread that ended holds no writer
+_ending: set = set()                    # (worker, timeout) of the writers a finaliser asked to
+                                        # end the run: a worker whose thread ended is dropped
 _previous = signal.SIG_DFL              # SIGTERM's handler before ours
 _terminating = False                    # our handler is closing the Recorders
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -92,8 +92,10 @@ def _close_all(when: str, nowait: bool) -> None:
         except BaseException as e:   # never raise here; say it in one line
             _say(f"tensortape: closing {rec.store_location!r} {when} failed: "
                  f"{type(e).__name__}: {e}")
-    for thread, timeout in list(_ending):
-        thread.join(timeout)
+    for worker, timeout in list(_ending):
+        worker.thread.join(timeout)
+        if worker.thread.is_alive():          # given up: it stops, and leaves torch first
+            worker.halt(timeout)
 
 
 def _say(line: str) -> None:
@@ -170,9 +172,9 @@ def _abandon(writer, hooks, buffer) -> None:
     if buffer.state.step is not None and buffer.idle():
         writer.post_nowait(buffer.end())
     writer.close_nowait()
-    for ended in [e for e in _ending if not e[0].is_alive()]:
+    for ended in [e for e in _ending if not e[0].thread.is_alive()]:
         _ending.discard(ended)
-    _ending.add((writer.worker.thread, writer.config.close_timeout))
+    _ending.add((writer.worker, writer.config.close_timeout))
 
 
 def _forgotten(writer, hooks, buffer, location: str) -> None:

@@ -26,7 +26,7 @@ from typing import Protocol
 
 from ._quiet import quiet
 
-__all__ = ["Barrier", "Handler", "Notice", "Worker"]
+__all__ = ["Barrier", "Handler", "Notice", "Worker", "grace"]
 
 DEAD = "the writer thread died"
 STUCK = "the writer made no progress (the store does not answer)"
@@ -56,6 +56,11 @@ class Handler(Protocol):
     def tick(self) -> None: ...
     def failed(self, error: BaseException) -> None: ...
     def last_words(self) -> None: ...
+
+
+def grace(close_timeout: float) -> float:
+    """How long a close that gave up waits more for a thread it asked to stop."""
+    return max(1.0, min(5.0, close_timeout))
 
 
 class Worker:
@@ -122,12 +127,14 @@ class Worker:
                 return msg.done.is_set()
         return True
 
-    def halt(self) -> None:
-        """Handle no more messages: the thread ends after the one it handles now, or
-        waits where it is blocked.  For a run given up: its work is no longer wanted,
-        and a thread still inside torch when the interpreter finalizes aborts the
-        process (CPython ends such a thread through torch's C++ frames)."""
+    def halt(self, close_timeout: float) -> None:
+        """Handle no more messages, and wait (``grace(close_timeout)``) for the thread
+        to end after the one it handles now; one blocked in a store stays blocked.
+        For a run given up: its work is no longer wanted, and a thread still inside
+        torch when the interpreter finalizes aborts the process (CPython ends such a
+        thread through torch's C++ frames: "terminate called")."""
         self._halted = True
+        self.thread.join(grace(close_timeout))
 
     def post_nowait(self, msg) -> None:
         """Queue ``msg`` without waiting or taking a lock (from a finaliser, which may

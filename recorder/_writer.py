@@ -38,7 +38,7 @@ from ._policy import TensorPolicy
 from ._drops import DropLedger, cause
 from ._ranklog import RankLog
 from ._record import CloseRecord, Resolved, StepRecord
-from ._worker import Barrier, Notice, Worker
+from ._worker import Barrier, Notice, Worker, grace
 from ._quiet import warn
 from .errors import RecorderError, StoreExistsError
 
@@ -253,11 +253,8 @@ class Writer:
         # rank 0 marks the run, if the store answers: from a thread, waited for briefly
         mark = threading.Thread(target=self.log.mark_interrupted, args=(note,), daemon=True)
         mark.start()
-        grace = max(1.0, min(5.0, self.config.close_timeout))
-        mark.join(grace)
-        # the worker stops too, and the exit waits for it to leave torch (see Worker.halt)
-        self.worker.halt()
-        self.worker.thread.join(grace)
+        mark.join(grace(self.config.close_timeout))
+        self.worker.halt(self.config.close_timeout)     # its work is not wanted now
         self._notice(Notice("close", f"tensortape: {note}; the run is marked 'interrupted'"))
 
     def tell(self) -> None:
