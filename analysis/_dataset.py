@@ -61,6 +61,13 @@ class _Part:
     beside: dict = dataclasses.field(default_factory=dict)     # role -> the tokens' or mask's table
 
 
+def _token_ids(index, tensors, rank: int) -> str | None:
+    """The name of ``rank``'s token ids (``TOKENS``' first held, of integers), or None."""
+    held = tensors.paths("inputs", rank) if "inputs" in index.kinds_of(rank) else {}
+    return next((t for t in TOKENS if t in held and np.dtype(
+        index.source.array(held[t] + "/data").dtype).kind in "iub"), None)
+
+
 class Rows:
     """Per-token rows of one layer's full tensors, as numpy (see the module).
 
@@ -89,7 +96,12 @@ class Rows:
         chosen = index.ranks if ranks is None else [index.rank(r) for r in np.atleast_1d(ranks)]
         tensors = Tensors(index)
         self._index = index
-        self.parts = [self._part(index, tensors, r, steps, micros, tokens, mask) for r in chosen]
+        named = {r: tokens for r in chosen}
+        if tokens == "auto":              # token ids where every rank chosen holds them
+            named = {r: _token_ids(index, tensors, r) for r in chosen}
+            if None in named.values():
+                named = dict.fromkeys(chosen)
+        self.parts = [self._part(index, tensors, r, steps, micros, named[r], mask) for r in chosen]
         widths = {int(w) for p in self.parts for w in np.unique(p.extent[:, -1])}
         if len(widths) > 1:
             raise ConfigError(f"{layer!r} ({kind}) changes its last axis across steps; a "
@@ -114,10 +126,6 @@ class Rows:
                               f"along a tensor's last axis, so it needs two axes or more")
         part = _Part(rank, path, data, dict(data.attrs).get(fmt.LOGICAL_ATTR), rows[keep], st[keep],
                      mi[keep], ext[keep][:, : data.ndim - 1])
-        if tokens == "auto":
-            held = tensors.paths("inputs", rank) if "inputs" in index.kinds_of(rank) else {}
-            tokens = next((t for t in TOKENS if t in held and np.dtype(
-                index.source.array(held[t] + "/data").dtype).kind in "iub"), None)
         for name, role in ((tokens, "tokens"), (mask, "mask")):
             if name is not None:
                 self._beside(index, tensors, part, name, role)

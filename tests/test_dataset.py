@@ -21,6 +21,8 @@ from torch import nn
 from tensortape import Recorder, open_run
 from tensortape.recorder.errors import ConfigError
 
+from ranks import PREAMBLE, run_ranks
+
 SHAPES = ((3, 7), (2, 5), (1, 7), (3, 4))        # (batch, sequence) by turns: padded rows
 STEPS, MICROS, VOCAB, D = 12, 2, 40, 16
 
@@ -259,3 +261,27 @@ def test_bfloat16_rows_are_the_stored_bits_decoded_and_the_dataset_pickles(tmp_p
     assert got.dtype == np.float32 and np.array_equal(got, np.concatenate(seen))
     ds = pickle.loads(pickle.dumps(run.dataset("0", batch_size=4)))     # a spawned worker's copy
     assert sum(len(b["x"]) for b in ds) == len(got)
+
+
+MIXED_RANKS = PREAMBLE + """
+model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
+capture = ("activations", "batch") if rank == 0 else ("activations",)
+with Recorder(model, store, layers="1", capture=capture, tensors_every=1, max_bytes=None) as rec:
+    for s in range(3):
+        with rec.step(s):
+            model(torch.randint(0, 10, (2, 3))).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+def test_token_ids_held_by_one_rank_of_two_give_every_row_the_same_fields(tmp_path):
+    """tokens="auto" across ranks: a row has a ``token`` only where every rank chosen
+    holds token ids, so items (and a DataLoader's batches of them) keep one form."""
+    store = str(tmp_path / "run.zarr")
+    assert run_ranks(MIXED_RANKS, store, tmp_path) == [0, 0]
+    run = open_run(store)
+    both = list(run.rows("1", shuffle=False))
+    assert len(both) == 2 * 3 * 2 * 3 and {r["rank"] for r in both} == {0, 1}
+    assert {tuple(sorted(r)) for r in both} == {("micro", "position", "rank", "sequence", "step", "x")}
+    alone = list(run.rows("1", ranks=0, shuffle=False))
+    assert len(alone) == 18 and all(0 <= r["token"] < 10 for r in alone)
