@@ -47,10 +47,11 @@ PAYS = 0.9                     # level 1 if it makes that sample at least 10% sm
 def new_array(group: zarr.Group, name: str, shape, chunks, dtype, fill, dims, attrs=None,
               level: int | None = 1, shards=None) -> zarr.Array:
     """A new array, zstd-compressed at ``level`` (``None``: uncompressed), its
-    chunks packed into ``shards`` when given."""
-    compressors = [] if level is None else [ZstdCodec(level=level)]
-    if shards:              # a shard is read in two moves: a checksum per chunk catches a
-        compressors.append(Crc32cCodec())     # shard the writer replaced between them
+    chunks packed into ``shards`` when given.  Every chunk carries a crc32c: a
+    flipped bit is damage the reader names (zstd's fast mode stores blocks raw,
+    which would decode to wrong numbers), and a shard, read in two moves, is
+    caught if the writer replaced it between them."""
+    compressors = ([] if level is None else [ZstdCodec(level=level)]) + [Crc32cCodec()]
     return group.create_array(
         name, shape=shape, chunks=chunks, shards=shards, dtype=dtype, fill_value=fill,
         dimension_names=dims, compressors=compressors or None,

@@ -1,5 +1,5 @@
 """Damage is local: a chunk missing from a run's committed rows, or there but
-undecodable (corrupt, truncated), makes only its rows unreadable.  They read as
+undecodable (corrupt, truncated, a bit flipped: every chunk has a checksum), makes only its rows unreadable.  They read as
 missing (NaN, counts -1; a full tensor or a row whose step is lost is not there)
 and are named, in `info` and in a warning; every other row reads exactly as a
 pristine copy of the run does, through every reader.  An undecodable chunk is
@@ -85,10 +85,19 @@ KEYS = ("step", "micro", "extent", "name")      # read when their table is first
 # how a chunk is damaged: deleted, or there but undecodable
 HOW = {"missing": os.remove,
        "corrupt": lambda f: Path(f).write_bytes(b"\x28\xb5\x2f\xfdgarbage"),
-       "truncated": lambda f: os.truncate(f, os.path.getsize(f) // 2)}
+       "truncated": lambda f: os.truncate(f, os.path.getsize(f) // 2),
+       "flipped": lambda f: _flip(f, os.path.getsize(f) // 2)}
 DAMAGES = [*(("missing", c) for c in sorted(CASES)),
            *(("corrupt", c) for c in sorted(CASES)),
-           ("truncated", "statistics"), ("truncated", "full tensors' micro-batches")]
+           ("truncated", "statistics"), ("truncated", "full tensors' micro-batches"),
+           ("flipped", "full tensors"), ("flipped", "scalars' values")]
+
+
+def _flip(path, at):
+    """One bit of a chunk flipped (a bad disk block): the chunk may still decode."""
+    raw = bytearray(Path(path).read_bytes())
+    raw[at] ^= 0x10
+    Path(path).write_bytes(bytes(raw))
 
 
 def held_rows(store, table, column, key):
