@@ -39,7 +39,7 @@ from ._record import CloseRecord, StepRecord, TensorRow
 from ._keeper import Keeper
 from ._scalars import ScalarLog
 from ._step import StepState
-from ._summarizer import Capture, EngineFailed, Summarizer
+from ._summarizer import EngineFailed, Summarizer, Taken
 from .errors import InspectionError
 
 __all__ = ["StepBuffer"]
@@ -61,7 +61,7 @@ class StepBuffer:
         self.on_end: list = []                  # called when a step ends (the hooks' cleanup)
         self.captured = 0                       # captures of the last step ended
         self.pending: list[str] = []            # warnings held by end(), for tell()
-        self._captures: list[Capture] = []
+        self._captures: list[Taken] = []
         self._lock = threading.Lock()           # backward hooks may run on autograd threads
         self._known = dict.fromkeys(known_layers)
         self._new: list[str] = []

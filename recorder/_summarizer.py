@@ -35,7 +35,7 @@ tensor: the fault path (``demote``) moves that (device type, dtype) to the
 next engine of the demotion order (``_engines.ORDER``).
 
 Training thread (the hooks, and the step's end), and autograd's threads for
-gradients: a ``Capture`` is built on the thread that took it.
+gradients: a ``Taken`` is built on the thread that took it.
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ from ._summary import (COUNTS, NARROW, VECTOR, Form, Holds, batched_dtype, empty
                        prepared, widened)
 from .errors import TensortapeWarning
 
-__all__ = ["Capture", "EngineFailed", "Later", "Summarizer"]
+__all__ = ["EngineFailed", "Later", "Summarizer", "Taken"]
 
 
 @dataclass(slots=True)
-class Capture:
-    """A capture of the open step, until the step ends."""
+class Taken:
+    """A tensor a hook took in the open step (its summary on the way), until the step ends."""
     order: int
     kind: str
     name: str
@@ -122,7 +122,7 @@ class Summarizer:
             pass
 
     # --- a capture -----------------------------------------------------------------------
-    def take(self, kind: str, name: str, micro: int, tensor: torch.Tensor, plan: Plan) -> Capture:
+    def take(self, kind: str, name: str, micro: int, tensor: torch.Tensor, plan: Plan) -> Taken:
         """The capture of a detached ``tensor`` (its ``order`` is set by the caller).
         Raises ``EngineFailed`` when the engine fails."""
         snap = None
@@ -148,13 +148,13 @@ class Summarizer:
                 x = prepared(tensor)
                 if self._held is not None and engine.later(x.dtype) \
                         and (copy := self._held.copy(x)) is not None:   # to the writer
-                    return Capture(0, kind, name, micro, exp_bits, numel, f, copy, snap, engine)
+                    return Taken(0, kind, name, micro, exp_bits, numel, f, copy, snap, engine)
                 vec = engine.reduce(x) if f is _SUMMARY else engine.count_nonfinite(x)
             except TensortapeWarning:   # made an error by the user's filter: their policy
                 raise
             except Exception as e:
                 raise EngineFailed(e, tensor) from e
-        return Capture(0, kind, name, micro, exp_bits, numel, f, vec, snap)
+        return Taken(0, kind, name, micro, exp_bits, numel, f, vec, snap)
 
     def demote(self, tensor: torch.Tensor) -> str:
         """After ``EngineFailed`` on ``tensor``: its (device type, dtype) moves to the
@@ -165,7 +165,7 @@ class Summarizer:
                 + (f"{after} takes over" if after else "no other engine is left"))
 
     # --- the step's end ------------------------------------------------------------------
-    def pack(self, caps: list[Capture]) -> tuple[list[Meta], list[Block], Packed | None]:
+    def pack(self, caps: list[Taken]) -> tuple[list[Meta], list[Block], Packed | None]:
         """Batch the tiny tensors, stack the other vectors of a device and form into
         blocks, and start each device's copy to the host without waiting (a pinned
         buffer and an event on CUDA).  A failed batch is counted (``fault``), its
