@@ -200,8 +200,8 @@ class Handler(BaseHTTPRequestHandler):
         if not url.path.startswith("/api/"):
             return self._json(404, {"error": "not found"})
         try:
-            with self.served.lock:
-                out = answer(self.served, url.path, parse_qs(url.query))
+            with self.served.lock:    # a lone surrogate of a layer's name comes as its UTF-8 bytes
+                out = answer(self.served, url.path, parse_qs(url.query, errors="surrogatepass"))
         except _api.BadRequest as e:
             return self._json(400, {"error": _line(e)})
         except StoreFormatError as e:   # a store damaged, or changed under a read: not the asker's

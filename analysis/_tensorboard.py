@@ -13,9 +13,10 @@ run of one rank, else ``DIR/rank<R>``):
   -Inf counts among them (TensorBoard's histograms have no place for them);
 - ``scalars/<name>``: the run's logged scalars (``run.scalars()``).
 
-TensorBoard keeps scalars as float32.  A step where a layer did not run is
-left out.  Memory stays bounded: a layer's histograms are read a block of steps
-at a time.
+A tag is UTF-8, so a lone surrogate in a name (a valid layer name in Python) is
+written as its escape, ``\\udfff`` (``_tag``).  TensorBoard keeps scalars as
+float32.  A step where a layer did not run is left out.  Memory stays bounded: a
+layer's histograms are read a block of steps at a time.
 """
 
 from __future__ import annotations
@@ -76,13 +77,18 @@ def to_tensorboard(run, folder, progress=None) -> str:
     return folder
 
 
+def _tag(*parts: str) -> str:
+    """``parts`` joined by ``/``: a TensorBoard tag, a lone surrogate as its escape."""
+    return "/".join(parts).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _scalars(writer, per_name: dict, protos) -> None:
     """A rank's logged scalars (a NaN logged included), an event per step."""
     Event, Summary, _ = protos
     by_step: dict[int, list] = {}
     for name, (steps, values) in per_name.items():
         for s, v in zip(steps.tolist(), values.tolist()):
-            by_step.setdefault(s, []).append(Summary.Value(tag=f"scalars/{name}",
+            by_step.setdefault(s, []).append(Summary.Value(tag=_tag("scalars", name),
                                                            simple_value=v))
     for step in sorted(by_step):
         writer.add_event(Event(wall_time=time.time(), step=int(step),
@@ -116,8 +122,7 @@ def _layer(writer, run, kind: str, layer: str, protos) -> None:
         for j, step in enumerate(steps[part]):
             if block["count"][j] < 0:                    # the layer did not run there
                 continue
-            tag = f"{kind}/{layer}"
-            values = [Summary.Value(tag=f"{tag}/{s}", simple_value=float(block[s][j]))
+            values = [Summary.Value(tag=_tag(kind, layer, s), simple_value=float(block[s][j]))
                       for s in fmt.STATS]
             c = counts[j]
             held = np.nonzero(c > 0)[0]
@@ -125,7 +130,7 @@ def _layer(writer, run, kind: str, layer: str, protos) -> None:
                 first, last = held[0], held[-1] + 1
                 num = float(c.sum())
                 mean, std = float(block["mean"][j]), float(block["std"][j])
-                values.append(Summary.Value(tag=tag, histo=HistogramProto(
+                values.append(Summary.Value(tag=_tag(kind, layer), histo=HistogramProto(
                     min=float(block["min"][j]), max=float(block["max"][j]), num=num,
                     sum=mean * num, sum_squares=num * (std * std + mean * mean),
                     bucket_limit=limits[first:last + 1].tolist(),

@@ -104,7 +104,9 @@ class Served:
             return e.code, e.read(), e.headers.get("Content-Type", "")
 
     def get(self, route: str, **query):
-        status, body, _ = self.raw(f"/api/{route}?{urllib.parse.urlencode(query)}")
+        # a lone surrogate of a name as its UTF-8 bytes, as the page sends it
+        q = urllib.parse.urlencode(query, encoding="utf-8", errors="surrogatepass")
+        status, body, _ = self.raw(f"/api/{route}?{q}")
         # strict JSON: a NaN or Infinity literal fails the test
         return status, json.loads(body, parse_constant=lambda c: pytest.fail(f"JSON holds {c}"))
 

@@ -23,9 +23,25 @@ function el(tag, text, cls) {
   return e;
 }
 
+// A query value as UTF-8, a lone surrogate (a layer's name may hold one) as its own three
+// bytes, which the server decodes back: URLSearchParams would send U+FFFD instead.
+function enc(s) {
+  let out = "";
+  for (let i = 0; i < s.length; i++) {
+    const c = s.charCodeAt(i), pair = c >= 0xD800 && c <= 0xDBFF && i + 1 < s.length &&
+      (s.charCodeAt(i + 1) & 0xFC00) === 0xDC00;
+    if (pair) { out += encodeURIComponent(s.slice(i, i + 2)); i++; }
+    else if ((c & 0xF800) === 0xD800)
+      out += [0xE0 | (c >> 12), 0x80 | ((c >> 6) & 0x3F), 0x80 | (c & 0x3F)]
+        .map(b => "%" + b.toString(16).toUpperCase()).join("");
+    else out += encodeURIComponent(s[i]);
+  }
+  return out;
+}
+
 async function api(path, params) {
-  const q = new URLSearchParams();
-  for (const [k, v] of Object.entries(params || {})) if (v !== null && v !== undefined) q.set(k, v);
+  const q = Object.entries(params || {}).filter(([, v]) => v !== null && v !== undefined)
+    .map(([k, v]) => `${k}=${enc(String(v))}`).join("&");
   const r = await fetch(`/api/${path}?${q}`);
   const body = await r.json();
   if (!r.ok) throw new Error(body.error || r.statusText);
