@@ -135,7 +135,7 @@ def test_clicking_a_cell_shows_that_steps_histogram_with_its_nan_count(page, run
     assert first.layer in caption and f"NaN {int(want.nan)}" in caption
     assert f"+Inf {int(want.posinf)}" in caption and f"-Inf {int(want.neginf)}" in caption
     # the evolution's charts (one canvas each) come from their own answer, after the histogram
-    pg.wait_for_function("document.querySelectorAll('[data-testid=evolution] canvas').length >= 8")
+    pg.wait_for_function("() => document.querySelectorAll('[data-testid=evolution] canvas').length >= 8")
     # a cell before the NaN: its own step, no NaN
     pg.mouse.click(                             # three columns to the left: step - 3
         box["x"] - box["width"] * 2.5, centre(box)[1])
