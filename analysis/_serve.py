@@ -199,9 +199,13 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, self.static[name], ctype)
         if not url.path.startswith("/api/"):
             return self._json(404, {"error": "not found"})
+        try:                          # a lone surrogate of a layer's name comes as its UTF-8 bytes
+            query = parse_qs(url.query, errors="surrogatepass")
+        except UnicodeDecodeError:
+            return self._json(400, {"error": "the query is not UTF-8 (percent-encode its UTF-8 bytes)"})
         try:
-            with self.served.lock:    # a lone surrogate of a layer's name comes as its UTF-8 bytes
-                out = answer(self.served, url.path, parse_qs(url.query, errors="surrogatepass"))
+            with self.served.lock:
+                out = answer(self.served, url.path, query)
         except _api.BadRequest as e:
             return self._json(400, {"error": _line(e)})
         except StoreFormatError as e:   # a store damaged, or changed under a read: not the asker's

@@ -48,8 +48,8 @@ from . import format as fmt
 __all__ = ["closed", "opened"]
 
 _open: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Recorder -> its finaliser
-_ending: set = set()                    # (worker, timeout) of the writers a finaliser asked to
-                                        # end the run: a worker whose thread ended is dropped
+_ending: set = set()                    # the writers a finaliser asked to end the run: one
+                                        # whose thread ended is dropped
 _previous = signal.SIG_DFL              # SIGTERM's handler before ours
 _terminating = False                    # our handler is closing the Recorders
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -92,10 +92,13 @@ def _close_all(when: str, nowait: bool) -> None:
         except BaseException as e:   # never raise here; say it in one line
             _say(f"tensortape: closing {rec.store_location!r} {when} failed: "
                  f"{type(e).__name__}: {e}")
-    for worker, timeout in list(_ending):
-        worker.thread.join(timeout)
-        if worker.thread.is_alive():          # given up: it stops, and leaves torch first
-            worker.halt(timeout)
+    for writer in list(_ending):
+        writer.worker.thread.join(writer.config.close_timeout)
+        if writer.worker.thread.is_alive():   # as close() gives up: marked, halted, said
+            try:
+                writer.give_up()
+            except BaseException as e:        # never raise here
+                _say(f"tensortape: giving up on a writer {when} failed: {type(e).__name__}: {e}")
 
 
 def _say(line: str) -> None:
@@ -172,9 +175,9 @@ def _abandon(writer, hooks, buffer) -> None:
     if buffer.state.step is not None and buffer.idle():
         writer.post_nowait(buffer.end())
     writer.close_nowait()
-    for ended in [e for e in _ending if not e[0].thread.is_alive()]:
+    for ended in [w for w in _ending if not w.worker.thread.is_alive()]:
         _ending.discard(ended)
-    _ending.add((writer.worker, writer.config.close_timeout))
+    _ending.add(writer)
 
 
 def _forgotten(writer, hooks, buffer, location: str) -> None:

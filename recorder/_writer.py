@@ -231,7 +231,7 @@ class Writer:
         if done:
             self.worker.thread.join(max(0.0, deadline - time.monotonic()))
         else:
-            self._give_up(deadline)
+            self.give_up()
         self.tell()
 
     def post_nowait(self, record: StepRecord | CloseRecord) -> None:
@@ -243,7 +243,10 @@ class Writer:
         no wait."""
         self.worker.post_nowait(Barrier(fmt.STATUS_INTERRUPTED, final=True))
 
-    def _give_up(self, deadline: float) -> None:
+    def give_up(self) -> None:
+        """The worker did not end the run in time (at ``close``, or at exit for a
+        Recorder never closed): commit nothing more, mark the run ``interrupted`` if
+        the store answers, halt the worker, and say so."""
         why = self.worker.trouble() or "it did not finish in time"
         after = self.log.give_up()
         note = (f"the writer did not commit within close_timeout={self.config.close_timeout:g} s "

@@ -366,6 +366,17 @@ def test_a_width_of_no_columns_is_refused_not_quietly_one(spiky, serve, route, q
     assert status == 400 and "width" in body["error"] and "\n" not in body["error"]
 
 
+def test_a_query_that_is_not_utf8_is_the_asker_s_fault(spiky, serve):
+    """A byte that is no UTF-8 (``%FF``) is a 400 naming the fix, not a server error;
+    a lone surrogate of a name, sent as its UTF-8 bytes, is a name like any other."""
+    import json
+    s = serve(spiky)
+    status, body, _ = s.raw("/api/stats?layer=%FF&kind=activations")
+    assert status == 400 and "UTF-8" in json.loads(body)["error"]
+    status, body = s.get("stats", layer="no\udfff", kind="activations")
+    assert status == 404 and body["error"].startswith("no layer")
+
+
 @pytest.mark.parametrize("metric", ["rel_l2", "max_abs"])
 def test_a_full_tensor_metric_leaves_steps_without_tensors_uncompared(tmp_path, serve, metric):
     """Two identical runs, full tensors every 3rd step: those steps are 0 apart, the
