@@ -9,9 +9,9 @@ from tensortape.recorder import format as fmt
 from tensortape.recorder.errors import ConfigError
 from tensortape.recorder.patterns import match_layers
 
-from ._metrics import step_metrics, tensor_metrics
+from ._metrics import step_metrics, steps_metrics, tensor_metrics
 from ._run import Run, open_run
-from ._select import Names, layer_coord, one_layer, steps_text
+from ._select import Names, chosen, layer_coord, one_layer, steps_text
 
 __all__ = ["compare_runs", "divergence", "first_divergence", "plot_comparison", "step_metrics",
            "tensor_metrics"]
@@ -22,17 +22,40 @@ _METRICS = ("rel_l2", "cosine", "max_abs", "sqnr_db")
 def _tensor_metrics(a: Run, b: Run, layer: str, kind: str, steps):
     """``(step, step_metrics)`` of (``layer``, ``kind``) at each of ``steps`` that
     both runs hold full tensors of (in order; the metrics None where the runs
-    share no micro-batch), each run's chunks read once."""
+    share no micro-batch), a block of steps read at once from each run and
+    compared together (``steps_metrics``)."""
     held = [r.steps(kind, tensors=True, layer=layer) for r in (a, b)]
     steps = np.intersect1d(np.intersect1d(*held), steps)
-    for (s, ma), (_, mb) in zip(*(r.micro_batches_by_step(layer, kind, steps) for r in (a, b))):
-        yield s, step_metrics(ma, mb)
+    for asked, got_a in a.tensor_blocks(layer, kind, steps):
+        got_b = {}
+        for _, part in b.tensor_blocks(layer, kind, asked):
+            got_b.update(part)
+        pairs = [(got_a.get(int(s), {}), got_b.get(int(s), {})) for s in asked]
+        yield from zip((int(s) for s in asked), steps_metrics(pairs))
 
 
-def _common(a: Run, b: Run, kind: str, layers) -> tuple[list[str], np.ndarray]:
-    """The layers (in ``a``'s order) and steps of ``kind`` that both runs hold.  The
-    roots of two different model classes are not the same layer."""
-    named = [r.stats(kind, layers).layer.values.tolist() if kind in r.kinds else [] for r in (a, b)]
+def _shared(a: Run, b: Run, kind: str, layers, strict: bool):
+    """What both runs hold of ``kind``, each run's statistics read once: the shared
+    layers (in ``a``'s order) whose shapes agree and the common steps
+    (``_common``, ``_alike``), what makes the runs unlike, and, where they share
+    any, both runs' statistics there (``_both_stats``; else None)."""
+    full = [r.stats(kind).compute() if kind in r.kinds else None for r in (a, b)]
+    names, steps = _common(a, b, kind, layers, full)
+    names, notes = _alike(a, b, kind, layers, names, steps, strict, full)
+    both = _both_stats(a, b, kind, names, steps, full) if names and len(steps) else None
+    return names, steps, notes, both
+
+
+def _names(st: xr.Dataset | None) -> list[str]:
+    return [] if st is None else st.layer.values.tolist()
+
+
+def _common(a: Run, b: Run, kind: str, layers, full) -> tuple[list[str], np.ndarray]:
+    """The layers (in ``a``'s order) and steps of ``kind`` that both runs hold (of
+    their statistics, ``full``).  The roots of two different model classes are
+    not the same layer."""
+    named = [_names(f) if layers is None or f is None else list(chosen(_names(f), layers))
+             for f in full]
     names = [n for n in named[0] if n in set(named[1])]
     if a.attrs.get("model_class") != b.attrs.get("model_class"):
         names = [n for n in names if n != fmt.ROOT_LABEL]
@@ -55,7 +78,7 @@ def _some(names, most: int = 2) -> str:
 
 
 def _alike(a: Run, b: Run, kind: str, layers, names: list[str], steps,
-           strict: bool) -> tuple[list[str], list[str]]:
+           strict: bool, full) -> tuple[list[str], list[str]]:
     """Whether the runs are alike enough to compare: the model classes, the
     recorded layer sets of ``kind`` (those ``layers`` matches) and each shared
     layer's shape (its element count at the common steps where both ran, and its
@@ -66,7 +89,7 @@ def _alike(a: Run, b: Run, kind: str, layers, names: list[str], steps,
     ca, cb = a.attrs.get("model_class"), b.attrs.get("model_class")
     if ca != cb:
         notes.append(f"model classes differ ({ca} vs {cb})")
-    held = [r.stats(kind).layer.values.tolist() if kind in r.kinds else [] for r in (a, b)]
+    held = [_names(f) for f in full]
     if layers is not None:
         held = [match_layers(h, layers, strict=False) for h in held]
     only = [[n for n in held[i] if n not in set(held[1 - i])] for i in (0, 1)]
@@ -75,7 +98,7 @@ def _alike(a: Run, b: Run, kind: str, layers, names: list[str], steps,
             f"{len(o)} only in {r.name}: {_some(o)}" for r, o in zip((a, b), only) if o) + ")")
     bad, gone = [], set()
     if names and len(steps):
-        ca_, cb_ = (r.stats(kind, Names(names))["count"].sel(step=steps).values for r in (a, b))
+        ca_, cb_ = (f["count"].sel(step=steps, layer=layer_coord(names)).values for f in full)
         ran = (ca_ >= 0) & (cb_ >= 0)
         for j, n in enumerate(names):
             diff = ran[:, j] & (ca_[:, j] != cb_[:, j])
@@ -130,12 +153,12 @@ def _absent(st: xr.Dataset) -> xr.DataArray:
     return st["count"] < 0
 
 
-def _both_stats(a: Run, b: Run, kind: str, names: list[str], steps):
-    """Both runs' statistics of ``names`` at ``steps``, and where either reads them
-    as missing because their chunk is missing from its store (``Run.damaged``):
-    damage is no difference, and is not compared."""
+def _both_stats(a: Run, b: Run, kind: str, names: list[str], steps, full):
+    """Both runs' statistics (of ``full``) of ``names`` at ``steps``, and where
+    either reads them as missing because their chunk is missing from its store
+    (``Run.damaged``): damage is no difference, and is not compared."""
+    sa, sb = (f.sel(step=steps, layer=layer_coord(names)) for f in full)
     names = Names(names)
-    sa, sb = (r.stats(kind, names).sel(step=steps).compute() for r in (a, b))
     unread = a.damaged(kind, names).sel(step=steps) | b.damaged(kind, names).sel(step=steps)
     return sa, sb, unread
 
@@ -200,12 +223,11 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     ``ConfigError`` instead).
     """
     a, b = _runs(a, b, rank)
-    names, steps = _common(a, b, kind, layers)
-    names, notes = _alike(a, b, kind, layers, names, steps, strict)
-    if not names or not len(steps):
+    names, steps, notes, both = _shared(a, b, kind, layers, strict)
+    if both is None:
         raise _no_common(a, b, [kind], layers, notes)
     _say(_unlike(a, b, notes))
-    sa, sb, unread = _both_stats(a, b, kind, names, steps)
+    sa, sb, unread = both
     gone = _absent(sa) | _absent(sb) | unread      # not a difference of the statistics there
     out = xr.Dataset({f"delta_{s}": xr.where(gone, 0 if s in fmt.COUNT_STATS else np.nan,
                                              sb[s] - sa[s]) for s in fmt.STATS})
@@ -266,11 +288,10 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
     kinds = [k for k in asked if k in a.kinds and k in b.kinds]
     per_kind, unlikes = {}, []
     for kind in kinds:
-        names, steps = _common(a, b, kind, layers)
-        names, notes = _alike(a, b, kind, layers, names, steps, strict)
+        names, steps, notes, both = _shared(a, b, kind, layers, strict)
         unlikes.append(notes)
-        if names and len(steps):
-            sa, sb, unread = _both_stats(a, b, kind, names, steps)
+        if both is not None:
+            sa, sb, unread = both
             names = sorted(names, key=lambda n: order.get(n, 1 << 30))
             held = [set(r.tensor_layers(kind)) for r in (a, b)]
             rel = _relative(sa, sb).where(~unread).sel(layer=layer_coord(names))

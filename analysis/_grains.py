@@ -45,8 +45,7 @@ def read(run, kind: str, rank: int, names: tuple, rows, cols) -> dict:
         arr = tables.source.array(f"{path}/stats")
         return {s: np.asarray(arr[rows, cols, fmt.STATS.index(s)], np.float64) for s in names}
     import dask
-    lazy = [tables.stat(path, s, rows, cols) for s in names]
-    return dict(zip(names, dask.compute(*lazy, scheduler="threads")))
+    return dask.compute(tables.stats(path, names, rows, cols), scheduler="threads")[0]
 
 
 class MapColumns:

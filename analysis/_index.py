@@ -45,7 +45,7 @@ class RunIndex:
         self._valid: set[str] = set()
         self._damage = _damage.Ledger()
         self._refusing: str | None = None       # what copies the chunks as stored (``refusing``)
-        self._steps: dict[str, np.ndarray] = {}  # a table's steps, read by its check
+        self._keys: dict[str, dict] = {}   # a table's key columns (step, ...), read by its check
         self._current: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
         self._pyramids: dict[tuple[str, int, int], list] = {}
         self.source.sink = self._undecodable
@@ -149,7 +149,7 @@ class RunIndex:
 
     def _read_rows(self, path: str, rank: int) -> tuple[np.ndarray, np.ndarray]:
         n = self.checked_rows(path, rank)
-        steps = self._steps.pop(path, None)
+        steps = self._keys.get(path, {}).get("step")
         if steps is None:
             steps = np.asarray(self.source.array(path + "/step")[:n]) if n else np.zeros(0, np.int64)
         runs = self.states[rank].rerecorded
@@ -281,6 +281,12 @@ class RunIndex:
                                        if table.section == "stats" else None), stacklevel=2)
         return _damage.missing(column, fill)
 
+    def keys(self, path: str, rank: int) -> dict[str, np.ndarray]:
+        """A table's key columns (``_damage.KEYS``) it has, of its committed rows, as
+        its check read them (empty for a table without rows)."""
+        self.checked_rows(path, rank)
+        return self._keys.get(path, {})
+
     def damage(self, path: str, rank: int) -> list:
         """The damage known of a table's committed rows (``_damage.Damage``): its
         missing chunks, and those found undecodable so far."""
@@ -374,6 +380,6 @@ class RunIndex:
             self._damage.extents[path] = extent
             if every:
                 found += _damage.find(self.source, path, {"data": data}, n, extent)
-        self._steps[path] = keys["step"]
+        self._keys[path] = keys
         layers = self.stats_layers(table.kind, table.rank) if table.section == "stats" else None
         return self._damage.add(path, found, n, keys["step"], layers)

@@ -223,9 +223,16 @@ class Run:
     def micro_batches_by_step(self, layer: str, kind: str = "activations", steps=(),
                               rank: int | None = None):
         """``(step, micro_batches(layer, kind, step))`` for each of ``steps`` in
-        order, lazily: each chunk of rows is read and decoded once (reading step
-        by step decodes a chunk again for each of its steps)."""
+        order, lazily: a block of steps read at once (at most 64 MiB of rows, or
+        one step), not a chunk again for each step."""
         return self._tensors.by_step(layer, kind, [int(s) for s in steps], self._rank(rank))
+
+    def tensor_blocks(self, layer: str, kind: str = "activations", steps=(),
+                      rank: int | None = None):
+        """As ``micro_batches_by_step``, a block at a time: ``(the block's steps,
+        {step: {micro-batch: array}})``, the arrays views of one read (at most 64
+        MiB of rows, or one step); a step without full tensors is absent."""
+        return self._tensors.blocks(layer, kind, steps, self._rank(rank))
 
     def tensor_shape(self, layer: str, kind: str = "activations",
                      rank: int | None = None) -> tuple[int, ...]:

@@ -224,6 +224,9 @@ class ZarrSource:
             return Guarded(self.root[path], path, self.location, self)
 
     def has(self, path: str) -> bool:
+        import zarr
+        if isinstance(self.root.store, zarr.storage.LocalStore):   # a v3 node: its zarr.json
+            return os.path.isfile(self.root.store.root / self.root.path / path / "zarr.json")
         try:
             with quiet():
                 self.root[path]

@@ -100,13 +100,14 @@ class Statistics:
         names = ix.stats_layers(kind, rank)
         idx = columns_of(names, layers, strict)
         data = {}
+        raw = ix.tables.stats(path, fmt.STATS, rows, idx) if len(rows) else {}
         for s in fmt.STATS:
             dtype = np.int64 if s in fmt.COUNT_STATS else np.float64
             if not len(rows):                  # full tensors of this kind, no statistics yet
                 data[s] = (("step", "layer"), np.zeros((0, len(idx)), dtype))
                 continue
-            raw = ix.tables.stat(path, s, rows, idx)
-            data[s] = (("step", "layer"), counts(raw) if s in fmt.COUNT_STATS else raw.astype(dtype))
+            data[s] = (("step", "layer"), counts(raw[s]) if s in fmt.COUNT_STATS
+                       else raw[s].astype(dtype))
         ds = xr.Dataset(data, coords={"step": steps,
                                       "layer": layer_coord([names[i] for i in idx])})
         ds.attrs.update(kind=kind, rank=rank)

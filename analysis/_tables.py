@@ -89,6 +89,11 @@ class Tables:
         return _take(self.lazy(f"{path}/stats"), as_slice(rows), as_slice(cols),
                      (fmt.STATS.index(stat),))
 
+    def stats(self, path: str, names, rows, cols) -> dict:
+        """``stat`` of each of ``names``, lazy: in format 3, slices of one read."""
+        block = _take(self.lazy(f"{path}/stats"), as_slice(rows), as_slice(cols), ())
+        return {s: block[..., fmt.STATS.index(s)] for s in names}
+
     def stats_block(self, path: str, lo: int, hi: int) -> np.ndarray:
         """Rows ``lo:hi`` of every statistic, as format 3 packs them (row, layer,
         statistic)."""
@@ -112,6 +117,9 @@ class TablesV2(Tables):
 
     def stat(self, path: str, stat: str, rows, cols):
         return _take(self.lazy(f"{path}/{stat}"), as_slice(rows), as_slice(cols), ())
+
+    def stats(self, path: str, names, rows, cols) -> dict:
+        return {s: self.stat(path, s, rows, cols) for s in names}
 
     def stats_block(self, path: str, lo: int, hi: int) -> np.ndarray:
         return np.stack([np.asarray(self.source.array(f"{path}/{s}")[lo:hi])

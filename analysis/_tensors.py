@@ -28,6 +28,8 @@ class Tensors:
     """The reads of a run's tensor tables (``Run.tensor``, ``Run.tensor_layers``,
     ``Run.steps(tensors=True)``)."""
 
+    BLOCK = 64 << 20           # bytes of full tensors a block read holds (``blocks``)
+
     def __init__(self, index: RunIndex):
         self.index = index
         self._read: dict = {}
@@ -100,9 +102,10 @@ class Tensors:
             ix = self.index
             n = ix.checked_rows(path, rank)
             current, steps = ix.current_rows(path, rank)
-            micros = ix.tables.micros(path, n)
+            keys = ix.keys(path, rank)        # read by the table's check
+            micros = keys.get("micro", np.zeros(n, np.int64))    # format 1: every row's is 0
             rows = current[fmt.latest_rows(np.stack([steps[current], micros[current]], axis=1))]
-            extent = np.asarray(ix.source.array(path + "/extent")[:n])[rows].astype(np.int64)
+            extent = keys["extent"][rows].astype(np.int64)
             got = self._read[(rank, path)] = rows, steps[rows], micros[rows], extent
         return got
 
@@ -154,29 +157,45 @@ class Tensors:
         return next(self.by_step(layer, kind, [step], rank))[1]
 
     def by_step(self, layer: str, kind: str, steps, rank: int):
-        """``(step, micro_batches(...))`` for each of ``steps`` in order, each chunk of
-        rows read and decoded once (a step at a time would decode its whole chunk
-        again for each step): one chunk of rows held at a time."""
+        """``(step, micro_batches(...))`` for each of ``steps`` in order, read a block
+        of steps at a time (``blocks``)."""
+        for asked, held in self.blocks(layer, kind, steps, rank):
+            for step in asked:
+                yield int(step), {m: x.copy() for m, x in held.get(int(step), {}).items()}
+
+    def blocks(self, layer: str, kind: str, steps, rank: int):
+        """The full tensors of ``layer`` at ``steps`` (in order), a block of whole
+        steps at a time: ``(the block's steps, {step: {micro-batch: array at its
+        true shape}})``, each block's rows read in one call and at most ``BLOCK``
+        bytes (one step, where it is larger); bfloat16 and float8 decoded, the rows
+        that damage keeps from being read left out.  The arrays are views of the
+        block."""
         ix = self.index
         path = self.path(layer, kind, rank)
         rows, have, micros, extent = self._rows(path, rank)
-        n = ix.checked_rows(path, rank)
         data = self._data(path)
         logical = dict(data.attrs).get(fmt.LOGICAL_ATTR)
-        size = data.chunks[0]             # rows zarr decodes at once (an inner chunk's)
-        held = (-1, None)
-        for step in steps:
-            out, at = {}, np.nonzero(have == step)[0]
-            for i in at:
-                row = int(rows[i])
-                if held[0] != row // size:
-                    lo = row // size * size
-                    held = (row // size, np.asarray(data[lo: min(lo + size, n)]))
-                got = held[1][(row % size, *(slice(0, int(e)) for e in extent[i, : data.ndim - 1]))]
-                out[int(micros[i])] = decode_bits(got, logical) if logical in fmt.BITS_DTYPES \
-                    else got.copy()                 # not a view that keeps the chunk
+        steps = np.asarray(steps, np.int64).reshape(-1)
+        lo, hi = np.searchsorted(have, steps, "left"), np.searchsorted(have, steps, "right")
+        per_row = max(1, int(np.prod(data.shape[1:])) * data.dtype.itemsize)
+        start = 0
+        while start < len(steps):
+            end, held = start + 1, hi[start] - lo[start]
+            while end < len(steps) and (held + hi[end] - lo[end]) * per_row <= self.BLOCK:
+                held += hi[end] - lo[end]
+                end += 1
+            at = np.concatenate([np.arange(lo[k], hi[k]) for k in range(start, end)])
+            got = np.asarray(data[as_slice(rows[at])]) if len(at) else None
+            if logical in fmt.BITS_DTYPES and got is not None:
+                got = decode_bits(got, logical)
             lost = ix.lost(path, rank)        # a chunk found undecodable as it was read
-            yield int(step), {m: v for i, (m, v) in zip(at, out.items()) if not lost[rows[i]]}
+            out: dict = {}
+            for i, k in enumerate(at):
+                if not lost[rows[k]]:
+                    out.setdefault(int(have[k]), {})[int(micros[k])] = got[
+                        (i, *(slice(0, int(e)) for e in extent[k, : data.ndim - 1]))]
+            yield steps[start:end], out
+            start = end
 
     def _why(self, path: str, rank: int, step) -> str:
         """Why a step has no full tensor, where damage is the reason."""
