@@ -39,7 +39,7 @@ def _shared(a: Run, b: Run, kind: str, layers, strict: bool):
     layers (in ``a``'s order) whose shapes agree and the common steps
     (``_common``, ``_alike``), what makes the runs unlike, and, where they share
     any, both runs' statistics there (``_both_stats``; else None)."""
-    full = [r.stats(kind).compute() if kind in r.kinds else None for r in (a, b)]
+    full = [r.stats(kind, lazy=False) if kind in r.kinds else None for r in (a, b)]
     names, steps = _common(a, b, kind, layers, full)
     names, notes = _alike(a, b, kind, layers, names, steps, strict, full)
     both = _both_stats(a, b, kind, names, steps, full) if names and len(steps) else None

@@ -147,15 +147,17 @@ class Run:
         return self._tensors.steps(kind, rank, layer)
 
     # --- statistics, histograms and full tensors ----------------------------------
-    def stats(self, kind: str = "activations", layers=None, rank: int | None = None) -> xr.Dataset:
+    def stats(self, kind: str = "activations", layers=None, rank: int | None = None, *,
+              lazy: bool = True) -> xr.Dataset:
         """Per-step statistics: an ``xr.Dataset`` with dims (step, layer), one
         variable per statistic (lazy; counts are int64).
 
         kind: one of ``run.kinds``.  layers: a glob pattern or list of them
         (default: every layer with statistics).  rank: one rank's; by default,
         in a run of several ranks, every rank's along a ``rank`` dimension
-        (each read only when its values are)."""
-        return self._statistics.stats(kind, layers, rank)
+        (each read only when its values are).  lazy: False reads them at once,
+        with numpy (no dask: cheaper where every value is wanted)."""
+        return self._statistics.stats(kind, layers, rank, lazy=lazy)
 
     def damaged(self, kind: str = "activations", layers=None,
                 rank: int | None = None) -> xr.DataArray:

@@ -79,20 +79,23 @@ class Statistics:
         out.attrs.pop("rank", None)
         return out
 
-    def stats(self, kind: str = "activations", layers=None, rank: int | None = None) -> xr.Dataset:
+    def stats(self, kind: str = "activations", layers=None, rank: int | None = None,
+              lazy: bool = True) -> xr.Dataset:
         ix = self.index
         if rank is not None or len(ix.ranks) < 2 or layers is None:
-            return self._across(rank, lambda r: self._stats(kind, layers, r), kind)
+            return self._across(rank, lambda r: self._stats(kind, layers, r, lazy=lazy), kind)
         # the layers asked for, of every rank's (each pattern selects a layer of some
         # rank); a rank is read where it holds one
         held = [r for r in ix.ranks if kind in ix.kinds_of(r)]
         layers = chosen(list(dict.fromkeys(n for r in held for n in ix.stats_layers(kind, r))),
                         layers, what="layer with statistics on any rank")
-        return self._across(rank, lambda r: self._stats(kind, layers, r, strict=False), kind,
+        return self._across(rank, lambda r: self._stats(kind, layers, r, strict=False, lazy=lazy),
+                            kind,
                             lambda r: bool(columns_of(ix.stats_layers(kind, r), layers,
                                                       strict=False)))
 
-    def _stats(self, kind: str, layers, rank: int | None, strict: bool = True) -> xr.Dataset:
+    def _stats(self, kind: str, layers, rank: int | None, strict: bool = True,
+               lazy: bool = True) -> xr.Dataset:
         ix = self.index
         rank = ix.rank(rank)
         ix.kind(kind, rank)
@@ -100,7 +103,7 @@ class Statistics:
         names = ix.stats_layers(kind, rank)
         idx = columns_of(names, layers, strict)
         data = {}
-        raw = ix.tables.stats(path, fmt.STATS, rows, idx) if len(rows) else {}
+        raw = ix.tables.stats(path, fmt.STATS, rows, idx, lazy) if len(rows) else {}
         for s in fmt.STATS:
             dtype = np.int64 if s in fmt.COUNT_STATS else np.float64
             if not len(rows):                  # full tensors of this kind, no statistics yet

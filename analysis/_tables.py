@@ -89,9 +89,11 @@ class Tables:
         return _take(self.lazy(f"{path}/stats"), as_slice(rows), as_slice(cols),
                      (fmt.STATS.index(stat),))
 
-    def stats(self, path: str, names, rows, cols) -> dict:
-        """``stat`` of each of ``names``, lazy: in format 3, slices of one read."""
-        block = _take(self.lazy(f"{path}/stats"), as_slice(rows), as_slice(cols), ())
+    def stats(self, path: str, names, rows, cols, lazy: bool = True) -> dict:
+        """``stat`` of each of ``names``, lazy (in format 3, slices of one read), or
+        read at once with numpy (``lazy`` False)."""
+        arr = self.lazy(f"{path}/stats") if lazy else self.source.array(f"{path}/stats")
+        block = _take(arr, as_slice(rows), as_slice(cols), (), lazy)
         return {s: block[..., fmt.STATS.index(s)] for s in names}
 
     def stats_block(self, path: str, lo: int, hi: int) -> np.ndarray:
@@ -118,8 +120,11 @@ class TablesV2(Tables):
     def stat(self, path: str, stat: str, rows, cols):
         return _take(self.lazy(f"{path}/{stat}"), as_slice(rows), as_slice(cols), ())
 
-    def stats(self, path: str, names, rows, cols) -> dict:
-        return {s: self.stat(path, s, rows, cols) for s in names}
+    def stats(self, path: str, names, rows, cols, lazy: bool = True) -> dict:
+        if lazy:
+            return {s: self.stat(path, s, rows, cols) for s in names}
+        return {s: _take(self.source.array(f"{path}/{s}"), as_slice(rows), as_slice(cols), (),
+                         False) for s in names}
 
     def stats_block(self, path: str, lo: int, hi: int) -> np.ndarray:
         return np.stack([np.asarray(self.source.array(f"{path}/{s}")[lo:hi])
@@ -141,7 +146,11 @@ class TablesV1(TablesV2):
         return np.zeros(n, np.int64)
 
 
-def _take(arr, rows, cols, at: tuple):
+def _take(arr, rows, cols, at: tuple, lazy: bool = True):
+    """``arr`` at ``rows``, ``cols`` and ``at``; a store array (not ``lazy``) is read
+    at ``rows`` (one index array, at most) and then indexed in memory."""
+    if not lazy:
+        return np.asarray(arr[rows])[(slice(None), cols, *at)]
     if isinstance(rows, slice) or isinstance(cols, (slice, int)):
         return arr[(rows, cols, *at)]
     return arr[rows][(slice(None), cols, *at)]

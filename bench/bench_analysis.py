@@ -24,7 +24,8 @@ Two runs instead (``Linear(64, 64)`` layers on 48 rows; the second's input 1%
 larger from 75% of the steps on): ``compare_runs``, ``first_divergence`` (of the
 two, and of a run against itself: every full tensor read) and the served page's
 map (``compare_map``), each from a fresh ``open_run``, side by side with reading
-the same arrays once with zarr (every full tensor and the statistics of both).
+the same arrays once with zarr (every full tensor and the statistics of both);
+then ``tensortape compare`` as a new process (its imports included).
 """
 
 from __future__ import annotations
@@ -228,7 +229,22 @@ def compare_bench(folder, steps, n_layers, every):
         cpu = cpu_time(fn)
         print(f"{name:38s} {t * 1e3:8.0f} ms  = {t / t_read:5.1f}x reading once; CPU {cpu * 1e3:6.0f} "
               f"ms = {cpu / cpu_read:5.1f}x")
+    wall, cpu = command_time(["compare", a, b])
+    print(f"{'tensortape compare (a new process)':38s} {wall * 1e3:8.0f} ms  = {wall / t_read:5.1f}x "
+          f"reading once; CPU {cpu * 1e3:6.0f} ms (imports included)")
     print(f"first divergence: {first_divergence(a, b)}")
+
+
+def command_time(args):
+    """Wall and CPU seconds (the child's, every thread) of one ``tensortape`` command."""
+    import resource
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "tensortape.cli", *args], stdout=subprocess.DEVNULL,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main():

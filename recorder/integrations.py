@@ -23,6 +23,11 @@ they are computed), taken from the one method that hands them over (its logger
 connector's ``log_metrics``, wrapped while the run records, whether or not a
 logger is configured), 0-dim tensors read with no sync.  Scalars logged before
 the first step (an evaluation at the start) are stored at the first step.
+Under the Hugging Face Trainer's ``logging_nan_inf_filter`` (its default), a
+training loss that is NaN or Inf is logged as the window's running average (0 at
+its first step); the run stores ``loss`` and ``train_loss`` as the Trainer logs
+them unfiltered instead (``_LossFilter``): NaN or Inf where a micro-batch's loss
+was.
 
 Neither framework is imported until its callback is first used (each is an
 optional extra: ``tensortape[hf]``, ``tensortape[lightning]``).
@@ -102,6 +107,44 @@ class _Session:
             self.recorder.close("interrupted" if failed else "complete")
 
 
+class _LossFilter:
+    """What the Hugging Face Trainer's ``logging_nan_inf_filter`` hides: the
+    non-finite part of the losses its ``training_step`` returned, summed on their
+    device (no sync) since the last logged ``loss`` (``window``) and over the
+    training (``total``).  ``logged`` gives the Trainer's logs with ``loss`` and
+    ``train_loss`` as it logs them unfiltered: the logged number where every
+    loss was finite, else the non-finite sum (NaN, or an Inf), read where the
+    logged scalars are read (a step's end)."""
+
+    def __init__(self):
+        self.window = self.total = None
+
+    def saw(self, loss) -> None:
+        """A micro-batch's training loss, as ``training_step`` returned it."""
+        import torch
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.is_complex():
+            return
+        x = loss.detach().reshape(()).to(torch.float64)
+        part = torch.where(torch.isfinite(x), torch.zeros_like(x), x)
+        self.window = part if self.window is None else self.window + part
+        self.total = part if self.total is None else self.total + part
+
+    def logged(self, logs: dict, filtering: bool) -> dict:
+        """``logs`` (not changed) with the losses the filter replaced put back."""
+        import torch
+        out = dict(logs)
+        for name, part in (("loss", self.window), ("train_loss", self.total)):
+            if name not in logs:
+                continue
+            if name == "loss":
+                self.window = None          # the Trainer's window ends where it logs it
+            value = logs[name]
+            if filtering and part is not None and isinstance(value, (int, float)):
+                out[name] = torch.where(torch.isfinite(part),
+                                        torch.full_like(part, float(value)), part)
+        return out
+
+
 class _Holder:
     """What both callbacks share: the store, the Recorder keywords, the session."""
 
@@ -115,6 +158,7 @@ class _Holder:
         training starts."""
         RecorderConfig.check(recorder_kwargs)
         self.session = _Session(store, recorder_kwargs)
+        self.losses = _LossFilter()          # the Hugging Face Trainer's
 
     @property
     def recorder(self):
@@ -160,6 +204,22 @@ def _closing_on_error(train, session):
     return wrapped
 
 
+def _watching_losses(training_step, losses: _LossFilter):
+    """``training_step`` that hands each loss it returns to ``losses`` (never raising)."""
+    import functools
+
+    @functools.wraps(training_step)
+    def wrapped(*args, **kwargs):
+        loss = training_step(*args, **kwargs)
+        try:
+            losses.saw(loss)
+        except Exception:                   # never into the training
+            pass
+        return loss
+    wrapped._tensortape = True
+    return wrapped
+
+
 def _trainer_callback():
     import transformers
 
@@ -168,12 +228,17 @@ def _trainer_callback():
 
         def on_init_end(self, args, state, control, **kwargs):
             """The Trainer tells its callbacks of no exception: its ``train`` is wrapped
-            so that one (or a KeyboardInterrupt) closes the run as ``interrupted``."""
+            so that one (or a KeyboardInterrupt) closes the run as ``interrupted``.
+            Nor of the loss a step returned: its ``training_step`` is wrapped too
+            (``_LossFilter``)."""
             trainer = _initialising_trainer(transformers.Trainer, self)
             if trainer is not None and not hasattr(trainer.train, "_tensortape"):
                 trainer.train = _closing_on_error(trainer.train, self.session)
+            if trainer is not None and not hasattr(trainer.training_step, "_tensortape"):
+                trainer.training_step = _watching_losses(trainer.training_step, self.losses)
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.losses.window = self.losses.total = None
             self.session.start(model)
 
         def on_step_begin(self, args, state, control, **kwargs):
@@ -186,6 +251,12 @@ def _trainer_callback():
             self.session.end_step()          # transformers without on_pre_optimizer_step
 
         def on_log(self, args, state, control, logs=None, **kwargs):
+            try:
+                if logs:
+                    logs = self.losses.logged(logs, bool(getattr(args, "logging_nan_inf_filter",
+                                                                 False)))
+            except Exception:               # never into the training: the logs as logged
+                pass
             self.session.log(logs)
 
         def on_train_end(self, args, state, control, **kwargs):

@@ -188,3 +188,42 @@ def test_a_trainer_subclass_that_raises_closes_its_run(tmp_path):
     assert run.steps().tolist() == list(range(trainer.state.global_step))
     other = transformers.Trainer(model=gpt2(), args=args, train_dataset=Breaks())
     assert not hasattr(other.train, "_tensortape")   # only the callback's own trainer
+
+
+def test_a_nan_loss_is_stored_as_nan_not_as_the_trainers_filtered_value(tmp_path):
+    """The Trainer's ``logging_nan_inf_filter`` (on by default) logs a NaN step's loss as
+    the window's running average (0 at its first step).  Before: the run stored that 0,
+    and the page drew it as a real loss.  The truth here is the loss the model returned
+    (a plain forward hook on the root); a NaN is injected into it at one step."""
+    pytest.importorskip("accelerate")
+    from tensortape.recorder.integrations import TrainerCallback
+    model, poisoned, returned = gpt2(), 2, []
+
+    def inject(module, args, out):             # the loss of the training call `poisoned`
+        if module.training and torch.is_grad_enabled():
+            if len(returned) == poisoned:
+                out["loss"] = out["loss"] * float("nan")
+            returned.append(float(out["loss"].detach()))
+        return out
+    model.register_forward_hook(inject)
+    store = str(tmp_path / "nan.zarr")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=5,
+        save_strategy="no", report_to=[], use_cpu=True, logging_steps=1, disable_tqdm=True,
+        learning_rate=1e-3, max_grad_norm=0.0)
+    assert args.logging_nan_inf_filter                # the Trainer's default
+    data = [dict(r, labels=r["input_ids"]) for r in token_rows(10, 0)]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   callbacks=[TrainerCallback(store, layers=LAYERS)])
+    trainer.train()
+    assert not np.isfinite(returned[poisoned:]).any() and np.isfinite(returned[:poisoned]).all()
+    logged = {h["step"] - 1: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    assert logged[poisoned] == 0.0                     # what the filter logged: a number
+    final = next(h["train_loss"] for h in trainer.state.log_history if "train_loss" in h)
+    assert np.isfinite(final)
+    scalars = open_run(store).scalars()
+    loss = scalars["loss"].sel(step=list(logged)).values
+    np.testing.assert_allclose(loss[:poisoned], returned[:poisoned], rtol=1e-6)   # as logged
+    np.testing.assert_allclose(loss[:poisoned], [logged[s] for s in range(poisoned)])
+    assert np.isnan(loss[poisoned:]).all(), loss       # the model's loss, not the filter's
+    assert np.isnan(scalars["train_loss"].dropna("step", how="all").values).all()
