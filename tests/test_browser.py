@@ -385,6 +385,37 @@ def test_a_link_restores_the_view_runs_kind_statistic_filter_zoom_and_cell(page,
         other.close()
 
 
+def test_a_link_keeps_a_layer_name_with_a_lone_surrogate(page, tmp_path):
+    """Before: the link wrote the selected layer through URLSearchParams, which turned a
+    lone surrogate into U+FFFD: the link opened no layer (the server has none of that name).
+    The names are compared in the page (a lone surrogate does not cross Playwright's JSON)."""
+    model = torch.nn.Sequential()
+    model.add_module("a\udc80", torch.nn.Linear(2, 2))
+    model.add_module("b", torch.nn.Linear(2, 2))
+    path = str(tmp_path / "surrogate.zarr")
+    with Recorder(model, path, capture="activations", tensors_every=None) as rec:
+        for step in range(4):
+            with rec.step(step), torch.no_grad():
+                model(torch.randn(3, 2))
+    assert open_run(path).layers[0] == "a\udc80"
+    pg = page.open(path)
+    row = pg.locator("#map-labels div").first.bounding_box()
+    box = pg.locator("#map").bounding_box()
+    pg.mouse.click(box["x"] + box["width"] / 2, row["y"] + row["height"] / 2)
+    named = "() => document.querySelector('[data-testid=histogram]').dataset.layer === 'a\\udc80'"
+    pg.wait_for_function(named)
+    link = pg.url
+    other = page.context.browser.new_page(viewport={"width": 1300, "height": 1000})
+    try:
+        other.goto(link)
+        other.wait_for_selector("body[data-ready='1']", timeout=60000)
+        other.wait_for_function(named, timeout=20000)
+        assert other.evaluate("() => document.querySelector('[data-testid=selected-cell]')"
+                              ".dataset.layer === 'a\\udc80'")
+    finally:
+        other.close()
+
+
 WIDE = 60                     # blocks of two layers: 120 rows
 
 

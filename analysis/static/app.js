@@ -39,10 +39,32 @@ function enc(s) {
   return out;
 }
 
-async function api(path, params) {
-  const q = Object.entries(params || {}).filter(([, v]) => v !== null && v !== undefined)
+// A query value back from ``enc``'s bytes (and any browser's): UTF-8, where the three bytes
+// of a lone surrogate are that code unit (URLSearchParams would read U+FFFD).
+function dec(s) {
+  const bytes = [];
+  for (let i = 0; i < s.length; i++) {
+    if (s[i] === "%" && /^[0-9a-fA-F]{2}$/.test(s.slice(i + 1, i + 3))) {
+      bytes.push(parseInt(s.slice(i + 1, i + 3), 16)); i += 2;
+    } else bytes.push(...new TextEncoder().encode(s[i] === "+" ? " " : s[i]));
+  }
+  const text = (a, b) => new TextDecoder().decode(new Uint8Array(bytes.slice(a, b)));
+  let out = "", from = 0;
+  for (let i = 0; i + 2 < bytes.length; i++)
+    if (bytes[i] === 0xED && bytes[i + 1] >= 0xA0 && bytes[i + 1] <= 0xBF && (bytes[i + 2] & 0xC0) === 0x80) {
+      out += text(from, i) + String.fromCharCode(0xD000 | ((bytes[i + 1] & 0x3F) << 6) | (bytes[i + 2] & 0x3F));
+      i += 2; from = i + 1;
+    }
+  return out + text(from, bytes.length);
+}
+
+function query(params) {
+  return Object.entries(params).filter(([, v]) => v !== null && v !== undefined)
     .map(([k, v]) => `${k}=${enc(String(v))}`).join("&");
-  const r = await fetch(`/api/${path}?${q}`);
+}
+
+async function api(path, params) {
+  const r = await fetch(`/api/${path}?${query(params || {})}`);
   const body = await r.json();
   if (!r.ok) throw new Error(body.error || r.statusText);
   return body;
@@ -60,7 +82,10 @@ function bytes(n) {
 
 // --- the URL: the page's state ------------------------------------------------------------
 function readURL() {
-  const q = new URLSearchParams(location.search);
+  const pairs = location.search.slice(1).split("&").filter(Boolean)
+    .map(p => (p.includes("=") ? [p.slice(0, p.indexOf("=")), p.slice(p.indexOf("=") + 1)] : [p, ""]));
+  const got = new Map(pairs.reverse().map(([k, v]) => [dec(k), dec(v)]));     // the first of a key
+  const q = { get: k => (got.has(k) ? got.get(k) : null) };
   const int = k => (q.get(k) === null || q.get(k) === "" ? null : parseInt(q.get(k), 10));
   if (q.get("run") !== null) S.run = int("run") || 0;
   for (const k of ["kind", "stat", "filter", "sort", "rows", "scale", "metric"]) if (q.get(k) !== null) S[k] = q.get(k);
@@ -70,14 +95,13 @@ function readURL() {
 }
 
 function writeURL() {
-  const q = new URLSearchParams();
   const v = { run: S.run || null, kind: S.kind, stat: S.stat, rank: S.rank, filter: S.filter || null,
               sort: S.sort === "exec" ? null : S.sort, rows: S.rows === "auto" ? null : S.rows,
               start: S.start, stop: S.stop, scale: S.scale === "linear" ? null : S.scale,
               metric: S.runs.length > 1 ? S.metric : null,
               layer: S.sel && S.sel.layer, step: S.sel && S.sel.step };
-  for (const k of URL_KEYS) if (v[k] !== null && v[k] !== undefined) q.set(k, v[k]);
-  history.replaceState(null, "", `${location.pathname}${q.toString() ? "?" + q : ""}`);
+  const q = query(Object.fromEntries(URL_KEYS.map(k => [k, v[k]])));    // a name as ``enc`` sends it
+  history.replaceState(null, "", `${location.pathname}${q ? "?" + q : ""}`);
 }
 
 // --- the run -------------------------------------------------------------------------
