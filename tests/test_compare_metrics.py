@@ -131,3 +131,48 @@ def test_compare_of_a_float8_nan_is_quiet(tmp_path, dtype):
         p = subprocess.run([sys.executable, "-W", "error", "-m", "tensortape", "compare", path,
                             path], capture_output=True, text=True, cwd=ROOT, timeout=600)
         assert p.returncode == 0 and "warning" not in p.stderr, p.stderr
+
+
+ODD = st.sampled_from([math.nan, math.inf, -math.inf])
+STEP = st.integers(2, 6).flatmap(lambda n: st.tuples(
+    st.lists(st.floats(-1e3, 1e3), min_size=n, max_size=n),
+    st.lists(st.floats(-1e3, 1e3), min_size=n, max_size=n),
+    st.one_of(st.none(), st.tuples(st.integers(0, n - 1), ODD, st.booleans()))))
+
+
+@settings(max_examples=5, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(steps=st.lists(STEP, min_size=2, max_size=6))
+@example(steps=[([1.0, 2.0], [1.0, 2.5], (0, math.nan, True)),      # the same NaN: left out
+                ([1.0, 2.0], [1.5, 2.0], None),
+                ([1.0, 2.0], [1.0, 2.0], (1, math.inf, False)),      # an Inf in one run only
+                ([3.0, 4.0, 5.0], [3.0, 4.0, 6.0], None)])
+def test_a_layers_steps_compared_together_are_each_as_alone(tmp_path_factory, steps):
+    """The steps of one layer are compared as rows of one array where their shapes
+    agree; finite and non-finite steps, and steps of other shapes, side by side, each
+    as a plain sum over its own elements says."""
+    tmp = tmp_path_factory.mktemp("rows")
+    pairs = []
+    for a, b, odd in steps:
+        a, b = list(a), list(b)
+        if odd is not None:
+            at, value, both = odd
+            a[at] = value
+            b[at] = value if both else b[at]
+        pairs.append((a, b))
+    tensors = [(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64))
+               for a, b in pairs]
+    ds = compare_runs(record(str(tmp / "a.zarr"), [(x, x) for x, _ in tensors]),
+                      record(str(tmp / "b.zarr"), [(y, y) for _, y in tensors]))
+    for i, (a, b) in enumerate(pairs):
+        keep = [j for j in range(len(a)) if math.isfinite(a[j]) and math.isfinite(b[j])]
+        same = all(j in keep or a[j] == b[j] or (math.isnan(a[j]) and math.isnan(b[j]))
+                   for j in range(len(a)))
+        want = exact([a[j] for j in keep], [b[j] for j in keep]) if same else \
+            {"rel_l2": math.inf, "cosine": math.nan, "max_abs": math.inf, "sqnr_db": -math.inf}
+        for metric, w in want.items():
+            got = float(ds[metric].sel(step=i, layer=np.array(["x"], object)).item())
+            if math.isnan(w) or math.isinf(w) or w == 0:
+                assert got == w or (math.isnan(w) and math.isnan(got)), (i, metric, got, w, a, b)
+            else:
+                assert got == pytest.approx(w, rel=1e-9, abs=1e-12), (i, metric, got, w, a, b)
