@@ -244,26 +244,80 @@ TENSOR_METRICS = ("rel_l2", "max_abs")       # of full tensors: only where both 
 COMPARE_METRICS = ("stat_rel", *TENSOR_METRICS, *(f"delta_{s}" for s in fmt.STATS))
 
 
+class Comparison:
+    """Two runs' ``compare_runs`` of one kind and rank, its full tensors scanned in a
+    thread of its own, on runs of its own (opened again from their paths: no
+    reader shared with the requests), while the statistics' comparison, made at
+    once, answers meanwhile.  ``done`` of ``of`` layers scanned so far."""
+
+    def __init__(self, a, b, kind: str, rank, rtol: float):
+        from ._compare import compare_runs, divergence
+        self.stats = compare_runs(a, b, kind, rank=rank, tensors=False)
+        self.first = divergence(self.stats, rtol)
+        self.full = self.error = None
+        self.done, self.of = 0, None
+        import threading
+        self.made = threading.Event()
+        threading.Thread(target=self._scan, args=(a.path, b.path, rank, rtol),
+                         name="tensortape-compare", daemon=True).start()
+
+    def _scan(self, a: str, b: str, rank, rtol: float) -> None:
+        from ._compare import _runs, divergence, with_tensors
+        try:
+            ds = with_tensors(self.stats, *_runs(a, b, rank), self._count)
+            self.full = (ds, divergence(ds, rtol))
+        except Exception as e:              # answered by the next request
+            self.error = e
+        self.made.set()
+
+    def _count(self, layers):
+        layers = list(layers)
+        self.of = len(layers)
+        for layer in layers:
+            yield layer
+            self.done += 1
+
+    def answer(self, whole: bool = False):
+        """``(ds, first divergence, pending)``: the whole comparison once it is made
+        (pending None), else the statistics' and ``{"done", "of"}`` layers of full
+        tensors scanned; ``whole``: the whole comparison, waited for."""
+        if whole:
+            self.made.wait()
+        if self.error is not None:
+            raise self.error
+        if self.full is not None:
+            return (*self.full, None)
+        return self.stats, self.first, {"done": self.done, "of": self.of}
+
+
 def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=None,
                 start=None, stop=None, width: int = 1000, rtol: float = 1e-3,
                 layers=None, cache=None) -> dict:
     """The map of the two runs' difference under ``compare_runs``' ``metric`` (its
     absolute value; the largest of a column's steps), over their common steps and
     layers, and ``first_divergence`` of ``kind``.  ``cache``: a dict that keeps
-    the comparison between calls (the caller clears it when a run changes)."""
+    the comparison between calls (the caller clears it when a run changes); with
+    it, the first answer is the statistics' comparison, and ``pending`` says how
+    many layers' full tensors are compared so far (``Comparison``), until the
+    answer is whole (``pending`` None)."""
     from ._compare import compare_runs, divergence
     checked_stat(metric, COMPARE_METRICS)
     key = (kind, rank, rtol)
+    pending = None
     if cache is not None and key in cache:
-        ds, first = cache[key]
+        ds, first, pending = cache[key].answer()
     else:
         for r in (a, b):
             if kind not in r.kinds:
                 raise NotFound(f"no kind {kind!r} in {r.path}")
-        ds = compare_runs(a, b, kind, rank=rank)
-        first = divergence(ds, rtol)
         if cache is not None:
-            cache[key] = (ds, first)
+            cache[key] = Comparison(a, b, kind, rank, rtol)
+            ds, first, pending = cache[key].answer()
+        else:
+            ds = compare_runs(a, b, kind, rank=rank)
+            first = divergence(ds, rtol)
+    if metric not in ds and pending is not None:       # a full tensors' metric: the whole
+        ds, first, pending = cache[key].answer(whole=True)
     if metric not in ds:
         raise NotFound(f"no metric {metric!r}: the runs do not both hold full tensors")
     order = {n: i for i, n in enumerate(a.layers)}
@@ -288,4 +342,4 @@ def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=
             "first_divergence": None if first is None else {"step": int(first[0]),
                                                              "layer": first[1]},
             "steps": [int(steps[0]), int(steps[-1])] if len(steps) else None,
-            "covers": ds[metric].attrs.get("covers", "")}
+            "covers": ds[metric].attrs.get("covers", ""), "pending": pending}

@@ -191,7 +191,8 @@ def _runs(a, b, rank: int | None) -> tuple[Run, Run]:
 
 
 def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
-                 rank: int | None = None, strict: bool = False) -> xr.Dataset:
+                 rank: int | None = None, strict: bool = False,
+                 tensors: bool = True) -> xr.Dataset:
     """An ``xr.Dataset`` (step, layer) over the steps and layers both runs hold.
 
     Where both hold full tensors: ``rel_l2``, ``cosine``, ``max_abs``,
@@ -220,7 +221,8 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     with common steps.  Runs that are not alike (model classes, recorded layers,
     a shared layer's shape) are compared on the shared layers whose shapes agree,
     with one ``TensortapeWarning`` that says what differs (``strict``: a
-    ``ConfigError`` instead).
+    ``ConfigError`` instead).  tensors: False compares the statistics alone (no
+    full tensor is read; no ``rel_l2``, ``cosine``, ``max_abs``, ``sqnr_db``).
     """
     a, b = _runs(a, b, rank)
     names, steps, notes, both = _shared(a, b, kind, layers, strict)
@@ -242,8 +244,21 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
                         f"from the store)")
     for v in out.data_vars:
         out[v].attrs["covers"] = stats_cover
+    out.attrs.update(kind=kind, a=a.path, b=b.path, tensor_steps=[], tensor_layers=[],
+                     layers_compared=names)
+    return with_tensors(out, a, b, progress) if tensors else out
+
+
+def with_tensors(out: xr.Dataset, a, b, progress=None) -> xr.Dataset:
+    """``compare_runs``' answer of the statistics alone (``tensors=False``) with
+    its full tensors' metrics added (a new dataset): of the layers it compared
+    that both runs hold full tensors of.  a, b: the runs it compared (each
+    narrowed to the rank it compared)."""
+    a, b = open_run(a), open_run(b)
+    kind, names, steps = out.attrs["kind"], list(out.attrs["layers_compared"]), out.step.values
+    out = out.copy()
     tensor_steps, tensor_layers = set(), []
-    ta, tb = set(a.tensor_layers(kind)), set(b.tensor_layers(kind))
+    ta, tb = (set(r.tensor_layers(kind)) for r in (a, b))
     both = [n for n in names if n in ta and n in tb]
     if both:
         vals = {m: np.full((len(steps), len(names)), np.nan) for m in _METRICS}
@@ -262,8 +277,7 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
         covers = f"full tensors: {steps_text(sorted(tensor_steps))} x {len(tensor_layers)} layers"
         for k in _METRICS:
             out[k] = (("step", "layer"), vals[k], {"covers": covers})
-    out.attrs.update(kind=kind, a=a.path, b=b.path, tensor_steps=sorted(tensor_steps),
-                     tensor_layers=tensor_layers, layers_compared=names)
+    out.attrs.update(tensor_steps=sorted(tensor_steps), tensor_layers=tensor_layers)
     return out
 
 

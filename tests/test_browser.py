@@ -202,6 +202,43 @@ def test_compare_marks_the_first_divergence(page, runs):
     assert layer in pg.inner_text("[data-testid=compare-evolution]")
 
 
+def test_two_runs_map_answers_at_once_and_the_page_stays_usable_until_the_tensors_are_compared(
+        page, runs):
+    """Before: the two-run map came only with the whole comparison (every full tensor),
+    and the page did nothing until then.  Now the first answer is the statistics'
+    (``pending``: the full tensors' progress), the page paints it, answers clicks and asks
+    again until the answer is whole.  The whole answer is held back here (the page sees
+    it as still pending) until the test has clicked."""
+    import json
+    answers, hold = [], [True]
+
+    def held(route):
+        response = route.fetch()
+        body = response.json()
+        answers.append(body["pending"])
+        if body["pending"] is None and hold[0]:
+            body = dict(body, pending={"done": 0, "of": 1})
+        route.fulfill(response=response, body=json.dumps(body))
+    page.route("**/api/compare-map*", held)
+    pg = page.open(runs["ok"], runs["nan"])
+    pending = "() => document.getElementById('compare').dataset.pending"
+    pg.wait_for_function(f"() => ({pending})()")
+    assert answers[0] is not None and answers[0]["done"] == 0      # the server's first answer
+    labels = pg.locator("#compare-labels div")
+    layer = labels.nth(1).inner_text()
+    row, box = labels.nth(1).bounding_box(), pg.locator("#compare-map").bounding_box()
+    pg.mouse.click(box["x"] + box["width"] / 2, row["y"] + row["height"] / 2)
+    pg.wait_for_function("(layer) => document.querySelector('[data-testid=compare-evolution] "
+                         ".caption').textContent.startsWith(layer + ' (')", arg=layer)
+    assert pg.evaluate(pending) and "comparing the full tensors" in pg.inner_text(
+        "[data-testid=first-divergence]")
+    hold[0] = False
+    pg.wait_for_function(f"() => ({pending})() === ''", timeout=60000)
+    step, first = first_divergence(runs["ok"], runs["nan"], kinds=["activations"])
+    text = pg.inner_text("[data-testid=first-divergence]")
+    assert f"step {step}, layer {first}" in text and "comparing" not in text
+
+
 def test_a_layer_named_like_html_is_shown_as_text(page, runs):
     pg = page.open(runs["xss"])
     assert pg.locator("#map-labels div", has_text=XSS).count() == 1

@@ -499,14 +499,18 @@ async function loadCompare() {
     const c = await api("compare-map", { kind: S.kind, rank: S.rank, metric: S.metric, start: S.start, stop: S.stop,
                                          width: plotWidth($("compare-area")) });
     S.cmp = c;
-    const fd = c.first_divergence;
-    $("first-divergence").textContent = fd ? `first divergence (${c.kind}, rtol ${c.rtol}): step ${fd.step}, layer ${fd.layer}`
-      : `no divergence in ${c.kind} (rtol ${c.rtol})`;
+    const fd = c.first_divergence, p = c.pending;
+    $("first-divergence").textContent = (fd ? `first divergence (${c.kind}, rtol ${c.rtol}): step ${fd.step}, layer ${fd.layer}`
+      : `no divergence in ${c.kind} (rtol ${c.rtol})`) +
+      (p ? ` in the statistics so far; comparing the full tensors both runs hold: ${p.done} of ${p.of ?? "?"} layers…` : "");
     $("first-divergence").classList.toggle("found", !!fd);
+    $("compare").dataset.pending = p ? `${p.done}/${p.of ?? "?"}` : "";
     drawCompare();
-    const key = fd ? `${c.kind}|${fd.layer}` : c.kind;
-    if (S.cmpFirst !== key) { S.cmpFirst = key; S.cmpLayer = fd ? fd.layer : c.layers[0]; }
-    if (S.cmpLayer) await compareEvolution(S.cmpLayer);
+    const key = fd ? `${c.kind}|${fd.layer}` : c.kind, moved = S.cmpFirst !== key;
+    if (moved) { S.cmpFirst = key; S.cmpLayer = fd ? fd.layer : c.layers[0]; }
+    clearTimeout(S.cmpPoll);     // the map is whole; the full tensors' answer is asked for until it is
+    if (p) S.cmpPoll = setTimeout(loadCompare, 500);
+    if (S.cmpLayer && (moved || !p)) await compareEvolution(S.cmpLayer);
   } catch (e) { $("first-divergence").textContent = `could not compare: ${e.message}`; }
 }
 
