@@ -262,9 +262,9 @@ class Comparison:
                          name="tensortape-compare", daemon=True).start()
 
     def _scan(self, a: str, b: str, rank, rtol: float) -> None:
-        from ._compare import _runs, divergence, with_tensors
+        from ._compare import divergence, with_tensors
         try:
-            ds = with_tensors(self.stats, *_runs(a, b, rank), self._count)
+            ds = with_tensors(self.stats, a, b, self._count, rank)
             self.full = (ds, divergence(ds, rtol))
         except Exception as e:              # answered by the next request
             self.error = e

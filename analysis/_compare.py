@@ -249,12 +249,12 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     return with_tensors(out, a, b, progress) if tensors else out
 
 
-def with_tensors(out: xr.Dataset, a, b, progress=None) -> xr.Dataset:
+def with_tensors(out: xr.Dataset, a, b, progress=None, rank: int | None = None) -> xr.Dataset:
     """``compare_runs``' answer of the statistics alone (``tensors=False``) with
     its full tensors' metrics added (a new dataset): of the layers it compared
-    that both runs hold full tensors of.  a, b: the runs it compared (each
-    narrowed to the rank it compared)."""
-    a, b = open_run(a), open_run(b)
+    that both runs hold full tensors of.  a, b, rank: the runs and rank it
+    compared."""
+    a, b = _runs(a, b, rank)
     kind, names, steps = out.attrs["kind"], list(out.attrs["layers_compared"]), out.step.values
     out = out.copy()
     tensor_steps, tensor_layers = set(), []
