@@ -56,24 +56,36 @@ def test_a_run_that_cannot_be_recorded_stops_in_one_line_unless_keep_going(tmp_p
     assert "not recording" in p.stderr and "'nope*'" in p.stderr
 
 
+def in_process(*args):
+    """``tensortape`` run by click in this process (no interpreter and torch to start):
+    its exit status and its separate stdout and stderr, as ``tensortape()`` gives them."""
+    from click.testing import CliRunner
+    from tensortape import cli
+    r = CliRunner().invoke(cli.cli, list(args), prog_name="tensortape")
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
+
+
 def test_record_modes_on_an_existing_run(tmp_path):
+    """In this process (the installed command's own process is test_record_an_unchanged_script's)."""
     store = str(tmp_path / "run.zarr")
-    assert tensortape("record", "-o", store, "--", "python", SCRIPT, "2").returncode == 3
-    p = tensortape("record", "-o", store, "--", "python", SCRIPT, "3")     # mode w-: refused
+    assert in_process("record", "-o", store, "--", "python", SCRIPT, "2").returncode == 3
+    p = in_process("record", "-o", store, "--", "python", SCRIPT, "3")     # mode w-: refused
     assert p.returncode == 2 and "trained" not in p.stdout
     assert p.stderr.count("\n") == 1 and "already exists" in p.stderr
     assert "--mode w " in p.stderr and "mode=" not in p.stderr    # the CLI's words
-    p = tensortape("record", "-o", store, "--mode", "w", "--", "python", SCRIPT, "3")
+    p = in_process("record", "-o", store, "--mode", "w", "--", "python", SCRIPT, "3")
     assert p.returncode == 3 and open_run(store).steps().tolist() == [0, 1, 2]
-    p = tensortape("record", "-o", store, "--mode", "a", "--", "python", SCRIPT, "2")
+    p = in_process("record", "-o", store, "--mode", "a", "--", "python", SCRIPT, "2")
     assert p.returncode == 3 and open_run(store).steps().tolist() == [0, 1, 2, 3, 4]  # continued
-    p = tensortape("record", "-o", str(tmp_path / "none.zarr"), "--mode", "a", "--", "python",
+    p = in_process("record", "-o", str(tmp_path / "none.zarr"), "--mode", "a", "--", "python",
                    SCRIPT, "2")
     assert p.returncode == 2 and "trained" not in p.stdout
     assert "--mode a cannot append" in p.stderr and "mode=" not in p.stderr, p.stderr
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    p = tensortape("record", "-o", str(tmp_path / "mine"), "--mode", "w", "--", "python", SCRIPT, "2")
+    p = in_process("record", "-o", str(tmp_path / "mine"), "--mode", "w", "--", "python", SCRIPT, "2")
     assert p.returncode == 2 and "will not delete" in p.stderr
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
