@@ -83,6 +83,8 @@ class Form(enum.Enum):
                                  # an empty float tensor at a step without statistics)
     EMPTY = "empty"              # an empty float tensor: ``empty_summary``
     SMALL = "small"              # a tiny float tensor: a copy, summarised with its step's batch
+    FEW = "few"                  # a tiny float tensor at a step without statistics: a copy,
+                                 # its NaN/Inf counted with its step's batch
     SUMMARY = "summary"          # an engine's summary vector (``Holds.SUMMARY``)
     NONFINITE = "nonfinite"      # an engine's NaN/Inf counts (``Holds.NONFINITE``)
 
@@ -90,16 +92,16 @@ class Form(enum.Enum):
 
 
 # the members as module constants: an Enum attribute costs a lookup per capture
-_COUNT, _EMPTY, _SMALL, _SUMMARY, _NONFINITE = (Form.COUNT, Form.EMPTY, Form.SMALL, Form.SUMMARY,
-                                                Form.NONFINITE)
+_COUNT, _EMPTY, _SMALL, _SUMMARY, _NONFINITE, _FEW = (
+    Form.COUNT, Form.EMPTY, Form.SMALL, Form.SUMMARY, Form.NONFINITE, Form.FEW)
 
 
 def form(x: torch.Tensor, stats: bool, batched: bool = True) -> tuple[Form, int, int]:
     """What form the summary of ``x`` takes, and what decided it: its code width
     (``exp_bits_of``) and element count.  Statistics (``stats``), or at a step
     without them the exact NaN/Inf counts; tiny float tensors wait for the step's
-    batch (``batched``: a kernel call on them costs more than the work).  One call
-    a capture: the hot path."""
+    batch, either way (``batched``: a kernel call on them costs more than the work).
+    One call a capture: the hot path."""
     exp_bits = _EXP_BITS.get(x.dtype)
     if exp_bits is None:
         exp_bits = exp_bits_of(x)
@@ -108,9 +110,9 @@ def form(x: torch.Tensor, stats: bool, batched: bool = True) -> tuple[Form, int,
         return _COUNT, 0, numel
     if not numel:
         return (_EMPTY if stats else _COUNT), exp_bits, 0
-    if not stats:
-        return _NONFINITE, exp_bits, numel
-    return (_SMALL if batched and numel < SMALL else _SUMMARY), exp_bits, numel
+    if batched and numel < SMALL:
+        return (_SMALL if stats else _FEW), exp_bits, numel
+    return (_SUMMARY if stats else _NONFINITE), exp_bits, numel
 
 
 def batched_dtype(exp_bits: int) -> torch.dtype:
