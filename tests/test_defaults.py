@@ -155,3 +155,59 @@ def test_a_ring_default_follows_on_nonfinite(tmp_path):
             with rec.step():
                 m(_x(0, False)).sum().backward()
         assert open_run(store).config["ring"] == ring, policy
+
+
+class Spread(nn.Module):
+    """Tiny outputs in three float dtypes (their gradients too), one output past the
+    batched size (``_summary.SMALL``), and an in-place op after a capture that turns an
+    Inf into a finite value: the counts are of the tensor as it was captured."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(1)
+        self.fc1, self.act, self.fc2 = nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)
+        self.wide = nn.Linear(6, 2100)                  # 4 x 2100 elements: not batched
+        self.dtype = dtype
+
+    def forward(self, x):
+        h = self.fc1(x)
+        y = self.fc2(self.act(h.to(self.dtype)).float())
+        y.clamp_(-1e30, 1e30)                           # fc2's Inf is gone after its capture
+        return y.sum() + self.wide(x).mean()
+
+
+@settings(max_examples=8, deadline=None, phases=(Phase.explicit, Phase.generate),
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stats_every=st.integers(1, 3), dumps=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       bad=st.dictionaries(st.integers(0, STEPS - 1),
+                           st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5),
+                                              st.sampled_from([float("nan"), float("inf"),
+                                                               -float("inf")])),
+                                    min_size=1, max_size=4), max_size=4))
+def test_steps_without_statistics_count_nan_and_inf_exactly(tmp_path, stats_every, dumps, dtype,
+                                                            bad):
+    """Every step's NaN/+Inf/-Inf counts of every output and gradient, as plain hooks
+    count them at capture time, whether or not the step has statistics (between
+    statistics the tiny tensors are counted in one batch a step), with a ring or not."""
+    store = str(tmp_path / f"run{len(os.listdir(tmp_path))}.zarr")
+    model = Spread(dtype)
+    twin = copy.deepcopy(model)
+    kw = dict(capture=("activations", "gradients"), stats_every=stats_every, tensors_every=None,
+              ring=2 if dumps else 0, on_nonfinite="dump" if dumps else "record")
+    oracle = Oracle(twin, "*", **kw)
+    with Recorder(model, store, **kw) as rec:
+        for s in range(STEPS):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(s))
+            for row, col, value in bad.get(s, []):
+                x[row, col] = value
+            with rec.step(s):
+                oracle.begin(s)
+                for m in (model, twin):
+                    m(x).backward()
+                oracle.end()
+    oracle.close()
+    events = [(e.step, e.layer, e.kind, e.micro, e.nan, e.posinf, e.neginf)
+              for e in open_run(store).events]
+    assert events == oracle.events()
+    assert {e[0] for e in events} == set(bad)
