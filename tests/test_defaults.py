@@ -159,14 +159,14 @@ def test_a_ring_default_follows_on_nonfinite(tmp_path):
 
 class Spread(nn.Module):
     """Tiny outputs in three float dtypes (their gradients too), one output past the
-    batched size (``_summary.SMALL``), and an in-place op after a capture that turns an
+    batched sizes (``_summary.SMALL`` and ``FEW``), and an in-place op after a capture that turns an
     Inf into a finite value: the counts are of the tensor as it was captured."""
 
     def __init__(self, dtype):
         super().__init__()
         torch.manual_seed(1)
         self.fc1, self.act, self.fc2 = nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)
-        self.wide = nn.Linear(6, 2100)                  # 4 x 2100 elements: not batched
+        self.wide = nn.Linear(6, 16400)                 # 4 x 16400 elements: not batched
         self.dtype = dtype
 
     def forward(self, x):
