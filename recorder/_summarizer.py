@@ -202,14 +202,13 @@ class Summarizer:
                     self._failed_batch(caps, idx, err)
                 continue
             made.append((device, torch.stack(vecs), _HOLDS[f], idx))
-        metas = [Meta(c.order, c.kind, c.name, c.micro, c.numel) for c in caps]
+        at = [None] * len(caps)            # each capture's (block, row); None: no vector
         blocks, parts, start = [], [], 0
         for device in dict.fromkeys(d for d, *_ in made):
             mine = [b for b in made if b[0] == device]
             for _, mat, holds, idx in mine:
                 for row, i in enumerate(idx):
-                    c = caps[i]
-                    metas[i] = Meta(c.order, c.kind, c.name, c.micro, c.numel, len(blocks), row)
+                    at[i] = (len(blocks), row)
                 blocks.append(Block(holds, mat.shape[0], mat.shape[1], start))
                 start += mat.shape[0] * mat.shape[1]
             if device == _LATER:
@@ -217,6 +216,8 @@ class Summarizer:
                 continue
             mats = [mat.reshape(-1) for _, mat, *_ in mine]
             parts.append(self.to_host(mats[0] if len(mats) == 1 else torch.cat(mats)))
+        metas = [Meta(c.order, c.kind, c.name, c.micro, c.numel) if w is None else
+                 Meta(c.order, c.kind, c.name, c.micro, c.numel, *w) for c, w in zip(caps, at)]
         for c in caps:
             c.vec = c.engine = None
         return metas, blocks, Packed(parts) if parts else None

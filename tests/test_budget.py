@@ -70,7 +70,7 @@ def test_a_small_disk_gets_a_small_budget_statistics_go_on(tmp_path, monkeypatch
     model = _model()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with Recorder(model, path, layers="0", tensors_every=1) as rec:
+        with Recorder(model, path, layers="0", tensors_every=1, stats_every=1) as rec:
             for i in range(5):
                 with rec.step(i):
                     model(_batch(i)).sum().backward()
