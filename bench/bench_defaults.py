@@ -14,9 +14,10 @@ gradients, the constructor's defaults):
   tensors a step, where the fixed cost per tensor shows.
 - ``many``: 200 x ``Linear(16, 16)``, batch 4, one thread: 402 tiny tensors a step.
 
-Beside each zero-configuration run of a plain loop, the same with ``on_nonfinite="record"``
-and ``tensors_every=None`` (statistics alone: no ring, no snapshot of the step's tensors), so
-the ring's copies show; ``--also stats_every=1`` adds a row of those keywords beside the
+Beside each zero-configuration run of a plain loop (statistics every 10 steps, NaN/Inf
+counted at every step, the ring), the same with ``on_nonfinite="record"`` and
+``tensors_every=None`` (statistics alone: no ring, no snapshot of the step's tensors), so the
+ring's copies show, and with ``stats_every=1`` (statistics every step, the ring); ``--also stats_every=1`` adds a row of those keywords beside the
 defaults (a candidate default, measured side by side); and
 for ``mlp`` and ``many`` the added time per captured tensor.
 
@@ -106,6 +107,7 @@ def bench_loop(name, tmp, rounds, also=()):
         probe.steps, probe.blocks, probe.cpu = [], [], []
         variants = {"zero-config": {},
                     "statistics alone": {"on_nonfinite": "record", "tensors_every": None},
+                    "statistics every step": {"stats_every": 1},
                     **{text: settings(text) for text in also}}
         if one:                                  # the floor: a no-op hook on every output and
             floor = contenders["plain hooks (no-op)"] = br.Contender(base, x)   # gradient
