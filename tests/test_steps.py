@@ -17,7 +17,7 @@ def _batch(i, n=4):
 @pytest.mark.parametrize("policy", ["warn", "ignore"])
 def test_forward_passes_outside_a_step_are_counted_not_recorded(tmp_store, policy):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc*", outside_step=policy, tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc*", outside_step=policy, tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             model(_batch(0)).sum().backward()
         with warnings.catch_warnings(record=True) as seen:
@@ -114,11 +114,11 @@ def test_repeated_step_numbers_explain_gradient_accumulation(tmp_store):
 
 def test_a_resumed_job_rerecords_steps_and_readers_take_the_latest(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc1", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc1", tensors_every=1, stats_every=1) as rec:
         for i in range(4):
             with rec.step(i):
                 model(_batch(i)).sum().backward()
-    with Recorder(model, tmp_store, layers="fc1", mode="a", tensors_every=1) as rec:   # from a step-2 checkpoint
+    with Recorder(model, tmp_store, layers="fc1", mode="a", tensors_every=1, stats_every=1) as rec:   # from a step-2 checkpoint
         for i in (2, 3, 4):
             with rec.step(i):
                 model(_batch(100 + i)).sum().backward()
@@ -136,13 +136,13 @@ def test_a_costly_default_warns_once_and_max_bytes_caps_full_tensors(tmp_path):
     wide = torch.nn.Linear(64, 4096)
     x = torch.randn(400, 64)                       # 6.6 MB an output, 13 MB a step with grads
     with pytest.warns(TensortapeWarning, match=r"GB every 100 steps.*tensors_every=.*max_bytes="):
-        with Recorder(wide, str(tmp_path / "a.zarr"), tensors_every=1) as rec:
+        with Recorder(wide, str(tmp_path / "a.zarr"), tensors_every=1, stats_every=1) as rec:
             with rec.step(0):
                 wide(x).sum().backward()
     row = 400 * 4096 * 4
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with Recorder(wide, str(tmp_path / "b.zarr"), max_bytes=3 * row, tensors_every=1) as rec:
+        with Recorder(wide, str(tmp_path / "b.zarr"), max_bytes=3 * row, tensors_every=1, stats_every=1) as rec:
             for i in range(4):
                 with rec.step(i):
                     wide(x).sum().backward()
@@ -189,7 +189,7 @@ def test_a_child_named_like_the_root_never_shares_its_table(tmp_store):
 def test_a_change_of_dtype_is_counted_never_silent(tmp_store):
     model = torch.nn.Linear(4, 4)
     with pytest.warns(TensortapeWarning, match="changed rank or dtype"):
-        with Recorder(model, tmp_store, layers="", capture="activations", tensors_every=1) as rec:
+        with Recorder(model, tmp_store, layers="", capture="activations", tensors_every=1, stats_every=1) as rec:
             for i in range(4):
                 with rec.step(i), torch.autocast("cpu", dtype=torch.bfloat16, enabled=i >= 2):
                     model(torch.randn(2, 4))
