@@ -39,14 +39,14 @@ def test_forward_passes_outside_a_step_are_counted_not_recorded(tmp_store, polic
 
 def test_outside_step_raise_says_how_to_fix(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, outside_step="raise", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, outside_step="raise", tensors_every=1, stats_every=1) as rec:
         with pytest.raises(InspectionError, match=r"rec\.step\(\).*rec\.pause\(\)"):
             model(_batch(0))
 
 
 def test_pause_records_nothing_inside_a_step_or_not(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc1", outside_step="raise", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc1", outside_step="raise", tensors_every=1, stats_every=1) as rec:
         with rec.pause():
             model(_batch(0))                         # outside a step: no error, no count
         with rec.step(0):
@@ -66,11 +66,11 @@ def test_micro_batches_give_exact_step_statistics_and_every_tensor(tmp_path):
     xs = [torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     layers = ["layers.0.linear1", "layers.1.self_attn"]
     micro_model, whole_model = transformer(), transformer()
-    with Recorder(micro_model, str(tmp_path / "micro.zarr"), layers=layers, tensors_every=1) as rec:
+    with Recorder(micro_model, str(tmp_path / "micro.zarr"), layers=layers, tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             for x in xs:
                 micro_model(x).pow(2).sum().backward()
-    with Recorder(whole_model, str(tmp_path / "whole.zarr"), layers=layers, tensors_every=1) as rec:
+    with Recorder(whole_model, str(tmp_path / "whole.zarr"), layers=layers, tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             whole_model(torch.cat(xs)).pow(2).sum().backward()
     micro, whole = open_run(str(tmp_path / "micro.zarr")), open_run(str(tmp_path / "whole.zarr"))
@@ -92,7 +92,7 @@ def test_micro_batches_give_exact_step_statistics_and_every_tensor(tmp_path):
 
 def test_events_carry_the_micro_batch(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc1", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc1", tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             for k in range(3):
                 x = _batch(k)
@@ -105,7 +105,7 @@ def test_events_carry_the_micro_batch(tmp_store):
 
 def test_repeated_step_numbers_explain_gradient_accumulation(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, tensors_every=1) as rec:
+    with Recorder(model, tmp_store, tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             model(_batch(0)).sum().backward()
         with pytest.raises(InspectionError, match="gradient accumulation.*micro-batch"):
@@ -160,7 +160,7 @@ def test_a_costly_default_warns_once_and_max_bytes_caps_full_tensors(tmp_path):
 def test_metadata_takes_numpy_and_torch_scalars(tmp_store):
     model = InplaceMLP()
     with Recorder(model, tmp_store, metadata={"lr": np.float32(0.25), "n": np.int64(3),
-                                              "t": torch.tensor(2.5)}, tensors_every=1) as rec:
+                                              "t": torch.tensor(2.5)}, tensors_every=1, stats_every=1) as rec:
         with rec.step():
             model(_batch(0)).sum().backward()
     assert open_run(tmp_store).metadata == {"lr": 0.25, "n": 3, "t": 2.5}
@@ -176,7 +176,7 @@ def test_a_child_named_like_the_root_never_shares_its_table(tmp_store):
             return getattr(self, "(root)")(x) * 2
     model = Odd()
     x = torch.randn(2, 4)
-    with Recorder(model, tmp_store, capture="activations", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, capture="activations", tensors_every=1, stats_every=1) as rec:
         with rec.step():
             model(x)
     run = open_run(tmp_store)
@@ -202,7 +202,7 @@ def test_a_change_of_dtype_is_counted_never_silent(tmp_store):
 
 def test_weights_are_captured_once_a_step_whatever_the_micro_batches(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc1", capture=("weights", "activations"), tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc1", capture=("weights", "activations"), tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             for k in range(3):
                 model(_batch(k)).sum().backward()
