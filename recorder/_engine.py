@@ -138,9 +138,8 @@ class Engine:
     @torch.compiler.disable
     def count_nonfinite_many(self, xs: list[torch.Tensor]) -> torch.Tensor:
         """``count_nonfinite`` of many small float tensors of one device, in a few
-        kernels for all of them: a (tensors x ``COUNTS``) table, float64.  On the
-        CPU, a batch whose values are all finite is one pass (no table to count);
-        on another device nothing waits for it.  In groups of at most
+        kernels for all of them: a (tensors x ``COUNTS``) table, float64; nothing
+        reads back from the device.  In groups of at most
         ``self.piece`` elements, as ``reduce_many``."""
         sizes = [x.numel() for x in xs]
         return torch.cat([self._count_batch(xs[a:b], sizes[a:b])
@@ -150,10 +149,6 @@ class Engine:
         flat = torch.cat([widened(x).reshape(-1) for x in xs])   # 16-bit floats: float32
         table = torch.zeros((len(xs), len(COUNTS)), dtype=torch.float64, device=flat.device)
         inf = float("inf")
-        if flat.device.type == "cpu":          # a NaN makes both NaN: no comparison holds
-            lo, hi = torch.aminmax(flat)       # (a vectorised pass: isfinite's is not)
-            if float(lo) > -inf and float(hi) < inf:
-                return table
         bad = torch.stack([torch.isnan(flat), flat == inf, flat == -inf], 1)
         seg = _segment_ids(flat, _lengths(sizes, flat.device))
         return table.index_add_(0, seg, bad.to(torch.float64))
