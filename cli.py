@@ -325,7 +325,7 @@ RECORDER_FLAGS = ("mode", "tensors_every", "stats_every", "ring", "on_nonfinite"
 @click.option("--tensors-every", type=click.IntRange(min=0), default=None,
               help="persist full tensors every N steps (default 0: statistics only, and the "
                    "ring dumped at a NaN/Inf)")
-@click.option("--stats-every", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--stats-every", type=click.IntRange(min=1), default=10, show_default=True,
               help="statistics and histograms every N steps (non-finite values are counted "
                    "at every step)")
 @click.option("--ring", type=click.IntRange(min=0), default=None,
@@ -473,7 +473,9 @@ def _config_words(c: dict) -> str:
     dump = (f", the ring of {_n(ring, 'step')} before and the step itself at a NaN/Inf"
             if ring and c.get("on_nonfinite") != "record" else
             ", the step itself at a NaN/Inf" if c.get("on_nonfinite") != "record" else "")
-    return (f"{', '.join(c.get('capture', ()))}: statistics {every(c.get('stats_every', 1))}; "
+    stats = c.get("stats_every", 1)
+    counted = "" if stats == 1 else " (NaN/Inf counted every step)"
+    return (f"{', '.join(c.get('capture', ()))}: statistics {every(stats)}{counted}; "
             f"full tensors {tensors}{dump} (on_nonfinite={c.get('on_nonfinite')!r}, "
             f"tensors_every={c.get('tensors_every')!r}, ring={ring}, "
             f"max_bytes={c.get('max_bytes')!r})")

@@ -1,6 +1,6 @@
 """What the defaults cost: ``Recorder(model, path)`` and nothing else, against the bare step.
 
-    python bench/bench_defaults.py [--only tour gpt2 mlp many] [--rounds N]
+    python bench/bench_defaults.py [--only tour gpt2 mlp many] [--rounds N] [--also K=V,K=V ...]
 
 Workloads, on the CPU, each recorded with zero configuration (every module, activations and
 gradients, the constructor's defaults):
@@ -14,9 +14,11 @@ gradients, the constructor's defaults):
   tensors a step, where the fixed cost per tensor shows.
 - ``many``: 200 x ``Linear(16, 16)``, batch 4, one thread: 402 tiny tensors a step.
 
-Beside each zero-configuration run of a plain loop, the same with ``on_nonfinite="record"``
-and ``tensors_every=None`` (statistics alone: no ring, no snapshot of the step's tensors), so
-the ring's copies show; and
+Beside each zero-configuration run of a plain loop (statistics every 10 steps, NaN/Inf
+counted at every step, the ring), the same with ``on_nonfinite="record"`` and
+``tensors_every=None`` (statistics alone: no ring, no snapshot of the step's tensors), so the
+ring's copies show, and with ``stats_every=1`` (statistics every step, the ring); ``--also stats_every=1`` adds a row of those keywords beside the
+defaults (a candidate default, measured side by side); and
 for ``mlp`` and ``many`` the added time per captured tensor.
 
 Every contender trains its own copy of the model, and the contenders take turns in blocks of
@@ -78,7 +80,21 @@ LOOPS = {"tour": (tour, False), "mlp": (mlp, True), "many": (many, True)}
 BLOCK_SECONDS = 1.0           # a block: about this long of bare steps, then a flush (a commit)
 
 
-def bench_loop(name, tmp, rounds):
+def settings(text):
+    """``--also``'s ``k=v,k=v`` as Recorder keywords (values read as Python literals, else
+    strings)."""
+    import ast
+    out = {}
+    for item in filter(None, text.split(",")):
+        k, v = item.split("=", 1)
+        try:
+            out[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            out[k] = v
+    return out
+
+
+def bench_loop(name, tmp, rounds, also=()):
     """A plain loop: bare, zero-configuration and statistics alone, in turn, in blocks of
     about ``BLOCK_SECONDS`` of bare steps (at least 20), each ending with a flush."""
     make, one = LOOPS[name]
@@ -90,7 +106,9 @@ def bench_loop(name, tmp, rounds):
         block = max(20, round(BLOCK_SECONDS / statistics.median(probe.steps)))
         probe.steps, probe.blocks, probe.cpu = [], [], []
         variants = {"zero-config": {},
-                    "statistics alone": {"on_nonfinite": "record", "tensors_every": None}}
+                    "statistics alone": {"on_nonfinite": "record", "tensors_every": None},
+                    "statistics every step": {"stats_every": 1},
+                    **{text: settings(text) for text in also}}
         if one:                                  # the floor: a no-op hook on every output and
             floor = contenders["plain hooks (no-op)"] = br.Contender(base, x)   # gradient
             br.hand_hooks(floor.m, ["*"], lambda k, t: None)
@@ -195,6 +213,9 @@ def main():
     ap.add_argument("--only", nargs="+", choices=["tour", "gpt2", "mlp", "many"], default=None)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--hf-steps", type=int, default=20, help="optimizer steps a train() (gpt2)")
+    ap.add_argument("--also", nargs="+", default=[], metavar="K=V,K=V",
+                    help="more rows of a plain loop: Recorder keywords beside the defaults, "
+                         "e.g. stats_every=1 (a candidate default, measured side by side)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="tt-defaults-")
     print(f"threads={torch.get_num_threads()} load average {os.getloadavg()[0]:.1f}")
@@ -205,7 +226,7 @@ def main():
             if name == "gpt2":
                 out = bench_gpt2(tmp, args.rounds, args.hf_steps)
             else:
-                out = bench_loop(name, tmp, args.rounds)
+                out = bench_loop(name, tmp, args.rounds, args.also)
             report(name, *out, args.rounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -45,6 +45,7 @@ from .errors import InspectionError
 __all__ = ["StepBuffer"]
 
 LATE_GRADIENT = "gradient arrived after its step"
+_BACKWARD = frozenset(fmt.BACKWARD_KINDS)
 
 
 class StepBuffer:
@@ -183,7 +184,9 @@ class StepBuffer:
             new, self._new = self._new, []
         caps = self.state.without_evaluation(caps)
         self.captured = len(caps)
-        caps.sort(key=lambda c: (c.kind in fmt.BACKWARD_KINDS, c.order))
+        # forward kinds first, then backward, each in capture order (the order appended)
+        caps = [c for c in caps if c.kind not in _BACKWARD] + \
+            [c for c in caps if c.kind in _BACKWARD]
         rec = StepRecord(step, plan, layers=new)
         try:
             rec.metas, rec.blocks, rec.packed = self.summarizer.pack(caps)

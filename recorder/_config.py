@@ -15,7 +15,9 @@ from .format import CAPTURES
 NONFINITE_POLICIES = ("record", "dump", "raise", "replay")
 DUMPING = ("dump", "raise", "replay")      # the policies that store the ring at a NaN/Inf
 # the defaults, chosen by measurement (docs/PERFORMANCE.md, "What the defaults cost"):
-# statistics every step, no full tensors but the ring's, dumped at a NaN/Inf
+# statistics every 10 steps (NaN/Inf counted at every step), no full tensors but the ring's,
+# dumped at a NaN/Inf
+STATS_EVERY = 10
 TENSORS_EVERY = None
 RING = 2                                   # steps before the current one (``ring=None``:
 ON_NONFINITE = "dump"                      # this many where ``on_nonfinite`` dumps, else 0)
@@ -47,7 +49,7 @@ def _every(name: str, value, allow_none: bool, none: str = " or None") -> None:
 class RecorderConfig:
     capture: tuple[str, ...] = ("activations", "gradients")
     tensors_every: int | None = TENSORS_EVERY
-    stats_every: int = 1
+    stats_every: int = STATS_EVERY
     ring: int = RING
     on_nonfinite: str = ON_NONFINITE
     max_samples: int | None = None
@@ -66,7 +68,7 @@ class RecorderConfig:
 
     @classmethod
     def build(cls, *, capture=("activations", "gradients"), tensors_every=TENSORS_EVERY,
-              stats_every=1, ring=None, on_nonfinite=ON_NONFINITE, max_samples=None,
+              stats_every=STATS_EVERY, ring=None, on_nonfinite=ON_NONFINITE, max_samples=None,
               tensor_dtype=None, mode="w-",
               flush_interval=5.0, max_pending_bytes=1 << 30, max_device_bytes=1 << 30,
               max_pinned_bytes=2 << 30, max_replay_bytes=1 << 30, compression="auto",

@@ -31,7 +31,7 @@ import torch
 
 from . import histogram
 from ._quiet import quiet, warn
-from ._summary import (FIELDS, LANES, batched_dtype, codes, exp_bits_of, finite_top, joined,
+from ._summary import (COUNTS, FIELDS, LANES, batched_dtype, codes, exp_bits_of, finite_top, joined,
                        lane_codes, nonfinite_counts, pieces, reductions, scale_of,
                        segment_reductions, shift_of, widened)
 
@@ -81,6 +81,21 @@ def _groups(sizes: list[int], n: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:] + [len(sizes)]))
 
 
+def _lengths(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """``sizes`` as an int64 tensor on ``device``, copied without a host wait."""
+    lengths = torch.tensor(sizes)
+    if device.type == "cuda":                  # from pinned memory: no host wait
+        return lengths.pin_memory().to(device, non_blocking=True)
+    return lengths if device.type == "cpu" else lengths.to(device)
+
+
+def _segment_ids(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """For each element of ``flat`` (tensors of ``lengths``, concatenated), the index
+    of its tensor: on ``flat``'s device, with no device sync."""
+    return torch.repeat_interleave(torch.arange(len(lengths), device=flat.device), lengths,
+                                   output_size=flat.numel())      # known here: no device sync
+
+
 class Engine:
     """Runs the summary kernels on one device type."""
 
@@ -119,6 +134,24 @@ class Engine:
         on its device); no sync."""
         counts = [self._run(nonfinite_counts, widened(p)) for p in pieces(x, self.piece)]
         return counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
+
+    @torch.compiler.disable
+    def count_nonfinite_many(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        """``count_nonfinite`` of many small float tensors of one device, in a few
+        kernels for all of them: a (tensors x ``COUNTS``) table, float64; nothing
+        reads back from the device.  In groups of at most
+        ``self.piece`` elements, as ``reduce_many``."""
+        sizes = [x.numel() for x in xs]
+        return torch.cat([self._count_batch(xs[a:b], sizes[a:b])
+                          for a, b in _groups(sizes, self.piece)])
+
+    def _count_batch(self, xs: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+        flat = torch.cat([widened(x).reshape(-1) for x in xs])   # 16-bit floats: float32
+        table = torch.zeros((len(xs), len(COUNTS)), dtype=torch.float64, device=flat.device)
+        inf = float("inf")
+        bad = torch.stack([torch.isnan(flat), flat == inf, flat == -inf], 1)
+        seg = _segment_ids(flat, _lengths(sizes, flat.device))
+        return table.index_add_(0, seg, bad.to(torch.float64))
 
     @torch.compiler.disable
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,13 +207,8 @@ class Engine:
         device = xs[0].device
         flat = torch.cat([x.reshape(-1) for x in xs])        # 16-bit floats promote to float32
         flat = flat.to(batched_dtype(exp_bits))
-        lengths = torch.tensor(sizes)
-        if device.type == "cuda":                  # from pinned memory: no host wait
-            lengths = lengths.pin_memory().to(device, non_blocking=True)
-        elif device.type != "cpu":
-            lengths = lengths.to(device)
-        seg = torch.repeat_interleave(torch.arange(len(xs), device=device), lengths,
-                                      output_size=flat.numel())   # known here: no device sync
+        lengths = _lengths(sizes, device)
+        seg = _segment_ids(flat, lengths)
         starts = torch.cumsum(lengths, 0) - lengths
         slot = self.slots(device, exp_bits)[self._run(codes, flat)]   # tiny tensors: a gather
         head = len(FIELDS)

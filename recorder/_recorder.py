@@ -26,7 +26,7 @@ from torch import nn
 
 from . import _exit, _scalars
 from . import format as fmt
-from ._config import ON_NONFINITE, TENSORS_EVERY, RecorderConfig
+from ._config import ON_NONFINITE, STATS_EVERY, TENSORS_EVERY, RecorderConfig
 from ._engines import engine_choice
 from ._quiet import quiet, warn
 from ._hooks import HookSet
@@ -75,7 +75,7 @@ class Recorder:
     capture: kinds to record: ``activations``, ``gradients`` (of the outputs),
         ``inputs``, ``weights``, ``weight_grads``.
     stats_every: statistics and histograms at steps where ``step % stats_every == 0``
-        (other steps still count NaN/Inf exactly).
+        (the default: 10); every other step still counts NaN/Inf exactly.
     tensors_every: full tensors at steps where ``step % tensors_every == 0``;
         ``None`` (the default) or 0 for statistics only (``--tensors-every 0``).
     ring: keep the full tensors of this many steps before the current one in
@@ -129,7 +129,7 @@ class Recorder:
 
     def __init__(self, model: nn.Module, store, *, layers="*",
                  capture=("activations", "gradients"), tensors_every=TENSORS_EVERY,
-                 stats_every=1, ring=None, on_nonfinite=ON_NONFINITE, max_samples=None,
+                 stats_every=STATS_EVERY, ring=None, on_nonfinite=ON_NONFINITE, max_samples=None,
                  tensor_dtype=None, mode="w-",
                  metadata=None, outside_step="warn", max_bytes="auto", flush_interval=5.0,
                  max_pending_bytes=1 << 30, max_device_bytes=1 << 30, max_pinned_bytes=2 << 30,

@@ -69,7 +69,7 @@ class Taken:
     micro: int
     exp_bits: int                   # its code width (``exp_bits_of``)
     numel: int
-    form: Form                      # SUMMARY, NONFINITE, SMALL or COUNT (EMPTY: a SUMMARY)
+    form: Form                      # SUMMARY, NONFINITE, SMALL, FEW or COUNT (EMPTY: a SUMMARY)
     vec: torch.Tensor | None        # the device vector (or the tiny copy) until the step ends
     snap: Snapshot | None
     engine: Engine | None = None    # left to the writer (``Later``): ``vec`` is a copy for it
@@ -86,7 +86,7 @@ class EngineFailed(Exception):
 
 _HOLDS = {Form.SUMMARY: Holds.SUMMARY, Form.NONFINITE: Holds.NONFINITE}
 # the members as module constants: an Enum attribute costs a lookup per capture
-_COUNT, _EMPTY, _SMALL, _SUMMARY = Form.COUNT, Form.EMPTY, Form.SMALL, Form.SUMMARY
+_COUNT, _EMPTY, _SMALL, _SUMMARY, _FEW = Form.COUNT, Form.EMPTY, Form.SMALL, Form.SUMMARY, Form.FEW
 _LATER = "later"                 # ``pack``'s place for the blocks left to the writer
 _LATER_MAX = 1 << 29             # bytes of copies left to the writer, at most (``_Held``)
 
@@ -136,7 +136,7 @@ class Summarizer:
                 self.ledger.drop(reason)
         f, exp_bits, numel = form(tensor, plan.stats)
         vec = None
-        if f is _SMALL:                         # a copy: the snapshot, where it is one
+        if f is _SMALL or f is _FEW:            # a copy: the snapshot, where it is one
             vec = snap.local() if snap is not None and self._same else None
             if vec is None or vec.dtype in NARROW:
                 vec = widened(tensor).clone()
@@ -183,7 +183,14 @@ class Summarizer:
                 job = _Job(f, e, [(caps[i].engine, caps[i].vec) for i in idx])
                 made.append((_LATER, job, _HOLDS[f], idx))
                 continue
-            if f is Form.SMALL:
+            if f is _FEW:                 # their NaN/Inf counts: in one batch, here
+                try:
+                    made.append((device, self.engines.for_tensor(vecs[0]).count_nonfinite_many(
+                        vecs), Holds.NONFINITE, idx))
+                except Exception as err:     # the guard: as a failed batch below
+                    self._failed_batch(caps, idx, err)
+                continue
+            if f is _SMALL:
                 engine = self.engines.for_tensor(vecs[0])
                 if self._held is not None and engine.later(batched_dtype(e)):   # copies already
                     made.append((_LATER, _Job(f, e, [(engine, v) for v in vecs]), Holds.SUMMARY,
@@ -192,20 +199,16 @@ class Summarizer:
                 try:
                     made.append((device, engine.reduce_many(vecs, e), Holds.SUMMARY, idx))
                 except Exception as err:     # the guard: these captures' statistics are dropped
-                    self._fault(EngineFailed(err, vecs[0]), "statistics",
-                                f"{len(idx)} small tensors", len(idx))
-                    for i in idx:
-                        caps[i].form, caps[i].vec = Form.COUNT, None
+                    self._failed_batch(caps, idx, err)
                 continue
             made.append((device, torch.stack(vecs), _HOLDS[f], idx))
-        metas = [Meta(c.order, c.kind, c.name, c.micro, c.numel) for c in caps]
+        at = [None] * len(caps)            # each capture's (block, row); None: no vector
         blocks, parts, start = [], [], 0
         for device in dict.fromkeys(d for d, *_ in made):
             mine = [b for b in made if b[0] == device]
             for _, mat, holds, idx in mine:
                 for row, i in enumerate(idx):
-                    c = caps[i]
-                    metas[i] = Meta(c.order, c.kind, c.name, c.micro, c.numel, len(blocks), row)
+                    at[i] = (len(blocks), row)
                 blocks.append(Block(holds, mat.shape[0], mat.shape[1], start))
                 start += mat.shape[0] * mat.shape[1]
             if device == _LATER:
@@ -213,9 +216,19 @@ class Summarizer:
                 continue
             mats = [mat.reshape(-1) for _, mat, *_ in mine]
             parts.append(self.to_host(mats[0] if len(mats) == 1 else torch.cat(mats)))
+        metas = [Meta(c.order, c.kind, c.name, c.micro, c.numel) if w is None else
+                 Meta(c.order, c.kind, c.name, c.micro, c.numel, *w) for c, w in zip(caps, at)]
         for c in caps:
             c.vec = c.engine = None
         return metas, blocks, Packed(parts) if parts else None
+
+    def _failed_batch(self, caps: list[Taken], idx: list[int], error: Exception) -> None:
+        """A batch of tiny tensors failed: counted (``fault``), its captures left with
+        their element counts."""
+        self._fault(EngineFailed(error, caps[idx[0]].vec), "statistics",
+                    f"{len(idx)} small tensors", len(idx))
+        for i in idx:
+            caps[i].form, caps[i].vec = Form.COUNT, None
 
     def to_host(self, flat: torch.Tensor) -> Snapshot:
         """A float64 vector's host copy, started now: on CUDA into a pinned slot on

@@ -36,7 +36,7 @@ import torch
 
 from . import histogram
 
-__all__ = ["COUNTS", "FIELDS", "LANES", "NARROW", "SMALL", "VECTOR", "Form", "Holds", "Summaries",
+__all__ = ["COUNTS", "FEW", "FIELDS", "LANES", "NARROW", "SMALL", "VECTOR", "Form", "Holds", "Summaries",
            "batched_dtype", "codes", "combine", "empty_summary", "exp_bits_of", "finalize",
            "finite_top", "form", "joined", "lane_codes", "memory_order", "moments",
            "nonfinite_counts", "pieces", "prepared", "reductions", "scale_exponent", "scale_of",
@@ -69,6 +69,8 @@ def exp_bits_of(x: torch.Tensor) -> int:
 
 VECTOR = len(FIELDS) + histogram.SLOTS         # the length of a summary vector
 SMALL = 1 << 13     # float elements below which a tensor waits for its step's batch (``form``)
+FEW = 1 << 16       # the same at a step without statistics: one pass over a batch's copies
+                    # costs less than a kernel call a tensor, up to this size
 
 
 class Holds(enum.Enum):
@@ -83,6 +85,8 @@ class Form(enum.Enum):
                                  # an empty float tensor at a step without statistics)
     EMPTY = "empty"              # an empty float tensor: ``empty_summary``
     SMALL = "small"              # a tiny float tensor: a copy, summarised with its step's batch
+    FEW = "few"                  # a tiny float tensor at a step without statistics: a copy,
+                                 # its NaN/Inf counted with its step's batch
     SUMMARY = "summary"          # an engine's summary vector (``Holds.SUMMARY``)
     NONFINITE = "nonfinite"      # an engine's NaN/Inf counts (``Holds.NONFINITE``)
 
@@ -90,16 +94,17 @@ class Form(enum.Enum):
 
 
 # the members as module constants: an Enum attribute costs a lookup per capture
-_COUNT, _EMPTY, _SMALL, _SUMMARY, _NONFINITE = (Form.COUNT, Form.EMPTY, Form.SMALL, Form.SUMMARY,
-                                                Form.NONFINITE)
+_COUNT, _EMPTY, _SMALL, _SUMMARY, _NONFINITE, _FEW = (
+    Form.COUNT, Form.EMPTY, Form.SMALL, Form.SUMMARY, Form.NONFINITE, Form.FEW)
 
 
 def form(x: torch.Tensor, stats: bool, batched: bool = True) -> tuple[Form, int, int]:
     """What form the summary of ``x`` takes, and what decided it: its code width
     (``exp_bits_of``) and element count.  Statistics (``stats``), or at a step
-    without them the exact NaN/Inf counts; tiny float tensors wait for the step's
-    batch (``batched``: a kernel call on them costs more than the work).  One call
-    a capture: the hot path."""
+    without them the exact NaN/Inf counts; tiny float tensors (below ``SMALL``
+    elements, or ``FEW`` for the counts) wait for the step's batch (``batched``: a
+    kernel call on them costs more than the work).
+    One call a capture: the hot path."""
     exp_bits = _EXP_BITS.get(x.dtype)
     if exp_bits is None:
         exp_bits = exp_bits_of(x)
@@ -108,9 +113,9 @@ def form(x: torch.Tensor, stats: bool, batched: bool = True) -> tuple[Form, int,
         return _COUNT, 0, numel
     if not numel:
         return (_EMPTY if stats else _COUNT), exp_bits, 0
-    if not stats:
-        return _NONFINITE, exp_bits, numel
-    return (_SMALL if batched and numel < SMALL else _SUMMARY), exp_bits, numel
+    if stats:
+        return (_SMALL if batched and numel < SMALL else _SUMMARY), exp_bits, numel
+    return (_FEW if batched and numel < FEW else _NONFINITE), exp_bits, numel
 
 
 def batched_dtype(exp_bits: int) -> torch.dtype:

@@ -46,7 +46,8 @@ def record_lm(store: str, steps: int) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     with Recorder(model, store, layers="transformer.h.1", capture=("activations", "batch"),
-                  tensors_every=1, compression=None, max_bytes=None, mode="w") as rec:
+                  stats_every=1, tensors_every=1, compression=None, max_bytes=None,
+                  mode="w") as rec:
         for ids in toy_language(steps):
             with rec.step():
                 loss = model(input_ids=ids, labels=ids).loss

@@ -47,8 +47,8 @@ def record(out: str, *, seed: int = 0, steps: int | None = None, diverge: bool =
         torch.optim.Adam(model.parameters(), lr=lr)
     data = torch.Generator().manual_seed(1000 + seed)
     meta = {"task": "sort 12 digits", "seed": seed, "lr": lr, "diverge": diverge}
-    with Recorder(model, out, layers=LAYERS, tensors_every=25, ring=3, on_nonfinite="dump",
-                  mode=mode, metadata=meta) as rec:
+    with Recorder(model, out, layers=LAYERS, stats_every=1, tensors_every=25, ring=3,
+                  on_nonfinite="dump", mode=mode, metadata=meta) as rec:   # a short run: every step
         for step in range(steps):
             x = torch.randint(0, VOCAB, (64, LENGTH), generator=data)
             y = x.sort(dim=1).values

@@ -212,7 +212,7 @@ def record_shapes(store, shapes=((4, 6), (2, 3))):
     (batch, sequence) shapes, one step each."""
     from tensortape.recorder import Recorder
     model = transformer()
-    with Recorder(model, store, layers="layers.0.linear1", tensors_every=1) as rec:
+    with Recorder(model, store, layers="layers.0.linear1", tensors_every=1, stats_every=1) as rec:
         for b, t in shapes:
             with rec.step():
                 model(torch.randn(b, t, 32)).sum().backward()

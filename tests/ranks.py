@@ -25,7 +25,7 @@ BUILT_THEN_GO = PREAMBLE + """
 mode, go = sys.argv[3], sys.argv[4]
 model = nn.Linear(2, 2)
 try:
-    rec = Recorder(model, store, mode=mode, max_bytes=None)
+    rec = Recorder(model, store, mode=mode, max_bytes=None, stats_every=1)
     open(f"{out}/built{rank}", "w").close()
     while not os.path.exists(go):
         time.sleep(0.01)

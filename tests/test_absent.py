@@ -143,7 +143,7 @@ def _moe_modules(model):
 def _record_moe(path, routes):
     model = MoE()
     ref = copy.deepcopy(model)
-    with Recorder(model, path, layers=MOE_LAYERS, capture=KINDS, tensors_every=1) as rec:
+    with Recorder(model, path, layers=MOE_LAYERS, capture=KINDS, tensors_every=1, stats_every=1) as rec:
         _moe_train(model, routes, rec.step)
     hooks = Hooks(_moe_modules(ref))
     _moe_train(ref, routes, hooks.scope)
@@ -419,7 +419,7 @@ else:
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 gen = torch.Generator().manual_seed(2)
 xs = [torch.randn(5, D, generator=gen) for _ in range(STEPS)]
-with Recorder(model, store, layers=PIPE_LAYERS, capture=KINDS, tensors_every=1) as rec:
+with Recorder(model, store, layers=PIPE_LAYERS, capture=KINDS, tensors_every=1, stats_every=1) as rec:
     for i, x in enumerate(xs):
         with rec.step(i):
             if rank == 0:

@@ -66,7 +66,7 @@ def train(path, tensors_every, fault=None, samples=None):
             lambda m, a, out, name=name: seen.__setitem__(
                 (name, at["step"], at["micro"]), out.detach().clone().numpy()))
     with Recorder(model, path, layers=list(ORDER), tensors_every=tensors_every,
-                  max_samples=samples, max_bytes=None) as rec:
+                  max_samples=samples, max_bytes=None, stats_every=1) as rec:
         for step in range(STEPS):
             with rec.step(step):
                 for micro in range(MICRO):

@@ -14,7 +14,7 @@ def _record(store, seed=0, perturb_at=None, nan_at=None, steps=5, **kw):
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with Recorder(model, store, layers=["layers.*.linear*", "layers.*.norm2"],
-                  **{"tensors_every": 1, **kw}) as rec:
+                  **{"stats_every": 1, "tensors_every": 1, **kw}) as rec:
         for i in range(steps):
             if i == perturb_at:
                 with torch.no_grad():
@@ -194,7 +194,7 @@ def test_evolution_marks_each_layers_nonfinite_steps_and_breaks_its_line_there(t
 def test_histogram_defaults_to_the_last_step_with_finite_values(tmp_path):
     model = nn.Linear(4, 4)
     store = str(tmp_path / "h.zarr")
-    with Recorder(model, store, layers="", capture="activations", tensors_every=1) as rec:
+    with Recorder(model, store, layers="", capture="activations", tensors_every=1, stats_every=1) as rec:
         for i in range(4):
             with rec.step(i):
                 model(torch.full((2, 4), float("nan")) if i == 3 else torch.randn(2, 4))
@@ -248,7 +248,7 @@ def _chain(store, scale_from=None, steps=130):
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
     gen = torch.Generator().manual_seed(1)
-    with torch.no_grad(), Recorder(model, store, capture="activations", tensors_every=1) as rec:
+    with torch.no_grad(), Recorder(model, store, capture="activations", tensors_every=1, stats_every=1) as rec:
         for i in range(steps):
             x = torch.randn(3, 8, generator=gen)
             with rec.step(i):

@@ -42,7 +42,7 @@ def record_scaled(store, factors, tensors_every=4, steps=10):
     handle = model.lin.register_forward_hook(
         lambda m, a, out: seen.__setitem__(model.step, out.detach().double().numpy().copy()))
     gen = torch.Generator().manual_seed(0)
-    with Recorder(model, store, layers=["lin", "out"], tensors_every=tensors_every) as rec:
+    with Recorder(model, store, layers=["lin", "out"], tensors_every=tensors_every, stats_every=1) as rec:
         for i in range(steps):
             model.step, model.k = i, factors.get(i, 1.0)
             x = torch.randn(16, 8, generator=gen)
@@ -82,10 +82,10 @@ def test_unrelated_runs_cannot_be_compared(tmp_path):
     cnn = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8, 2))
     mlp = Scaled()
     stores = [str(tmp_path / "cnn.zarr"), str(tmp_path / "mlp.zarr")]
-    with Recorder(cnn, stores[0], tensors_every=1) as rec:          # every layer, the root "(root)" too
+    with Recorder(cnn, stores[0], tensors_every=1, stats_every=1) as rec:          # every layer, the root "(root)" too
         with rec.step(0):
             cnn(torch.randn(1, 1, 4, 4)).sum().backward()
-    with Recorder(mlp, stores[1], tensors_every=1) as rec:
+    with Recorder(mlp, stores[1], tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             mlp(torch.randn(2, 8)).sum().backward()
     for call in (lambda: compare_runs(*stores), lambda: first_divergence(*stores)):
@@ -156,7 +156,7 @@ def test_histogram_is_drawn_over_values_with_a_zero_tick_and_nonfinite_bars(tmp_
     model = nn.Linear(4, 64)
     store = str(tmp_path / "h.zarr")
     x = torch.randn(32, 4)
-    with Recorder(model, store, layers="", capture="activations", tensors_every=1) as rec:
+    with Recorder(model, store, layers="", capture="activations", tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             model(x)
         bad = x.clone()
@@ -188,7 +188,7 @@ def test_histogram_is_drawn_over_values_with_a_zero_tick_and_nonfinite_bars(tmp_
 def test_evolution_past_six_layers_is_small_multiples_naming_the_run(tmp_path):
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
     store = str(tmp_path / "many.zarr")
-    with Recorder(model, store, layers="*", capture="activations", tensors_every=None) as rec:
+    with Recorder(model, store, layers="*", capture="activations", tensors_every=None, stats_every=1) as rec:
         for i in range(3):
             with rec.step(i):
                 model(torch.randn(2, 4))
@@ -203,7 +203,7 @@ WRITER = textwrap.dedent("""
     from torch import nn
     from tensortape.recorder import Recorder
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    with Recorder(model, sys.argv[1], flush_interval=0.3, tensors_every=None) as rec:
+    with Recorder(model, sys.argv[1], flush_interval=0.3, tensors_every=None, stats_every=1) as rec:
         time.sleep(1.0)                                  # nothing committed yet
         for i in range(60):
             x = torch.randn(2, 4)

@@ -83,7 +83,7 @@ def two_runs(tmp_path_factory):
         torch.manual_seed(seed)
         model = InplaceMLP(seed)
         path = str(d / f"r{seed}.zarr")
-        with Recorder(model, path, layers="fc*", tensors_every=1) as rec:
+        with Recorder(model, path, layers="fc*", tensors_every=1, stats_every=1) as rec:
             for _ in range(3):
                 with rec.step():
                     model(torch.randn(2, 8)).sum().backward()
@@ -121,7 +121,7 @@ def test_importing_the_packages_leaves_torch_out():
 
 def test_an_unclosed_recorder_is_closed_as_interrupted_on_collection(tmp_store):
     model = InplaceMLP()
-    rec = Recorder(model, tmp_store, layers="fc1", tensors_every=1).attach()
+    rec = Recorder(model, tmp_store, layers="fc1", tensors_every=1, stats_every=1).attach()
     with rec.step(0):
         model(torch.randn(2, 8)).sum().backward()
     rec.step(1)

@@ -143,8 +143,8 @@ def test_tensors_every_0_is_statistics_only_as_a_flag_and_as_a_keyword(tmp_path)
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     flagged, keyed = str(tmp_path / "flags.zarr"), str(tmp_path / "keywords.zarr")
-    assert by_flags(flagged, str(script), ["--tensors-every", "0"])
-    assert by_keywords(keyed, {"tensors_every": 0})
+    assert by_flags(flagged, str(script), ["--tensors-every", "0", "--stats-every", "1"])
+    assert by_keywords(keyed, {"tensors_every": 0, "stats_every": 1})
     for store in (flagged, keyed):
         run = open_run(store)
         assert zarr.open_group(store, mode="r").attrs["config"]["tensors_every"] is None

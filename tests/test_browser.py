@@ -154,7 +154,7 @@ def test_a_live_runs_new_steps_appear_without_a_reload(page, tmp_path):
         from tests.test_serve import Spiky
         model, gate = Spiky(), {str(gate)!r}
         with Recorder(model, {store!r}, tensors_every=None, capture=("activations",),
-                      flush_interval=0.2) as rec:
+                      flush_interval=0.2, stats_every=1) as rec:
             for step in range(10):
                 if step == 5:
                     rec.flush(); open(gate + ".ready", "w").close()
@@ -474,7 +474,7 @@ def wide(tmp_path_factory):
     model = Blocks()
     path = str(tmp_path_factory.mktemp("browser") / "wide.zarr")
     with Recorder(model, path, layers="model.layers.*.*", capture="activations",
-                  tensors_every=None) as rec:
+                  tensors_every=None, stats_every=1) as rec:
         for step in range(300):
             with rec.step(step), torch.no_grad():
                 model(torch.randn(2, 4))

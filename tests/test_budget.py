@@ -43,7 +43,7 @@ def test_the_default_budget_is_a_tenth_of_the_free_space_and_is_printed(tmp_path
     model = _model()
     with warnings.catch_warnings():
         warnings.simplefilter("error")            # a default run warns nothing (-W error)
-        with Recorder(model, path, tensors_every=1) as rec:
+        with Recorder(model, path, tensors_every=1, stats_every=1) as rec:
             with rec.step(0):
                 model(_batch(0)).sum().backward()
     err = capfd.readouterr().err
@@ -55,7 +55,7 @@ def test_the_default_budget_is_a_tenth_of_the_free_space_and_is_printed(tmp_path
 
 def test_an_explicit_budget_prints_nothing(tmp_path, capfd):
     model = _model()
-    with Recorder(model, str(tmp_path / "run.zarr"), max_bytes=None, tensors_every=1) as rec:
+    with Recorder(model, str(tmp_path / "run.zarr"), max_bytes=None, tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             model(_batch(0)).sum().backward()
     assert "max_bytes" not in capfd.readouterr().err
@@ -70,7 +70,7 @@ def test_a_small_disk_gets_a_small_budget_statistics_go_on(tmp_path, monkeypatch
     model = _model()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with Recorder(model, path, layers="0", tensors_every=1) as rec:
+        with Recorder(model, path, layers="0", tensors_every=1, stats_every=1) as rec:
             for i in range(5):
                 with rec.step(i):
                     model(_batch(i)).sum().backward()
@@ -93,7 +93,7 @@ def test_past_the_budget_the_nonfinite_dump_still_stores_the_ring(tmp_path, nan_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with Recorder(model, path, layers="0", capture="activations", ring=2,
-                      on_nonfinite="dump", max_bytes=2 * _row(), tensors_every=1) as rec:
+                      on_nonfinite="dump", max_bytes=2 * _row(), tensors_every=1, stats_every=1) as rec:
             for i in range(8):
                 x = _batch(i)
                 if i == nan_at:
@@ -112,7 +112,7 @@ def test_past_the_budget_the_nonfinite_dump_still_stores_the_ring(tmp_path, nan_
 
 def test_a_bad_budget_is_one_line_naming_the_choices(tmp_path):
     with pytest.raises(ValueError, match=r"max_bytes='lots' is not valid; use 'auto'"):
-        Recorder(_model(), str(tmp_path / "run.zarr"), max_bytes="lots", tensors_every=1)
+        Recorder(_model(), str(tmp_path / "run.zarr"), max_bytes="lots", tensors_every=1, stats_every=1)
 
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "plain_train.py")
@@ -164,7 +164,7 @@ def _recording(path, steps, nan, mode, **kw):
     model = _small()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")               # the budget's own notices
-        with Recorder(model, path, layers=LAYERS, mode=mode, **kw) as rec:
+        with Recorder(model, path, layers=LAYERS, mode=mode, **{"stats_every": 1, **kw}) as rec:
             for i in steps:
                 x = _batch(i)[:5, :4].clone()
                 if i in nan:

@@ -59,7 +59,7 @@ MEASURE = textwrap.dedent("""
             model = Emit()
             model.x = x
             rec = Recorder(model, f"{store}/{dtype_name}-{len(out)}.zarr", layers="",
-                           capture="activations", tensors_every=None, **options).attach()
+                           capture="activations", tensors_every=None, **{"stats_every": 1, **options}).attach()
             gc.collect()                           # the last recording's garbage, gone now
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")                       # the peak, from now

@@ -172,7 +172,7 @@ def train(model, steps, begin, wrap=None):
 
 
 def recorded(model, store, steps, names, wrap=None, kinds=KINDS, **kw):
-    with Recorder(model, store, layers=names, capture=kinds, **{"tensors_every": 1, **kw}) as rec:
+    with Recorder(model, store, layers=names, capture=kinds, **{"stats_every": 1, "tensors_every": 1, **kw}) as rec:
         train(model, steps, rec.step, wrap=wrap)
     return open_run(store)
 
@@ -263,7 +263,7 @@ def test_parallel_calls_in_one_region_keep_their_names(tmp_path, how):
     model.how = how
     names = ["inp", "branch", "out"]
     plain = Plain(ref, names)
-    with Recorder(model, str(tmp_path / "r.zarr"), layers=names, capture=KINDS, tensors_every=1) as rec:
+    with Recorder(model, str(tmp_path / "r.zarr"), layers=names, capture=KINDS, tensors_every=1, stats_every=1) as rec:
         for i in range(2):
             plain.begin(i)
             with rec.step(i):
@@ -308,7 +308,7 @@ def test_nested_checkpoints(tmp_path, outer, inner):
     names = ["", "inp", "fc", "block", "block.fc"]
     plain = Plain(ref, names, kinds=("activations", "gradients"))
     store = str(tmp_path / "r.zarr")
-    with Recorder(model, store, layers=names, capture=("activations", "gradients"), tensors_every=1) as rec, \
+    with Recorder(model, store, layers=names, capture=("activations", "gradients"), tensors_every=1, stats_every=1) as rec, \
             warnings.catch_warnings():
         # a reentrant checkpoint inside another's forward (no grad): torch warns that its
         # inputs need no gradient; it has one in the outer one's recomputation
@@ -349,7 +349,7 @@ def test_replay_keeps_each_call_once_with_its_gradient(tmp_path, how):
     calls = ["(root)", "blocks.1", "shared", "shared#1"] + [f"shared.twice{k}"
                                                             for k in ("", "#1", "#2", "#3")]
     store = str(tmp_path / "r.zarr")
-    with Recorder(model, store, layers=names, capture=KINDS, on_nonfinite="replay", tensors_every=1) as rec:
+    with Recorder(model, store, layers=names, capture=KINDS, on_nonfinite="replay", tensors_every=1, stats_every=1) as rec:
         keeper = rec._buffer.keeper
 
         @contextlib.contextmanager
@@ -409,7 +409,7 @@ def test_hugging_face_gradient_checkpointing(tmp_path, reentrant):
     names = hf_names(model, LLAMA_LAYERS)
     plain = Plain(ref, names, kinds=("activations", "gradients"))
     store = str(tmp_path / "r.zarr")
-    with Recorder(model, store, layers=LLAMA_LAYERS, capture=("activations", "gradients"), tensors_every=1) as rec:
+    with Recorder(model, store, layers=LLAMA_LAYERS, capture=("activations", "gradients"), tensors_every=1, stats_every=1) as rec:
         for i, group in enumerate([[1, 1], [2]]):
             plain.begin(i)
             with rec.step(i):

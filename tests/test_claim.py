@@ -41,7 +41,7 @@ JOB = textwrap.dedent("""
         while not os.path.exists(go):
             time.sleep(0.0005)
         try:
-            with Recorder(model, store, layers=["0"], mode=mode, metadata={"job": int(job)}) as rec:
+            with Recorder(model, store, layers=["0"], mode=mode, metadata={"job": int(job)}, stats_every=1) as rec:
                 began = time.time()
                 for s in range(int(steps)):
                     with rec.step():
@@ -183,7 +183,7 @@ def test_two_jobs_started_together_one_records_the_other_is_refused(tmp_path, jo
     if mode == "w":                                # "w" over a finished run: both may overwrite it
         for s in stores:
             model = InplaceMLP()
-            with Recorder(model, s, layers="fc1", metadata={"job": 0}, tensors_every=1) as rec:
+            with Recorder(model, s, layers="fc1", metadata={"job": 0}, tensors_every=1, stats_every=1) as rec:
                 with rec.step():
                     model(torch.randn(2, 8)).sum().backward()
     results = race(jobs, stores, mode, tmp_path, mode)
@@ -200,14 +200,14 @@ def test_mode_w_while_a_live_job_records_is_refused_naming_it(tmp_path, jobs):
     for mode in ("w", "w-", "a"):
         model = InplaceMLP()
         with pytest.raises(StoreExistsError) as e:
-            Recorder(model, store, mode=mode, tensors_every=1)
+            Recorder(model, store, mode=mode, tensors_every=1, stats_every=1)
         msg = str(e.value)
         assert "\n" not in msg and f"pid {a.pid}" in msg and socket.gethostname() in msg, msg
         assert "being recorded by another job" in msg and "started " in msg, msg
     # refused at attach too (the claim is taken there, atomically), e.g. by a job whose
     # look found the path free just before the other claimed it
     store2 = str(tmp_path / "run2.zarr")
-    late = Recorder(InplaceMLP(), store2, mode="w", tensors_every=1)
+    late = Recorder(InplaceMLP(), store2, mode="w", tensors_every=1, stats_every=1)
     b = jobs[1]
     b.order(store2, "w-", 2, go, steps=STEPS, hold=0.15)
     assert b.readline().startswith("RECORDING")
@@ -218,7 +218,7 @@ def test_mode_w_while_a_live_job_records_is_refused_naming_it(tmp_path, jobs):
     assert_whole_run_of(store2, 2)
     assert sorted(os.listdir(store)) == ["rank0", "zarr.json"]      # released at close
     model = InplaceMLP()
-    with Recorder(model, store, layers="fc1", mode="w", tensors_every=1) as rec:   # now "w" may
+    with Recorder(model, store, layers="fc1", mode="w", tensors_every=1, stats_every=1) as rec:   # now "w" may
         with rec.step():
             model(torch.randn(2, 8)).sum().backward()
     assert open_run(store).steps().tolist() == [0] and open_run(store).status == "complete"
@@ -237,9 +237,9 @@ def test_a_killed_owner_s_claim_is_taken_over(tmp_path, jobs, mode):
     assert os.path.exists(claim_of(store))         # the dead job's claim is left behind
     assert claim_doc(store)["attributes"]["tensortape_claim"]["pid"] == a.pid
     with pytest.raises(StoreExistsError, match="already exists"):
-        Recorder(InplaceMLP(), store, mode="w-", tensors_every=1)   # "w-" never touches an existing run
+        Recorder(InplaceMLP(), store, mode="w-", tensors_every=1, stats_every=1)   # "w-" never touches an existing run
     model = InplaceMLP()
-    with Recorder(model, store, layers="fc1", mode=mode, tensors_every=1) as rec:
+    with Recorder(model, store, layers="fc1", mode=mode, tensors_every=1, stats_every=1) as rec:
         for _ in range(2):
             with rec.step():
                 model(torch.randn(2, 8)).sum().backward()
@@ -361,10 +361,10 @@ def test_on_s3_a_live_job_is_refused_and_a_killed_one_taken_over(s3_server, jobs
         assert a.readline().startswith("RECORDING")
     for mode in ("w", "w-", "a"):
         with pytest.raises(StoreExistsError, match=f"being recorded by another job.*pid {a.pid}"):
-            Recorder(InplaceMLP(), url, mode=mode, tensors_every=1)
+            Recorder(InplaceMLP(), url, mode=mode, tensors_every=1, stats_every=1)
     a.kill()
     model = InplaceMLP()
-    with Recorder(model, url, layers="fc1", mode="w", tensors_every=1) as rec:
+    with Recorder(model, url, layers="fc1", mode="w", tensors_every=1, stats_every=1) as rec:
         for _ in range(2):
             with rec.step():
                 model(torch.randn(2, 8)).sum().backward()

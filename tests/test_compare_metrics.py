@@ -49,7 +49,7 @@ def record(path, steps):
     ``steps[i][1]`` (each a tensor, or None: the layer does not run)."""
     model = Two()
     with Recorder(model, path, layers=["x", "y"], capture=("activations",), tensors_every=1,
-                  max_bytes=None) as rec:
+                  max_bytes=None, stats_every=1) as rec:
         for i, (x, y) in enumerate(steps):
             model.x.value, model.y.value = x, y
             with rec.step(i):

@@ -25,7 +25,7 @@ class MLP(nn.Module):
 def _record(path, seed, grow=1.0, steps=3):
     torch.manual_seed(seed)
     model = MLP()
-    with Recorder(model, str(path), tensors_every=1) as rec:
+    with Recorder(model, str(path), tensors_every=1, stats_every=1) as rec:
         for i in range(steps):
             with rec.step(i):
                 model(torch.randn(32, 6) * grow ** i).sum().backward()

@@ -41,7 +41,7 @@ def test_attach_after_the_model_was_compiled_and_run(tmp_store, backend, fresh_d
     compiled = torch.compile(model, backend=backend)
     for _ in range(3):
         compiled(torch.randn(4, 8)).sum().backward()
-    with Recorder(compiled, tmp_store, layers="fc*", tensors_every=1) as rec:
+    with Recorder(compiled, tmp_store, layers="fc*", tensors_every=1, stats_every=1) as rec:
         _steps(compiled, rec, 2)
     assert _recorded(tmp_store) == (["fc1", "fc2"], [0, 1], [0, 1])
 
@@ -53,7 +53,7 @@ def test_a_second_instance_of_a_class_compiled_earlier(tmp_path, fresh_dynamo):
     for i, seed in enumerate((1, 2)):
         model = torch.compile(InplaceMLP(seed), backend="inductor")
         store = str(tmp_path / f"r{i}.zarr")
-        with Recorder(model, store, layers="fc*", tensors_every=1) as rec:
+        with Recorder(model, store, layers="fc*", tensors_every=1, stats_every=1) as rec:
             _steps(model, rec, 2)
         assert _recorded(store) == (["fc1", "fc2"], [0, 1], [0, 1])
 
@@ -61,8 +61,8 @@ def test_a_second_instance_of_a_class_compiled_earlier(tmp_path, fresh_dynamo):
 def test_two_models_of_one_class_each_record(tmp_path, fresh_dynamo):
     a, b = InplaceMLP(0), InplaceMLP(1)
     ca, cb = torch.compile(a, backend="inductor"), torch.compile(b, backend="inductor")
-    with Recorder(ca, str(tmp_path / "a.zarr"), layers="fc*", tensors_every=1) as ra, \
-            Recorder(cb, str(tmp_path / "b.zarr"), layers="fc1", tensors_every=1) as rb:
+    with Recorder(ca, str(tmp_path / "a.zarr"), layers="fc*", tensors_every=1, stats_every=1) as ra, \
+            Recorder(cb, str(tmp_path / "b.zarr"), layers="fc1", tensors_every=1, stats_every=1) as rb:
         for i in range(2):
             with ra.step(i), rb.step(i):
                 ca(torch.randn(4, 8)).sum().backward()
@@ -78,7 +78,7 @@ def _graph_breaks(model, x, record_to=None):
     if record_to is None:
         compiled(x).float().pow(2).mean().backward()
     else:
-        with Recorder(compiled, record_to, layers=["layers.*.linear*", "layers.*.self_attn"], tensors_every=1) as rec:
+        with Recorder(compiled, record_to, layers=["layers.*.linear*", "layers.*.self_attn"], tensors_every=1, stats_every=1) as rec:
             with rec.step():
                 compiled(x).float().pow(2).mean().backward()
     return sum(torch._dynamo.utils.counters["graph_break"].values())
@@ -94,7 +94,7 @@ def test_recording_adds_no_graph_break(tmp_store):
 
 def test_fullgraph_compile_records(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc*", capture=("activations", "gradients", "inputs"), tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc*", capture=("activations", "gradients", "inputs"), tensors_every=1, stats_every=1) as rec:
         compiled = torch.compile(model, backend="inductor", fullgraph=True)
         _steps(compiled, rec, 2)
     run = open_run(tmp_store)
@@ -111,7 +111,7 @@ def test_compiled_values_equal_eager(tmp_path, backend, autocast):
         model = transformer()
         run_model = torch.compile(model, backend=backend) if mode == "compiled" else model
         stores[mode] = store = str(tmp_path / f"{mode}.zarr")
-        with Recorder(run_model, store, layers=names, tensors_every=1) as rec:
+        with Recorder(run_model, store, layers=names, tensors_every=1, stats_every=1) as rec:
             for i, x in enumerate(xs):
                 with rec.step(i), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     run_model(x).float().pow(2).mean().backward()
@@ -133,7 +133,7 @@ def test_compiled_values_equal_eager(tmp_path, backend, autocast):
 def test_after_close_the_compiled_model_runs_clean(tmp_store):
     model = InplaceMLP()
     compiled = torch.compile(model, backend="eager")
-    with Recorder(compiled, tmp_store, layers="fc*", tensors_every=1) as rec:
+    with Recorder(compiled, tmp_store, layers="fc*", tensors_every=1, stats_every=1) as rec:
         _steps(compiled, rec, 2)
     assert not has_hooks(model)
     counters = torch._dynamo.utils.counters
@@ -151,7 +151,7 @@ def test_code_compiled_around_the_model_warns_once_when_nothing_is_captured(tmp_
     def forward(x):            # compiled before the Recorder, around the model: not seen
         return model(x)
     forward(torch.randn(4, 8)).sum().backward()
-    with Recorder(model, tmp_store, layers="fc*", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc*", tensors_every=1, stats_every=1) as rec:
         with pytest.warns(RuntimeWarning, match="captured nothing.*torch.compiler.reset"):
             for i in range(3):
                 with rec.step(i):
@@ -164,12 +164,12 @@ def test_code_compiled_around_the_model_warns_once_when_nothing_is_captured(tmp_
 
 def test_fx_graph_module_records_with_its_own_names(tmp_store):
     gm = torch.fx.symbolic_trace(InplaceMLP())
-    with Recorder(gm, tmp_store, layers="*", tensors_every=1) as rec:
+    with Recorder(gm, tmp_store, layers="*", tensors_every=1, stats_every=1) as rec:
         _steps(gm, rec, 1)
     run = open_run(tmp_store)
     assert {"fc1", "fc2", "(root)"} <= set(run.layers)
     x = torch.randn(4, 8)
-    with Recorder(gm, tmp_store, layers="fc1", mode="w", tensors_every=1) as rec:
+    with Recorder(gm, tmp_store, layers="fc1", mode="w", tensors_every=1, stats_every=1) as rec:
         _steps(gm, rec, 1, x=x)
     np.testing.assert_allclose(open_run(tmp_store).tensor("fc1", step=0).values,
                                gm.fc1(x).detach().numpy())
@@ -179,7 +179,7 @@ def test_fx_graph_module_records_with_its_own_names(tmp_store):
 def test_torchscript_is_refused_with_the_alternative(tmp_store):
     scripted = torch.jit.script(InplaceMLP())
     with pytest.raises(ConfigError, match="TorchScript.*record the eager module.*torch.compile"):
-        Recorder(scripted, tmp_store, tensors_every=1)
+        Recorder(scripted, tmp_store, tensors_every=1, stats_every=1)
 
 
 class _Broken(nn.Module):
@@ -210,7 +210,7 @@ def test_compiled_gradients_with_and_without_a_graph_break(tmp_store, broken, fr
         model.get_submodule(n).register_forward_hook(keep)
     compiled = torch.compile(model, backend="eager")
     x = torch.randn(4, 8)
-    with Recorder(compiled, tmp_store, layers=names, tensors_every=1) as rec:
+    with Recorder(compiled, tmp_store, layers=names, tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             compiled(x).pow(2).sum().backward()
     run = open_run(tmp_store)
@@ -239,7 +239,7 @@ def test_cuda_graphs_leave_the_recorders_ops_out(tmp_store, fresh_dynamo):
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
-    with Recorder(compiled, tmp_store, tensors_every=None) as rec:
+    with Recorder(compiled, tmp_store, tensors_every=None, stats_every=1) as rec:
         _steps(compiled, rec, 1)
     assert len(found) >= 2 and all(f is not None and f.startswith("tensortape.")
                                    for f in found), found

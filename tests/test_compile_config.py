@@ -25,9 +25,9 @@ def user_setting(request):
 
 def test_kept_while_one_recorder_is_attached_and_restored_after_the_last(tmp_path,
                                                                           user_setting):
-    a = Recorder(InplaceMLP(0), str(tmp_path / "a.zarr"), layers="fc*", tensors_every=1).attach()
+    a = Recorder(InplaceMLP(0), str(tmp_path / "a.zarr"), layers="fc*", tensors_every=1, stats_every=1).attach()
     assert _skips() is False
-    b = Recorder(InplaceMLP(1), str(tmp_path / "b.zarr"), layers="fc1", tensors_every=1).attach()
+    b = Recorder(InplaceMLP(1), str(tmp_path / "b.zarr"), layers="fc1", tensors_every=1, stats_every=1).attach()
     a.close()
     assert _skips() is False                    # b is still attached
     a.close()                                   # a second close changes nothing
@@ -37,7 +37,7 @@ def test_kept_while_one_recorder_is_attached_and_restored_after_the_last(tmp_pat
 
 
 def test_restored_after_a_forgotten_recorder_and_an_inspection(tmp_path, user_setting):
-    rec = Recorder(InplaceMLP(0), str(tmp_path / "a.zarr"), layers="fc*", tensors_every=1).attach()
+    rec = Recorder(InplaceMLP(0), str(tmp_path / "a.zarr"), layers="fc*", tensors_every=1, stats_every=1).attach()
     inspector = Inspector(InplaceMLP(1))
     inspector.watch("fc1")
     inspector.run_inspection(torch.randn(4, 8))         # attaches and detaches inside

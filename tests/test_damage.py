@@ -57,7 +57,7 @@ def pristine(tmp_path_factory):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with Recorder(model, path, layers=["fc1", "fc2", "probe"], tensors_every=16,
-                  max_bytes=None) as rec:
+                  max_bytes=None, stats_every=1) as rec:
         for step in range(STEPS):
             model.poison = math.nan if step == POISON else 0.0
             with rec.step(step):

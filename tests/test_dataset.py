@@ -52,7 +52,7 @@ def record(store, steps=STEPS):
         lambda m, a, out: box.__setitem__("out", out.detach().clone()))
     gen = torch.Generator().manual_seed(1)
     with Recorder(model, store, layers="blocks.0", capture=("activations", "batch"),
-                  tensors_every=1, max_bytes=None, compression=None) as rec:
+                  tensors_every=1, max_bytes=None, compression=None, stats_every=1) as rec:
         for s in range(steps):
             with rec.step(s):
                 for m in range(MICROS):
@@ -207,7 +207,7 @@ def test_bad_choices_are_one_line_naming_the_fix(recorded):
     with pytest.raises(ConfigError, match="not the 1 leading axes"):
         run.rows("(root):0", kind="inputs", tokens="(root):0")
     with pytest.raises(ConfigError, match="capture"):
-        Recorder(TinyLM(), store + "x", capture=("activations", "tokens"))
+        Recorder(TinyLM(), store + "x", capture=("activations", "tokens"), stats_every=1)
 
 
 def test_the_numpy_rows_import_no_torch(recorded):
@@ -252,7 +252,7 @@ def test_bfloat16_rows_are_the_stored_bits_decoded_and_the_dataset_pickles(tmp_p
     model[0].register_forward_hook(lambda m, a, out: seen.append(
         out.detach().to(torch.bfloat16).float().numpy().reshape(-1, 8)))
     with Recorder(model, str(tmp_path / "bf.zarr"), layers="0", capture="activations",
-                  tensors_every=1, tensor_dtype="bfloat16", max_bytes=None) as rec:
+                  tensors_every=1, tensor_dtype="bfloat16", max_bytes=None, stats_every=1) as rec:
         for s in range(3):
             with rec.step(s):
                 model(torch.randn(2, 5, 8)).sum().backward()
@@ -266,7 +266,7 @@ def test_bfloat16_rows_are_the_stored_bits_decoded_and_the_dataset_pickles(tmp_p
 MIXED_RANKS = PREAMBLE + """
 model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
 capture = ("activations", "batch") if rank == 0 else ("activations",)
-with Recorder(model, store, layers="1", capture=capture, tensors_every=1, max_bytes=None) as rec:
+with Recorder(model, store, layers="1", capture=capture, tensors_every=1, max_bytes=None, stats_every=1) as rec:
     for s in range(3):
         with rec.step(s):
             model(torch.randint(0, 10, (2, 3))).sum().backward()

@@ -2,8 +2,9 @@
 
 What README's "What it keeps by default" promises, checked against the plain reference
 recorder (``oracle.py``: hooks and numpy) driven with those documented settings written out:
-statistics and histograms of every module's output and gradient at every step, no full
-tensors but, at a step holding a NaN/Inf, that step's and the two steps' before it.  The CLI's
+statistics and histograms of every module's output and gradient every 10 steps, NaN/Inf
+counted at every step, no full tensors but, at a step holding a NaN/Inf, that step's and the
+two steps' before it.  The CLI's
 ``record`` stores the same configuration as Python's zero-configuration run, and ``info``
 says what a run keeps.
 """
@@ -26,9 +27,9 @@ from tensortape.recorder import LayerNotFoundError
 from tensortape.cli import cli
 
 # README's words, written out: what a zero-configuration run records
-DOCUMENTED = dict(capture=("activations", "gradients"), stats_every=1, tensors_every=None,
+DOCUMENTED = dict(capture=("activations", "gradients"), stats_every=10, tensors_every=None,
                   ring=2, on_nonfinite="dump")
-STEPS = 7
+STEPS = 12
 
 
 class Net(nn.Module):
@@ -51,7 +52,8 @@ def _x(step: int, nan: bool) -> torch.Tensor:
 @settings(max_examples=5, deadline=None, phases=(Phase.explicit, Phase.generate),
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(bad=st.sets(st.integers(0, STEPS - 1), max_size=2))
-def test_zero_config_keeps_statistics_every_step_and_the_full_tensors_around_a_nan(tmp_path, bad):
+def test_zero_config_keeps_statistics_every_10_steps_and_the_full_tensors_around_a_nan(tmp_path,
+                                                                                       bad):
     """No optimizer step (the model stays finite): the steps in ``bad`` see a NaN in
     their input, every other step is clean."""
     store = str(tmp_path / f"run{len(os.listdir(tmp_path))}.zarr")
@@ -71,7 +73,7 @@ def test_zero_config_keeps_statistics_every_step_and_the_full_tensors_around_a_n
     run = open_run(store)
     assert run.layers == oracle.names()
     for kind in ("activations", "gradients"):
-        assert run.steps(kind).tolist() == list(range(STEPS))          # statistics every step
+        assert run.steps(kind).tolist() == [0, 10]                     # statistics every 10
         ds = run.stats(kind).compute()
         for s, k, name in oracle.keys():
             if k != kind:
@@ -90,6 +92,7 @@ def test_zero_config_keeps_statistics_every_step_and_the_full_tensors_around_a_n
         np.testing.assert_array_equal(run.tensor(name, kind, step=s, micro=micro).values,
                                       t.numpy(), err_msg=f"{kind} {name} {s}")
     assert [e.step for e in run.events][:1] == sorted(bad)[:1]
+    assert {e.step for e in run.events} == bad                         # counted every step
 
 
 def _tensor_steps(run, kind: str, layer: str) -> list[int]:
@@ -128,7 +131,8 @@ def test_the_cli_records_with_the_recorders_defaults(tmp_path):
     for key in ("capture", "tensors_every", "stats_every", "ring", "on_nonfinite", "max_samples",
                 "tensor_dtype", "compression", "flush_interval", "close_timeout"):
         assert a[key] == b[key], key
-    assert (b["tensors_every"], b["ring"], b["on_nonfinite"]) == (None, 2, "dump")
+    assert (b["stats_every"], b["tensors_every"], b["ring"], b["on_nonfinite"]) == \
+        (10, None, 2, "dump")
 
 
 def test_info_says_what_a_run_keeps(tmp_path):
@@ -139,7 +143,8 @@ def test_info_says_what_a_run_keeps(tmp_path):
             m(_x(0, False)).sum().backward()
     out = CliRunner().invoke(cli, ["info", store]).output
     line = next(x for x in out.splitlines() if x.startswith("records"))
-    assert "statistics every step" in line and "full tensors none" in line
+    assert "statistics every 10 steps (NaN/Inf counted every step)" in line
+    assert "full tensors none" in line
     assert "ring of 2 steps before" in line and "on_nonfinite='dump'" in line
     j = CliRunner().invoke(cli, ["info", store, "--format", "json"]).output
     assert '"ring": 2' in j and '"on_nonfinite": "dump"' in j
@@ -155,3 +160,59 @@ def test_a_ring_default_follows_on_nonfinite(tmp_path):
             with rec.step():
                 m(_x(0, False)).sum().backward()
         assert open_run(store).config["ring"] == ring, policy
+
+
+class Spread(nn.Module):
+    """Tiny outputs in three float dtypes (their gradients too), one output past the
+    batched sizes (``_summary.SMALL`` and ``FEW``), and an in-place op after a capture that turns an
+    Inf into a finite value: the counts are of the tensor as it was captured."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(1)
+        self.fc1, self.act, self.fc2 = nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)
+        self.wide = nn.Linear(6, 16400)                 # 4 x 16400 elements: not batched
+        self.dtype = dtype
+
+    def forward(self, x):
+        h = self.fc1(x)
+        y = self.fc2(self.act(h.to(self.dtype)).float())
+        y.clamp_(-1e30, 1e30)                           # fc2's Inf is gone after its capture
+        return y.sum() + self.wide(x).mean()
+
+
+@settings(max_examples=8, deadline=None, phases=(Phase.explicit, Phase.generate),
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(stats_every=st.integers(1, 3), dumps=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       bad=st.dictionaries(st.integers(0, STEPS - 1),
+                           st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5),
+                                              st.sampled_from([float("nan"), float("inf"),
+                                                               -float("inf")])),
+                                    min_size=1, max_size=4), max_size=4))
+def test_steps_without_statistics_count_nan_and_inf_exactly(tmp_path, stats_every, dumps, dtype,
+                                                            bad):
+    """Every step's NaN/+Inf/-Inf counts of every output and gradient, as plain hooks
+    count them at capture time, whether or not the step has statistics (between
+    statistics the tiny tensors are counted in one batch a step), with a ring or not."""
+    store = str(tmp_path / f"run{len(os.listdir(tmp_path))}.zarr")
+    model = Spread(dtype)
+    twin = copy.deepcopy(model)
+    kw = dict(capture=("activations", "gradients"), stats_every=stats_every, tensors_every=None,
+              ring=2 if dumps else 0, on_nonfinite="dump" if dumps else "record")
+    oracle = Oracle(twin, "*", **kw)
+    with Recorder(model, store, **kw) as rec:
+        for s in range(STEPS):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(s))
+            for row, col, value in bad.get(s, []):
+                x[row, col] = value
+            with rec.step(s):
+                oracle.begin(s)
+                for m in (model, twin):
+                    m(x).backward()
+                oracle.end()
+    oracle.close()
+    events = [(e.step, e.layer, e.kind, e.micro, e.nan, e.posinf, e.neginf)
+              for e in open_run(store).events]
+    assert events == oracle.events()
+    assert {e[0] for e in events} == set(bad)

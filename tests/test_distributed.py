@@ -21,7 +21,7 @@ WORKER = textwrap.dedent("""
     xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(3)]
     time.sleep(delay * rank)          # rank 1 arrives late: no rank may undo another's work
     try:
-        with Recorder(model, store, layers=["0", "2"], tensors_every=1) as rec:
+        with Recorder(model, store, layers=["0", "2"], tensors_every=1, stats_every=1) as rec:
             for x in xs:
                 with rec.step():
                     model(x).sum().backward()
@@ -62,7 +62,7 @@ FSDP_WORKER = PREAMBLE + textwrap.dedent("""
     xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
     try:
         with Recorder(model, store, layers=["0", "2"], tensors_every=1,
-                      capture=("activations", "gradients", "weights", "weight_grads")) as rec:
+                      capture=("activations", "gradients", "weights", "weight_grads"), stats_every=1) as rec:
             for x in xs:
                 model.zero_grad()
                 with rec.step():
@@ -104,7 +104,7 @@ NAN_WORKER = PREAMBLE + textwrap.dedent("""
             (step["i"], name, "activations", int(o.isnan().sum()))))
         mod.register_full_backward_hook(lambda m, gi, go, name=name: seen.append(
             (step["i"], name, "gradients", int(go[0].isnan().sum()))))
-    with Recorder(model, store, layers=["0", "2"], tensors_every=1) as rec:
+    with Recorder(model, store, layers=["0", "2"], tensors_every=1, stats_every=1) as rec:
         for i in range(6):
             step["i"] = i
             x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))

@@ -99,7 +99,7 @@ def test_a_run_left_open_is_closed_at_exit(tmp_path):
     store = str(tmp_path / "run.zarr")
     code = ("import torch, sys; from recorder import Recorder\n"
             "m = torch.nn.Linear(4, 4)\n"
-            "rec = Recorder(m, sys.argv[1], flush_interval=60).attach()\n"
+            "rec = Recorder(m, sys.argv[1], flush_interval=60, stats_every=1).attach()\n"
             "for i in range(3):\n"
             "    rec.step(i); m(torch.randn(2, 4)).sum().backward()\n"
             "raise SystemExit(0)\n")
@@ -115,7 +115,7 @@ def test_sigint_mid_step_keeps_what_the_step_captured(tmp_path):
     code = ("import os, signal, torch, sys; from recorder import Recorder\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "m = torch.nn.Linear(4, 4)\n"
-            "with Recorder(m, sys.argv[1], flush_interval=60) as rec:\n"
+            "with Recorder(m, sys.argv[1], flush_interval=60, stats_every=1) as rec:\n"
             "    for i in range(5):\n"
             "        with rec.step(i):\n"
             "            m(torch.randn(2, 4)).sum().backward()\n"
@@ -161,7 +161,7 @@ if how == "inside a flush":                  # its writes wait at a gate the tes
         while any(m._forward_hooks for m in model.modules()):
             time.sleep(0.01)
         gate.set()
-with Recorder(model, store, flush_interval=60, max_bytes=None) as rec:
+with Recorder(model, store, flush_interval=60, max_bytes=None, stats_every=1) as rec:
     for i in range(10**6):
         with rec.step(i):
             model(torch.randn(3, 4)).sum().backward()
@@ -302,20 +302,20 @@ def test_the_sigterm_handler_is_tensortapes_only_while_it_may_be(tmp_path):
         pass
     before = signal.signal(signal.SIGTERM, mine)
     try:
-        rec = Recorder(model, tmp_path / "thread.zarr", max_bytes=None)
+        rec = Recorder(model, tmp_path / "thread.zarr", max_bytes=None, stats_every=1)
         worker = threading.Thread(target=rec.attach)
         worker.start()
         worker.join()
         assert signal.getsignal(signal.SIGTERM) is mine     # not from another thread
         rec.close()
-        with Recorder(model, tmp_path / "main.zarr", max_bytes=None):
+        with Recorder(model, tmp_path / "main.zarr", max_bytes=None, stats_every=1):
             assert signal.getsignal(signal.SIGTERM) not in (mine, signal.SIG_DFL)
         assert signal.getsignal(signal.SIGTERM) is mine     # put back
-        with Recorder(model, tmp_path / "later.zarr", max_bytes=None):
+        with Recorder(model, tmp_path / "later.zarr", max_bytes=None, stats_every=1):
             signal.signal(signal.SIGTERM, later)
         assert signal.getsignal(signal.SIGTERM) is later    # the user's, left in place
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        with Recorder(model, tmp_path / "ignored.zarr", max_bytes=None):
+        with Recorder(model, tmp_path / "ignored.zarr", max_bytes=None, stats_every=1):
             assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, before)

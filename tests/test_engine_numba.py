@@ -142,7 +142,7 @@ def test_the_recorder_stores_the_oracles_statistics(tmp_store, monkeypatch):
     engine()                                         # compiled: the numba kernels take them
     xs = _cases()
     model = Emit(xs)
-    with Recorder(model, tmp_store, layers="", capture="activations", tensors_every=None) as rec:
+    with Recorder(model, tmp_store, layers="", capture="activations", tensors_every=None, stats_every=1) as rec:
         for i in range(2):
             with rec.step():
                 model()
@@ -166,7 +166,7 @@ def test_a_failing_kernel_is_demoted_to_the_torch_engine(tmp_store, monkeypatch)
     monkeypatch.setattr(_nbkernels, "one", broken)
     x = torch.randn(50000)
     model = Emit([x])
-    with Recorder(model, tmp_store, layers="", capture="activations", tensors_every=None) as rec:
+    with Recorder(model, tmp_store, layers="", capture="activations", tensors_every=None, stats_every=1) as rec:
         for i in range(2):
             with pytest.warns(Warning, match="kernel broken") if i == 0 else _nothing():
                 with rec.step():
@@ -196,7 +196,7 @@ def _left_to_the_writer(monkeypatch, later):
 
 def _record_cases(store, xs, **kw):
     model = Emit(xs)
-    with Recorder(model, store, layers="", capture="activations", tensors_every=None, **kw) as rec:
+    with Recorder(model, store, layers="", capture="activations", tensors_every=None, **{"stats_every": 1, **kw}) as rec:
         for i in range(2):
             with rec.step():
                 model()

@@ -47,7 +47,7 @@ def test_a_run_that_logged_scalars_exports_them(tmp_path):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     store, logged = str(tmp_path / "run.zarr"), {}
-    with Recorder(m, store, max_bytes=None, tensors_every=2) as rec:
+    with Recorder(m, store, max_bytes=None, tensors_every=2, stats_every=1) as rec:
         for i in range(5):
             with rec.step(i):
                 loss = m(torch.randn(3, 4)).pow(2).mean()
@@ -92,7 +92,7 @@ def test_full_tensors_with_an_empty_dimension_export(tmp_path):
     them (h5py refused chunks larger than an array with an empty dimension)."""
     m = nn.Sequential(nn.Linear(2, 3), Nothing())
     store = str(tmp_path / "run.zarr")
-    with Recorder(m, store, tensors_every=1, max_bytes=None, capture=("activations",)) as rec:
+    with Recorder(m, store, tensors_every=1, max_bytes=None, capture=("activations",), stats_every=1) as rec:
         for i in range(2):
             with rec.step(i):
                 m(torch.ones(i + 1, 2))
@@ -122,7 +122,7 @@ def test_any_name_the_store_holds_reads_back_equal_from_the_export(layers, scala
         m.add_module(n, nn.Linear(2, 2))
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "run.zarr")
-        with Recorder(m, store, tensors_every=1, max_bytes=None, capture=("activations",)) as rec:
+        with Recorder(m, store, tensors_every=1, max_bytes=None, capture=("activations",), stats_every=1) as rec:
             with rec.step(0):
                 out = m(torch.ones(1, 2))
                 rec.log({scalar: 1.5})

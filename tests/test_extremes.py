@@ -132,7 +132,7 @@ def record(store, cases):
     micro-batches, taken together)."""
     model = Emit()
     halves = [(x[: len(x) // 2], x[len(x) // 2:]) for x in cases]
-    with Recorder(model, store, layers="", capture="activations", tensors_every=None) as rec:
+    with Recorder(model, store, layers="", capture="activations", tensors_every=None, stats_every=1) as rec:
         with rec.step():
             model.xs = cases
             model()

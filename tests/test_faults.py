@@ -77,7 +77,7 @@ def _run(store, fault=None, on_error="warn", model=None):
     model = model or _model()
     x = torch.randn(20, 16, 32, generator=torch.Generator().manual_seed(1))
     with Recorder(model, store, layers=["0", "2"], flush_interval=0.05, on_error=on_error,
-                  max_bytes=None, tensors_every=1) as rec:
+                  max_bytes=None, tensors_every=1, stats_every=1) as rec:
         _train(model, rec, range(5), x)
         rec.flush()
         with fault() if fault else contextlib.nullcontext():
@@ -212,7 +212,7 @@ def test_a_slow_disk_holds_memory_to_the_bound_and_loses_nothing(tmp_path):
                 peak.append(_rss())
         sampler = threading.Thread(target=sample)
         with Recorder(lin, store, layers="", capture="activations", compression=None,
-                      max_pending_bytes=8 << 20, flush_interval=1.0, tensors_every=1) as rec:
+                      max_pending_bytes=8 << 20, flush_interval=1.0, tensors_every=1, stats_every=1) as rec:
             for i in range(40):                     # 160 MiB of tensors in all
                 if i == 8:                          # warmed up (kernels compiled, buffers made)
                     rec.flush()

@@ -66,7 +66,7 @@ def test_a_run_claimed_after_the_ranks_built_their_recorders_is_refused_on_every
         wait_ranks(procs, 1)
         raise
     other = nn.Linear(2, 2)
-    with Recorder(other, store, max_bytes=None, metadata={"job": "other"}) as rec:
+    with Recorder(other, store, max_bytes=None, metadata={"job": "other"}, stats_every=1) as rec:
         go.touch()
         assert wait_ranks(procs) == [0, 0]
         train(rec, other, [7])
@@ -83,7 +83,7 @@ def test_a_format_refusal_is_every_rank_s_and_nothing_is_written(tmp_path):
     adds its part to the old store."""
     store, go = str(tmp_path / "run.zarr"), tmp_path / "go"
     model = nn.Linear(2, 2)
-    with Recorder(model, store, max_bytes=None) as rec:
+    with Recorder(model, store, max_bytes=None, stats_every=1) as rec:
         train(rec, model, [0])
     zarr.open_group(store, mode="r+").update_attributes({"tensortape_format": 2})
     before = tree(store)
@@ -99,7 +99,7 @@ model = nn.Linear(2, 2)
 result = "ok"
 for mode, steps in (("w-", range(0, 3)), ("a", range(3, 5))):
     try:
-        with Recorder(model, store, mode=mode, max_bytes=None) as rec:
+        with Recorder(model, store, mode=mode, max_bytes=None, stats_every=1) as rec:
             for i in steps:
                 with rec.step(i):
                     model(torch.ones(1, 2)).sum().backward()
@@ -137,14 +137,14 @@ def test_a_job_that_lost_its_claim_writes_nothing_more(tmp_path, machines, monke
     machines("A")
     a_model = nn.Linear(2, 2)
     a = Recorder(a_model, store, tensors_every=1, max_bytes=None, metadata={"job": "A"},
-                 on_error=on_error)
+                 on_error=on_error, stats_every=1)
     train(a, a_model, range(3))
     a.flush()
     time.sleep(1.5)
     machines("B")
     b_model = nn.Linear(2, 2)
     with Recorder(b_model, store, mode="w", tensors_every=1, max_bytes=None,
-                  metadata={"job": "B"}) as b:
+                  metadata={"job": "B"}, stats_every=1) as b:
         train(b, b_model, range(1000, 1005))
     before = tree(store)
     machines("A")
@@ -189,7 +189,7 @@ def test_an_old_s3_client_keeps_the_heartbeat_and_releases_the_claim(s3_server, 
                            skip_instance_cache=True)
     url = f"{s3_server}/run.zarr"
     model = nn.Linear(2, 2)
-    with Recorder(model, url, max_bytes=None) as rec:
+    with Recorder(model, url, max_bytes=None, stats_every=1) as rec:
         first = _claim_object(fs, url)["heartbeat"]
         deadline, step = time.monotonic() + 60, 0
         while _claim_object(fs, url)["heartbeat"] < first + 0.5:
@@ -220,7 +220,7 @@ def test_a_forgotten_recorder_keeps_no_memory(tmp_path):
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(48)])
 
     def forget(i):
-        rec = Recorder(model, str(tmp_path / f"run{i}.zarr"), max_bytes=None)
+        rec = Recorder(model, str(tmp_path / f"run{i}.zarr"), max_bytes=None, stats_every=1)
         with rec.step():
             model(torch.ones(1, 2)).sum().backward()
         rec.flush()
@@ -250,13 +250,13 @@ def test_a_forgotten_recorder_keeps_no_memory(tmp_path):
 def test_a_file_url_records_like_its_path(tmp_path):
     path = str(tmp_path / "run.zarr")
     model = nn.Linear(2, 2)
-    with Recorder(model, "file://" + path, tensors_every=1) as rec:
+    with Recorder(model, "file://" + path, tensors_every=1, stats_every=1) as rec:
         train(rec, model, range(2))
     run = open_run(path)
     assert run.steps().tolist() == [0, 1] and run.status == "complete"
     assert sorted(os.listdir(path)) == ["rank0", "zarr.json"]      # the claim released
     with pytest.raises(StoreExistsError, match="already exists"):
-        Recorder(model, "file://" + path)
+        Recorder(model, "file://" + path, stats_every=1)
 
 
 def test_two_jobs_taking_one_stale_claim_over_at_once_one_wins(monkeypatch):
@@ -279,7 +279,7 @@ def test_two_jobs_taking_one_stale_claim_over_at_once_one_wins(monkeypatch):
                                      json.dumps({"zarr_format": 3, "node_type": "group",
                                                  "attributes": {"tensortape_claim": gone}}).encode())
         time.sleep(1.5)                            # its owner is gone: no heartbeat since
-        recs = [Recorder(nn.Linear(2, 2), url, mode="w", max_bytes=None) for _ in range(2)]
+        recs = [Recorder(nn.Linear(2, 2), url, mode="w", max_bytes=None, stats_every=1) for _ in range(2)]
         got = at_once(lambda i: recs[i].attach())
         won = [g for g in got if isinstance(g, Recorder)]
         assert len(won) == 1, got

@@ -44,7 +44,7 @@ class MLP(nn.Module):
 def _record_mlp(path, out=10, batch=(64, 12), steps=3, nan_at=None):
     torch.manual_seed(0)
     model = MLP(out)
-    with Recorder(model, str(path), tensors_every=1) as rec:
+    with Recorder(model, str(path), tensors_every=1, stats_every=1) as rec:
         for i in range(steps):
             with rec.step(i):
                 x = torch.randn(*batch, 6)

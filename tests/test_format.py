@@ -64,7 +64,7 @@ def recorded(tmp_path_factory):
         m.get_submodule(name).register_forward_hook(
             lambda mod, a, o, name=name: seen.setdefault((name, at["step"]), []).append(
                 o.detach().numpy().copy()))
-    with Recorder(m, path, layers=["0", "2"], tensors_every=2) as rec:
+    with Recorder(m, path, layers=["0", "2"], tensors_every=2, stats_every=1) as rec:
         for step in range(5):
             at["step"] = step
             with rec.step(step):
@@ -177,10 +177,10 @@ def test_appending_needs_the_current_format(tmp_path, old):
     old, _ = old
     m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     with pytest.raises(ConfigError, match="tensortape migrate"):
-        Recorder(m, old, layers=["0", "2"], mode="a", tensors_every=1).attach()
+        Recorder(m, old, layers=["0", "2"], mode="a", tensors_every=1, stats_every=1).attach()
     new = str(tmp_path / "new.zarr")
     CliRunner().invoke(cli, ["migrate", old, new])
-    with Recorder(m, new, layers=["0", "2"], mode="a", tensors_every=1) as rec:
+    with Recorder(m, new, layers=["0", "2"], mode="a", tensors_every=1, stats_every=1) as rec:
         with rec.step():
             m(torch.ones(3, 4)).sum().backward()
     run = open_run(new)
@@ -198,7 +198,7 @@ def test_a_ranks_files_grow_with_steps_over_256_not_with_arrays(tmp_path):
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
     with Recorder(m, str(tmp_path / "run.zarr"), layers=[str(i) for i in range(layers)],
-                  tensors_every=None, flush_interval=0.2) as rec:
+                  tensors_every=None, flush_interval=0.2, stats_every=1) as rec:
         x = torch.randn(2, 4)
         for i in range(steps):
             with rec.step(i):
@@ -237,7 +237,7 @@ def test_a_shard_replaced_while_it_is_read_is_read_again(tmp_path, monkeypatch):
             raw = bytes(got.to_bytes())
             return got.from_bytes(bytes(b ^ 0x5A for b in raw))
         return got
-    with Recorder(m, path, tensors_every=None) as rec:      # read while the run is live
+    with Recorder(m, path, tensors_every=None, stats_every=1) as rec:      # read while the run is live
         for i in range(5):
             with rec.step(i):
                 m(torch.randn(3, 4)).sum().backward()

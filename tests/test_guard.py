@@ -85,7 +85,7 @@ def test_a_failure_inside_tensortape_never_reaches_training(tmp_store, monkeypat
         warnings.simplefilter("always")
         store = tmp_store
         with Recorder(m, store, capture=("activations", "gradients"),
-                      **{"tensors_every": None, **kw}) as rec:
+                      **{"stats_every": 1, "tensors_every": None, **kw}) as rec:
             got = train(m, rec)
     for a, b in zip(got, want):                      # training is untouched, to the bit
         assert torch.equal(a, b)
@@ -111,7 +111,7 @@ def test_a_failing_triton_engine_gives_way_to_the_torch_kernels(tmp_store, monke
     m = model()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with Recorder(m, tmp_store, tensors_every=None) as rec:
+        with Recorder(m, tmp_store, tensors_every=None, stats_every=1) as rec:
             got = train(m, rec)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     told = [str(w.message) for w in seen if "injected failure" in str(w.message)]
@@ -126,12 +126,12 @@ def test_a_failing_triton_engine_gives_way_to_the_torch_kernels(tmp_store, monke
 
 def test_the_policies_a_user_chose_still_raise(tmp_store, tmp_path):
     m = model()
-    with Recorder(m, tmp_store, outside_step="raise", tensors_every=1) as rec:
+    with Recorder(m, tmp_store, outside_step="raise", tensors_every=1, stats_every=1) as rec:
         with pytest.raises(InspectionError, match="outside a step"):
             m(batch(0))
     m = model()
     with pytest.raises(NonFiniteError, match="step 1"):
-        with Recorder(m, str(tmp_path / "b.zarr"), on_nonfinite="raise", tensors_every=1) as rec:
+        with Recorder(m, str(tmp_path / "b.zarr"), on_nonfinite="raise", tensors_every=1, stats_every=1) as rec:
             for i in range(3):
                 with rec.step(i):
                     x = batch(i)

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def good(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("good") / "run.zarr")
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    with Recorder(model, store, layers=["0", "2"], tensors_every=1) as rec:
+    with Recorder(model, store, layers=["0", "2"], tensors_every=1, stats_every=1) as rec:
         for _ in range(3):
             with rec.step():
                 model(torch.randn(5, 4)).sum().backward()

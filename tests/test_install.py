@@ -52,7 +52,7 @@ USER_SCRIPT = textwrap.dedent("""
     assert tensortape.__file__.startswith(sys.argv[2]), tensortape.__file__
     from tensortape import Recorder, open_run
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
-    with Recorder(model, sys.argv[1], capture="activations") as rec:
+    with Recorder(model, sys.argv[1], capture="activations", stats_every=1) as rec:
         for i in range(3):
             with rec.step(i):
                 model(torch.full((2, 4), float(i)))

@@ -90,7 +90,7 @@ def test_hugging_face_trainer_records_optimizer_steps_and_no_evaluation(tmp_path
         mlm=False)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                    eval_dataset=token_rows(4, 1), data_collator=collate,
-                                   callbacks=[TrainerCallback(store, **kw)])
+                                   callbacks=[TrainerCallback(store, **{"stats_every": 1, **kw})])
     trainer.train()
     run = open_run(store)
     assert run.status == "complete"
@@ -136,7 +136,7 @@ def test_lightning_records_optimizer_steps_and_skips_validation(tmp_path):
     trainer = pl.Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUM, accelerator="cpu",
                          val_check_interval=ACCUM, num_sanity_val_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[LightningCallback(store, **kw)],
+                         enable_model_summary=False, callbacks=[LightningCallback(store, **{"stats_every": 1, **kw})],
                          default_root_dir=str(tmp_path))
     trainer.fit(Module(model), train, val)
     run = open_run(store)
@@ -173,7 +173,8 @@ def test_a_trainer_subclass_that_raises_closes_its_run(tmp_path):
             super().__init__(*args, **kwargs)
 
     store = str(tmp_path / "hf.zarr")
-    callback = TrainerCallback(store, layers=LAYERS, flush_interval=60.0, tensors_every=1)
+    callback = TrainerCallback(store, layers=LAYERS, flush_interval=60.0, tensors_every=1,
+                               stats_every=1)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=10,
         save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,

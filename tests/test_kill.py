@@ -31,7 +31,7 @@ ZYGOTE = textwrap.dedent("""
                 lin.weight.copy_(torch.arange(48 * 64.).reshape(48, 64) / 1000)
                 lin.bias.fill_(0.5)
             with Recorder(lin, store, layers="", capture=("activations", "weights"),
-                          flush_interval=0.02) as rec:
+                          flush_interval=0.02, stats_every=1) as rec:
                 for i in range(40):
                     with rec.step(i):
                         lin(torch.full((8, 64), float(i)))
@@ -108,7 +108,7 @@ def test_a_run_killed_while_writing_its_root_is_no_run_yet_and_can_start_again(t
         assert "no run at" in str(e)
     import torch
     lin = torch.nn.Linear(2, 2)
-    with Recorder(lin, str(store), tensors_every=1) as rec:
+    with Recorder(lin, str(store), tensors_every=1, stats_every=1) as rec:
         with rec.step():
             lin(torch.ones(1, 2)).sum().backward()
     assert open_run(str(store)).steps().tolist() == [0]

@@ -55,7 +55,7 @@ def test_a_leaf_output_keeps_no_hook_beyond_its_step(tmp_store):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with Recorder(model, tmp_store, layers="pos", capture=("activations", "gradients"),
-                      outside_step="ignore", tensors_every=None) as rec:
+                      outside_step="ignore", tensors_every=None, stats_every=1) as rec:
             counts = []
             for i in range(600):
                 with rec.step(i):
@@ -89,7 +89,7 @@ def test_a_leaf_output_keeps_no_hook_beyond_its_step(tmp_store):
 
 def test_a_hook_on_a_leaf_output_goes_at_close(tmp_store):
     model = WithPE()
-    rec = Recorder(model, tmp_store, layers="pos", tensors_every=1).attach()
+    rec = Recorder(model, tmp_store, layers="pos", tensors_every=1, stats_every=1).attach()
     rec.step(0)                                      # no `with`: the step lasts until close
     model(_x(0))
     assert _hooks(model.pos.pe) == 1
@@ -105,7 +105,7 @@ def test_leaf_output_gradients_match_plain_autograd(tmp_store, twice):
     model = WithPE(twice=twice)
     pe = model.pos.pe
     want = {}
-    with Recorder(model, tmp_store, layers="pos", capture=("activations", "gradients"), tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="pos", capture=("activations", "gradients"), tensors_every=1, stats_every=1) as rec:
         for s in range(3):
             with rec.step(s):
                 for k in range(3):
@@ -153,7 +153,7 @@ def test_an_evaluation_pass_inside_a_step_is_not_a_micro_batch(tmp_store, policy
              for i in range(2)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")                 # no warning at all
-        with Recorder(model, tmp_store, layers="fc*", outside_step=policy, tensors_every=1) as rec:
+        with Recorder(model, tmp_store, layers="fc*", outside_step=policy, tensors_every=1, stats_every=1) as rec:
             with rec.step(0):
                 model(train[0]).sum().backward()
                 with torch.no_grad():
@@ -192,7 +192,7 @@ def test_the_oracle_skips_evaluation_passes_and_agrees(tmp_store):
     twin = copy.deepcopy(model)
     oracle = Oracle(twin, "fc*", ("activations", "gradients"))
     xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    with Recorder(model, tmp_store, layers="fc*", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc*", tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             oracle.begin(0)
             for m in (model, twin):
@@ -226,7 +226,7 @@ def test_compiled_leaf_outputs_and_evaluation_passes(tmp_store):
     pe = model.pos.pe
     compiled = torch.compile(model, backend="eager")
     want = {}
-    with Recorder(model, tmp_store, layers="*", capture=("activations", "gradients"), tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="*", capture=("activations", "gradients"), tensors_every=1, stats_every=1) as rec:
         for s in range(2):
             with rec.step(s):
                 for k in range(2):
@@ -271,7 +271,7 @@ def test_the_oracle_agrees_on_leaf_outputs(tmp_store):
     model = WithPE(twice=True)
     twin = copy.deepcopy(model)
     oracle = Oracle(twin, "*", ("activations", "gradients"))
-    with Recorder(model, tmp_store, layers="*", capture=("activations", "gradients"), tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="*", capture=("activations", "gradients"), tensors_every=1, stats_every=1) as rec:
         for s in range(3):
             with rec.step(s):
                 oracle.begin(s)
@@ -311,7 +311,7 @@ def test_evaluation_before_training_in_a_step_and_inference_steps(tmp_store):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with Recorder(model, tmp_store, layers="fc*",
-                      capture=("activations", "gradients", "weights"), tensors_every=1) as rec:
+                      capture=("activations", "gradients", "weights"), tensors_every=1, stats_every=1) as rec:
             with rec.step(0):
                 with torch.no_grad():
                     model(1e3 * xs[3])                 # evaluation, before any training

@@ -34,7 +34,7 @@ def test_watch_counts_every_rank_s_events_past_those_kept(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(10)))
     steps = 50
-    with Recorder(model, store, tensors_every=None) as rec:
+    with Recorder(model, store, tensors_every=None, stats_every=1) as rec:
         for i in range(steps):
             with rec.step(i):       # NaN everywhere, forward and backward: 22 events a step
                 model(torch.full((1, 2), float("nan"))).pow(2).sum().backward()
@@ -63,7 +63,7 @@ def test_a_store_read_again_on_a_cluster_gives_its_new_values(tmp_path, client):
     path = str(tmp_path / "run.zarr")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    with Recorder(model, path, tensors_every=None, flush_interval=3600) as rec:
+    with Recorder(model, path, tensors_every=None, flush_interval=3600, stats_every=1) as rec:
         _steps(rec, model, range(3))
         rec.flush()
         first = open_run(path).stats().persist()      # held on the cluster
@@ -73,7 +73,7 @@ def test_a_store_read_again_on_a_cluster_gives_its_new_values(tmp_path, client):
         grown = open_run(path).stats().persist()
         assert grown.step.values.tolist() == list(range(6))
         assert grown.compute().identical(_local(path))
-    with Recorder(model, path, tensors_every=None, flush_interval=3600, mode="w") as rec:
+    with Recorder(model, path, tensors_every=None, flush_interval=3600, mode="w", stats_every=1) as rec:
         _steps(rec, model, range(6), scale=100)
         rec.flush()
         again = open_run(path).stats().persist()
@@ -100,7 +100,7 @@ def _record(path, steps=3):
     """A live run of ``steps`` committed steps: its Recorder, open, and its model."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-    rec = Recorder(model, path, tensors_every=None)
+    rec = Recorder(model, path, tensors_every=None, stats_every=1)
     _steps(rec, model, range(steps))
     rec.flush()
     return rec, model

@@ -129,7 +129,7 @@ def test_the_caps_hold_and_what_passes_them_is_dropped_and_counted(device, tmp_p
     # one activation is 32 x 128 x 4 = 16 KiB (or 8 KiB); a gradient the same
     m, seen = model(), {}
     with Recorder(m, tmp_path / "run", capture=("activations",), max_device_bytes=40 * KIB,
-                  max_pinned_bytes=96 * KIB, flush_interval=0.05, tensors_every=1) as rec:
+                  max_pinned_bytes=96 * KIB, flush_interval=0.05, tensors_every=1, stats_every=1) as rec:
         run_steps(m, rec, 12, seen)
     assert device.device_peak <= 40 * KIB
     assert device.pinned_peak <= 96 * KIB
@@ -145,7 +145,7 @@ def test_the_caps_hold_and_what_passes_them_is_dropped_and_counted(device, tmp_p
 
 def test_slots_are_reused_and_nothing_is_dropped_under_roomy_caps(device, tmp_path):
     m, seen = model(), {}
-    with Recorder(m, tmp_path / "run", capture=("activations",), flush_interval=0.05, tensors_every=1) as rec:
+    with Recorder(m, tmp_path / "run", capture=("activations",), flush_interval=0.05, tensors_every=1, stats_every=1) as rec:
         run_steps(m, rec, 40, seen, flush=True)      # the writer keeps up: a step in flight
     run, stored = stored_activations(tmp_path / "run")
     assert run.dropped == 0
@@ -160,7 +160,7 @@ def test_slots_are_reused_and_nothing_is_dropped_under_roomy_caps(device, tmp_pa
 def test_the_ring_lives_in_host_memory_and_dumps_bit_exact(device, tmp_path):
     m, seen = model(), {}
     with Recorder(m, tmp_path / "run", capture=("activations",), tensors_every=None, ring=3,
-                  on_nonfinite="dump", flush_interval=0.05) as rec:
+                  on_nonfinite="dump", flush_interval=0.05, stats_every=1) as rec:
         run_steps(m, rec, 30, seen, nan_at=20, flush=True)
     run, stored = stored_activations(tmp_path / "run")
     assert run.dropped == 0

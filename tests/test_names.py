@@ -43,7 +43,7 @@ def record(path, names, values, poison=None):
     truth = {n: [] for n in names}
     handles = [m.register_forward_hook(lambda m, a, out, n=n: truth[n].append(out.detach().clone()))
                for n, m in model.named_children()]
-    with Recorder(model, path, layers=names, capture=("activations",), max_bytes=None) as rec:
+    with Recorder(model, path, layers=names, capture=("activations",), max_bytes=None, stats_every=1) as rec:
         for step, row in enumerate(values):
             for i, n in enumerate(names):
                 v = torch.tensor(row[i], dtype=torch.float64)

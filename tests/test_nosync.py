@@ -70,7 +70,7 @@ def test_no_step_reads_back_from_the_device(tmp_path, patched, kw, monkeypatch):
     if "engine" in kw:
         monkeypatch.setenv("TENSORTAPE_ENGINE", kw.pop("engine"))
     m = model()
-    with Recorder(m, str(tmp_path / "r.zarr"), layers="*", **kw) as rec:
+    with Recorder(m, str(tmp_path / "r.zarr"), layers="*", **{"stats_every": 1, **kw}) as rec:
         for i in range(7):
             x = torch.randn(32, 64)                     # tiny and large tensors alike
             big = torch.randn(256 + 32 * (i % 2), 64)   # shapes change: no recompile
@@ -92,7 +92,7 @@ def test_raise_waits_only_at_the_step_end(tmp_path, patched):
     forward and backward still read nothing back."""
     m = model()
     with pytest.raises(NonFiniteError):
-        with Recorder(m, str(tmp_path / "r.zarr"), on_nonfinite="raise", tensors_every=1) as rec:
+        with Recorder(m, str(tmp_path / "r.zarr"), on_nonfinite="raise", tensors_every=1, stats_every=1) as rec:
             for i in range(4):
                 x = torch.randn(32, 64) if i < 3 else torch.full((32, 64), float("nan"))
                 with rec.step(i):

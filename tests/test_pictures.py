@@ -55,7 +55,7 @@ class Feed(nn.Module):
 
 def _record(path, arrays):
     model = Feed()
-    with Recorder(model, path, layers="", capture="activations", tensors_every=None) as rec:
+    with Recorder(model, path, layers="", capture="activations", tensors_every=None, stats_every=1) as rec:
         for i, a in enumerate(arrays):
             with rec.step(i):
                 model(torch.from_numpy(np.asarray(a, np.float32)))
@@ -191,7 +191,7 @@ def deep(tmp_path_factory):
     model = Deep()
     path = str(tmp_path_factory.mktemp("deep") / "deep.zarr")
     with Recorder(model, path, layers=f"encoder.layers.*.{LONG}", capture="activations",
-                  tensors_every=None) as rec:
+                  tensors_every=None, stats_every=1) as rec:
         for step in range(8):
             with rec.step(step):
                 model(torch.randn(16), bad={1, 7, 12} if step >= 5 else ())
@@ -215,7 +215,7 @@ def narrow(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("narrow") / "narrow.zarr")
     base = torch.from_numpy(RNG.normal(0, 0.3, 64).astype(np.float32))
     with Recorder(model, path, layers=f"encoder.layers.*.{LONG}", capture="activations",
-                  tensors_every=None) as rec:
+                  tensors_every=None, stats_every=1) as rec:
         for step in range(50):
             with rec.step(step):
                 model(base * (1 + 1e-5 * (step % 7)), bad=set(range(1, 24)) if step >= 30 else ())

@@ -59,7 +59,7 @@ def record(path, steps, mode="w-", nan_step=None, inf_step=None, spike=None, see
     """Statistics of ``steps`` (an iterable); ``b`` skips every step = 2 (mod 5)."""
     model = Net()
     data = torch.Generator().manual_seed(seed)
-    with Recorder(model, path, tensors_every=None, capture=("activations",), mode=mode) as rec:
+    with Recorder(model, path, tensors_every=None, capture=("activations",), mode=mode, stats_every=1) as rec:
         for step in steps:
             x = torch.randn(3, 4, generator=data)
             x = x * 1e4 if step == spike else x
@@ -309,7 +309,7 @@ def test_a_table_widened_by_a_writer_without_pyramids_is_read_from_its_rows(tmp_
 
     def steps(layers, span, mode):
         with Recorder(model, path, layers=layers, tensors_every=None, capture=("activations",),
-                      mode=mode) as rec:
+                      mode=mode, stats_every=1) as rec:
             for step in span:
                 with rec.step(step), torch.no_grad():
                     model(torch.randn(3, 4, generator=data) * (1 + step))
@@ -346,7 +346,7 @@ CHILD = textwrap.dedent("""
     model = Net()
     g = torch.Generator().manual_seed(0)
     with Recorder(model, sys.argv[1], tensors_every=None, capture=("activations",),
-                  flush_interval=0.01) as rec:
+                  flush_interval=0.01, stats_every=1) as rec:
         for step in range(100000):
             x = torch.randn(3, 4, generator=g) * (1 + step % 97)
             if step % 331 == 7:

@@ -63,7 +63,7 @@ class RankLogTests:
         monkeypatch.setenv("TENSORTAPE_CLAIM_STALE", "1")
         monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")    # the job pauses: no beat
         model = nn.Linear(3, 2)
-        rec = Recorder(model, location, tensors_every=1, max_bytes=None)
+        rec = Recorder(model, location, tensors_every=1, max_bytes=None, stats_every=1)
         train(rec, model, range(3))
         rec.flush()
         time.sleep(1.2)                      # past the stale time: another job takes it over
@@ -86,7 +86,7 @@ class RankLogTests:
         with warnings.catch_warnings(record=True) as told:
             warnings.simplefilter("always")
             with Recorder(model, location, tensors_every=None, max_bytes=None,
-                          flush_interval=60.0) as rec:
+                          flush_interval=60.0, stats_every=1) as rec:
                 train(rec, model, range(2))
                 rec.flush()
                 with faulty(fail=1.0, after=0.0) as faults:
@@ -105,9 +105,9 @@ class RankLogTests:
 
     def test_mode_a_resumes_the_run(self, location):
         model = nn.Linear(3, 2)
-        with Recorder(model, location, max_bytes=None) as rec:
+        with Recorder(model, location, max_bytes=None, stats_every=1) as rec:
             train(rec, model, range(3))
-        with Recorder(model, location, mode="a", max_bytes=None) as rec:
+        with Recorder(model, location, mode="a", max_bytes=None, stats_every=1) as rec:
             train(rec, model, range(2, 5))          # step 2 recorded again
         run = open_run(location)
         assert run.steps().tolist() == [0, 1, 2, 3, 4] and run.status == "complete"
@@ -120,7 +120,7 @@ class RankLogTests:
             pytest.skip("a memory:// store is one process's")
         monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")   # the owner's claim, unchanged
         model = nn.Linear(3, 2)
-        with Recorder(model, location, max_bytes=None) as rec:     # another job records there
+        with Recorder(model, location, max_bytes=None, stats_every=1) as rec:     # another job records there
             train(rec, model, [0])
             rec.flush()
             before = snapshot(location)

@@ -39,7 +39,7 @@ def test_values_are_bit_exact_against_plain_hooks(tmp_store, make, names, batche
     ref_model = make()
     expect = reference_capture(ref_model, names, lambda m, box: train(m, 3, batches, step_box=box))
     model = make()
-    with Recorder(model, tmp_store, layers=names, tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers=names, tensors_every=1, stats_every=1) as rec:
         train(model, 3, batches, rec=rec)
     run = open_run(tmp_store)
     assert {(k, n) for k, n, _ in expect} == {(k, n) for k in run.kinds for n in run.tensor_layers(k)}
@@ -53,7 +53,7 @@ def test_values_are_bit_exact_against_plain_hooks(tmp_store, make, names, batche
 def test_inplace_relu_after_linear_does_not_change_the_snapshot(tmp_store):
     model = InplaceMLP()
     x = torch.randn(4, 8)
-    with Recorder(model, tmp_store, layers=["fc1"], tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers=["fc1"], tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             model(x).sum().backward()
     pre_relu = nn.functional.linear(x, model.fc1.weight, model.fc1.bias)
@@ -65,7 +65,7 @@ def test_inplace_relu_after_linear_does_not_change_the_snapshot(tmp_store):
 def test_variable_shapes_store_true_extents(tmp_store):
     model = transformer()
     shapes = [(4, 7), (2, 9), (3, 3)]
-    with Recorder(model, tmp_store, layers="layers.0.linear1", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="layers.0.linear1", tensors_every=1, stats_every=1) as rec:
         for i, (b, t) in enumerate(shapes):
             with rec.step():
                 model(torch.randn(b, t, 32)).sum().backward()
@@ -84,7 +84,7 @@ def test_bfloat16_round_trips_bit_exactly(tmp_store):
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     seen = {}
     model.fc1.register_forward_hook(lambda m, a, o: seen.update(out=o.detach().clone()))
-    with Recorder(model, tmp_store, layers="fc1", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc1", tensors_every=1, stats_every=1) as rec:
         with rec.step():
             model(x).float().sum().backward()
     got = open_run(tmp_store).tensor("fc1", step=0).values
@@ -98,7 +98,7 @@ def test_bfloat16_round_trips_bit_exactly(tmp_store):
 def test_tensor_dtype_bfloat16_keeps_special_values(tmp_store):
     ident = nn.Identity()
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1.5, 3.0e38])
-    with Recorder(ident, tmp_store, layers="", capture="activations", tensor_dtype="bfloat16", tensors_every=1) as rec:
+    with Recorder(ident, tmp_store, layers="", capture="activations", tensor_dtype="bfloat16", tensors_every=1, stats_every=1) as rec:
         with rec.step():
             ident(x)
     got = open_run(tmp_store).tensor("(root)", step=0).values
@@ -122,7 +122,7 @@ class Structured(nn.Module):
 
 def test_tuple_dict_and_namedtuple_outputs_are_walked(tmp_store):
     model = Structured()
-    with Recorder(model, tmp_store, capture="activations", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, capture="activations", tensors_every=1, stats_every=1) as rec:
         with rec.step():
             model(torch.randn(2, 4))
     run = open_run(tmp_store)
@@ -143,7 +143,7 @@ class Twice(nn.Module):
 def test_module_called_twice_records_each_call(tmp_store):
     model = Twice()
     x = torch.randn(2, 3)
-    with Recorder(model, tmp_store, layers="lin", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="lin", tensors_every=1, stats_every=1) as rec:
         for _ in range(2):
             with rec.step():
                 model(x).sum().backward()
@@ -159,7 +159,7 @@ def test_inputs_weights_and_weight_grads(tmp_store):
     model = InplaceMLP()
     x = torch.randn(4, 8)
     with Recorder(model, tmp_store, layers="fc2",
-                  capture=("inputs", "weights", "weight_grads"), tensors_every=1) as rec:
+                  capture=("inputs", "weights", "weight_grads"), tensors_every=1, stats_every=1) as rec:
         with rec.step():
             model(x).sum().backward()
     run = open_run(tmp_store)
@@ -174,9 +174,9 @@ def test_inputs_weights_and_weight_grads(tmp_store):
 def test_bad_pattern_and_bad_kind_give_clear_errors(tmp_store):
     model = transformer()
     with pytest.raises(LayerNotFoundError, match=r"'layers\.0\.linear3'.*closest.*layers\.0\.linear1"):
-        Recorder(model, tmp_store, layers=["layers.*", "layers.0.linear3"], tensors_every=1)
+        Recorder(model, tmp_store, layers=["layers.*", "layers.0.linear3"], tensors_every=1, stats_every=1)
     with pytest.raises(ValueError, match="activations.*gradients.*inputs.*weights.*weight_grads"):
-        Recorder(model, tmp_store, capture=("activations", "activation_grads"), tensors_every=1)
+        Recorder(model, tmp_store, capture=("activations", "activation_grads"), tensors_every=1, stats_every=1)
     assert not os.path.exists(tmp_store) and not has_hooks(model)
     assert select_layers(model, "layers.?.linear*") == [
         "layers.0.linear1", "layers.0.linear2", "layers.1.linear1", "layers.1.linear2"]
@@ -184,11 +184,11 @@ def test_bad_pattern_and_bad_kind_give_clear_errors(tmp_store):
 
 def test_existing_store_is_refused_before_any_hook(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, tensors_every=1) as rec:
+    with Recorder(model, tmp_store, tensors_every=1, stats_every=1) as rec:
         with rec.step():
             model(torch.randn(1, 8))
     with pytest.raises(StoreExistsError, match="mode='w'") as e:
-        Recorder(model, tmp_store, tensors_every=1)
+        Recorder(model, tmp_store, tensors_every=1, stats_every=1)
     assert isinstance(e.value, FileExistsError) and not has_hooks(model)
     assert open_run(tmp_store).steps().tolist() == [0]
 
@@ -196,7 +196,7 @@ def test_existing_store_is_refused_before_any_hook(tmp_store):
 def test_exception_in_step_leaves_no_hooks_and_frees_the_recorder(tmp_store):
     model = transformer()
     with pytest.raises(ZeroDivisionError):
-        with Recorder(model, tmp_store, layers="layers.*", tensors_every=1) as rec:
+        with Recorder(model, tmp_store, layers="layers.*", tensors_every=1, stats_every=1) as rec:
             with rec.step():
                 model(torch.randn(2, 3, 32)).sum().backward()
             with rec.step():
@@ -214,7 +214,7 @@ def test_exception_in_step_leaves_no_hooks_and_frees_the_recorder(tmp_store):
 
 def test_late_gradients_are_dropped_counted_and_warned(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc*", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc*", tensors_every=1, stats_every=1) as rec:
         with rec.step():
             out = model(torch.randn(2, 8))
         with pytest.warns(TensortapeWarning, match="backward inside the step"):
@@ -228,7 +228,7 @@ def test_deepcopy_of_hooked_model_records_nothing(tmp_store):
     nothing: the step holds the original model's one call, and no other."""
     model = InplaceMLP()
     x, y = torch.randn(1, 8), torch.randn(3, 8)
-    with Recorder(model, tmp_store, layers="fc*", outside_step="raise", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc*", outside_step="raise", tensors_every=1, stats_every=1) as rec:
         ema = copy.deepcopy(model)
         ema(y)                             # outside any step: no error, no count
         with rec.step():
@@ -247,7 +247,7 @@ def test_deepcopy_of_hooked_model_records_nothing(tmp_store):
 def test_resume_appends_steps(tmp_store):
     model = InplaceMLP()
     for mode, steps in (("w-", range(3)), ("a", range(3, 6))):
-        with Recorder(model, tmp_store, layers="fc1", mode=mode, metadata={"lr": 0.1}, tensors_every=1) as rec:
+        with Recorder(model, tmp_store, layers="fc1", mode=mode, metadata={"lr": 0.1}, tensors_every=1, stats_every=1) as rec:
             for i in steps:
                 with rec.step():
                     model(torch.full((2, 8), float(i))).sum().backward()
@@ -260,7 +260,7 @@ def test_resume_appends_steps(tmp_store):
 
 def test_plain_step_calls_and_fsspec_memory_store():
     model = InplaceMLP()
-    rec = Recorder(model, "memory://tt-test/run.zarr", layers="fc2", tensors_every=2)
+    rec = Recorder(model, "memory://tt-test/run.zarr", layers="fc2", tensors_every=2, stats_every=1)
     for i in range(4):
         rec.step()
         model(torch.randn(2, 8)).sum().backward()
@@ -275,7 +275,7 @@ def test_plain_step_calls_and_fsspec_memory_store():
 def test_torch_compile_wrapper_names_match(tmp_store):
     model = InplaceMLP()
     compiled = torch.compile(model, backend="eager")
-    with Recorder(compiled, tmp_store, layers="fc*", tensors_every=1) as rec:
+    with Recorder(compiled, tmp_store, layers="fc*", tensors_every=1, stats_every=1) as rec:
         with rec.step():
             compiled(torch.randn(2, 8)).sum().backward()
     run = open_run(tmp_store)
@@ -290,7 +290,7 @@ def test_hugging_face_model_from_config(tmp_store):
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(cfg)
     ids = torch.randint(0, 50, (2, 6))
-    with Recorder(model, tmp_store, layers=["", "bert.encoder.layer.*.output.dense"], tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers=["", "bert.encoder.layer.*.output.dense"], tensors_every=1, stats_every=1) as rec:
         with rec.step():
             out = model(input_ids=ids, labels=torch.tensor([0, 1]))
             out.loss.backward()
@@ -312,7 +312,7 @@ def test_reading_a_store_never_unpickles(tmp_path, monkeypatch):
     model = InplaceMLP()
     with Recorder(model, store, capture=("activations", "gradients", "inputs", "weights",
                                          "weight_grads"), ring=2, on_nonfinite="dump",
-                  metadata={"lr": np.float32(0.5), "steps": torch.tensor(3)}, tensors_every=1) as rec:
+                  metadata={"lr": np.float32(0.5), "steps": torch.tensor(3)}, tensors_every=1, stats_every=1) as rec:
         for i in range(3):
             with rec.step():
                 x = torch.randn(2, 8)
@@ -347,7 +347,7 @@ CHILD = textwrap.dedent("""
     with torch.no_grad():
         lin.weight.copy_(torch.arange(12.).reshape(3, 4)); lin.bias.fill_(0.5)
     rec = Recorder(lin, sys.argv[1], layers="", capture="activations", flush_interval=0.2,
-                   tensors_every=1)
+                   tensors_every=1, stats_every=1)
     rec.attach()
     i = 0
     while True:
@@ -404,7 +404,7 @@ def test_recorder_stays_lean():
         m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
         d = tempfile.mkdtemp()
         with Recorder(m, os.path.join(d, "r.zarr"), ring=1, on_nonfinite="dump",
-                      capture=("activations", "gradients", "weights", "weight_grads")) as rec:
+                      capture=("activations", "gradients", "weights", "weight_grads"), stats_every=1) as rec:
             for i in range(2):
                 with rec.step():
                     m(torch.full((2, 4), float("nan") if i else 1.0)).sum().backward()
@@ -423,7 +423,7 @@ def test_sparse_tensors_are_compressed_and_dense_ones_stay_exact(tmp_store):
             return x.relu(), x
     model = nn.Sequential(Two())
     xs = [torch.randn(64, 4096) for _ in range(2)]
-    with Recorder(model, tmp_store, layers="0", capture="activations", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="0", capture="activations", tensors_every=1, stats_every=1) as rec:
         for x in xs:
             with rec.step():
                 model(x)
@@ -444,7 +444,7 @@ def test_compression_setting_applies_to_every_full_tensor(tmp_store, compression
     model = InplaceMLP()
     x = torch.randn(4, 8)
     expect = copy.deepcopy(model).fc1(x).detach().numpy()      # before the in-place ReLU
-    with Recorder(model, tmp_store, compression=compression, tensors_every=1) as rec:
+    with Recorder(model, tmp_store, compression=compression, tensors_every=1, stats_every=1) as rec:
         with rec.step():
             model(x).sum().backward()
     root = zarr.open_group(tmp_store, mode="r")
@@ -457,13 +457,13 @@ def test_compression_setting_applies_to_every_full_tensor(tmp_store, compression
             ["crc32c"] if level is None else [level, "crc32c"])
     np.testing.assert_array_equal(open_run(tmp_store).tensor("fc1", step=0).values, expect)
     with pytest.raises(ValueError, match=r"compression='lz4' is not valid; use 'auto', None"):
-        Recorder(model, tmp_store + "2", compression="lz4", tensors_every=1)
+        Recorder(model, tmp_store + "2", compression="lz4", tensors_every=1, stats_every=1)
 
 
 def test_plain_xarray_opens_the_store_without_tensortape(tmp_store):
     import xarray as xr
     model = transformer()
-    with Recorder(model, tmp_store, layers=["layers.0.linear1"], tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers=["layers.0.linear1"], tensors_every=1, stats_every=1) as rec:
         for _ in range(2):
             with rec.step():
                 model(torch.randn(2, 3, 32)).sum().backward()
@@ -486,7 +486,7 @@ def test_s3_store_on_a_real_server_matches_a_local_one(s3_server, tmp_store):
         model = InplaceMLP()
         torch.manual_seed(5)
         with Recorder(model, location, layers=["fc1", "fc2"], ring=2,
-                      on_nonfinite="dump", tensors_every=1) as rec:
+                      on_nonfinite="dump", tensors_every=1, stats_every=1) as rec:
             for _ in range(3):
                 with rec.step():
                     model(torch.randn(4, 8)).sum().backward()
@@ -496,4 +496,4 @@ def test_s3_store_on_a_real_server_matches_a_local_one(s3_server, tmp_store):
         assert remote.stats(kind).compute().identical(local.stats(kind).compute())
         np.testing.assert_array_equal(remote.tensor("fc1", kind).values, local.tensor("fc1", kind).values)
     with pytest.raises(StoreExistsError):
-        Recorder(InplaceMLP(), url, tensors_every=1)                  # mode "w-" sees the remote store too
+        Recorder(InplaceMLP(), url, tensors_every=1, stats_every=1)                  # mode "w-" sees the remote store too

@@ -76,7 +76,7 @@ class Scale(nn.Module):
 
 def replayed(tmp_path, model, steps, batch, fault=None, **kw):
     path = str(tmp_path / "run.zarr")
-    with Recorder(model, path, on_nonfinite="replay", tensors_every=None, **kw) as rec:
+    with Recorder(model, path, on_nonfinite="replay", tensors_every=None, **{"stats_every": 1, **kw}) as rec:
         train(model, steps, batch, rec, fault=fault)
     return open_run(path)
 
@@ -256,7 +256,7 @@ def test_off_by_default_and_capped(tmp_path):
             m[0].weight.zero_()
             m[0].bias.zero_()
     path = str(tmp_path / "plain.zarr")
-    with Recorder(m, path, tensors_every=None) as rec:
+    with Recorder(m, path, tensors_every=None, stats_every=1) as rec:
         train(m, 1, batch, rec, fault=fault)
     assert open_run(path).first_nonfinite().replay is None       # "record": no replay
     run = replayed(tmp_path, m, 2, batch, fault, max_replay_bytes=64)
@@ -386,7 +386,7 @@ def test_no_bundle_is_a_one_line_error(tmp_path):
     torch.manual_seed(0)
     m = layernorm_model()
     path = str(tmp_path / "plain.zarr")
-    with Recorder(m, path, tensors_every=None) as rec:
+    with Recorder(m, path, tensors_every=None, stats_every=1) as rec:
         train(m, 1, lambda i: torch.randn(2, 6), rec)
     out = CliRunner().invoke(cli, ["replay", path, "--model", "test_replay:layernorm_model"])
     assert out.exit_code == 2 and "holds no replay bundle" in out.output
@@ -432,7 +432,7 @@ def test_a_nan_made_between_recorded_modules_is_said_so(tmp_path):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(6, 6), Log(), nn.Linear(6, 3))     # log of negatives
     path = str(tmp_path / "run.zarr")
-    with Recorder(m, path, layers=["0", "2"], on_nonfinite="replay", tensors_every=None) as rec:
+    with Recorder(m, path, layers=["0", "2"], on_nonfinite="replay", tensors_every=None, stats_every=1) as rec:
         train(m, 1, batch6, rec)
     r = open_run(path).first_nonfinite().replay
     assert r["op"] is None and "between recorded modules" in r["note"] and "bundle" not in r
@@ -458,7 +458,7 @@ def test_pythons_and_numpys_rngs_are_restored_after_a_replay(tmp_path):
         if rec_path is None:
             train(m, 2, batch6)
         else:
-            with Recorder(m, rec_path, on_nonfinite="replay", tensors_every=None) as rec:
+            with Recorder(m, rec_path, on_nonfinite="replay", tensors_every=None, stats_every=1) as rec:
                 train(m, 2, batch6, rec)
         return random.random(), float(np.random.rand())
 
@@ -486,7 +486,7 @@ def test_an_output_cleaned_in_place_after_the_call_is_judged_by_its_capture(tmp_
     torch.manual_seed(0)
     m = CleansInPlace()
     path = str(tmp_path / "run.zarr")
-    with Recorder(m, path, layers="*", on_nonfinite="replay", tensors_every=None) as rec:
+    with Recorder(m, path, layers="*", on_nonfinite="replay", tensors_every=None, stats_every=1) as rec:
         train(m, 1, batch6, rec)
     r = open_run(path).first_nonfinite().replay
     assert r["op"] == "aten::log" and r["module"] == "log", r
@@ -508,7 +508,7 @@ def test_the_cap_counts_outputs_and_output_gradients(tmp_path):
     m = nn.Sequential(nn.Linear(6, 512), Log(), nn.Linear(512, 3))
     path = str(tmp_path / "run.zarr")
     with Recorder(m, path, layers=["1"], on_nonfinite="replay", tensors_every=None,
-                  max_replay_bytes=12 << 10) as rec:
+                  max_replay_bytes=12 << 10, stats_every=1) as rec:
         train(m, 1, batch6, rec)
     run = open_run(path)
     assert run.first_nonfinite() is not None and run.first_nonfinite().replay is None
@@ -556,7 +556,7 @@ FSDP_REPLAY_WORKER = textwrap.dedent("""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     result = "?"
     try:
-        with Recorder(model, store, layers="*", on_nonfinite="replay", tensors_every=None) as rec:
+        with Recorder(model, store, layers="*", on_nonfinite="replay", tensors_every=None, stats_every=1) as rec:
             for i in range(3):
                 x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
                 bad = rank == 1 and i == 1
@@ -626,7 +626,7 @@ def train_big_layernorm(model, rec):
 def test_torchs_own_module_is_named_by_the_users_line_that_called_it(tmp_path):
     m = big_layernorm_model()
     path = str(tmp_path / "run.zarr")
-    with Recorder(m, path, on_nonfinite="replay", tensors_every=None, layers="*") as rec:
+    with Recorder(m, path, on_nonfinite="replay", tensors_every=None, layers="*", stats_every=1) as rec:
         train_big_layernorm(m, rec)
     run = open_run(path)
     r = run.first_nonfinite().replay
@@ -679,7 +679,7 @@ DDP_REPLAY_WORKER = textwrap.dedent("""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     result = "?"
     try:
-        with Recorder(model, store, layers="*", on_nonfinite="replay", tensors_every=None) as rec:
+        with Recorder(model, store, layers="*", on_nonfinite="replay", tensors_every=None, stats_every=1) as rec:
             for i in range(3):
                 x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
                 inner.bad = rank == 1 and i == 1
@@ -788,7 +788,7 @@ def record_library_fault(folder, where: str = "forward") -> tuple[str, str]:
         elif i == 1:
             inner.scale = 0.0
     store = str(folder / f"{where}.zarr")
-    with Recorder(m, store, on_nonfinite="replay", tensors_every=None, layers="*") as rec:
+    with Recorder(m, store, on_nonfinite="replay", tensors_every=None, layers="*", stats_every=1) as rec:
         train_library_model(m, rec, fault)
     return store, path
 

@@ -329,7 +329,7 @@ def test_steps_lost_in_an_outage_of_the_store_still_hide_the_old_recording(tmp_s
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TensortapeWarning)
         with Recorder(model, tmp_store, layers=list(LAYERS), mode="a",
-                      flush_interval=60.0, tensors_every=1) as rec:
+                      flush_interval=60.0, tensors_every=1, stats_every=1) as rec:
             with faulty(fail=1.0) as faults:
                 for s in range(1, 8):
                     with rec.step(s):
@@ -374,7 +374,7 @@ def test_a_replay_bundle_of_a_step_recorded_again_is_the_new_recording_s_whole(t
     def job(mode, huge: bool):
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(5, 5), Fragile(), nn.Linear(5, 2))
-        with Recorder(m, path, mode=mode, on_nonfinite="replay", tensors_every=1) as rec:
+        with Recorder(m, path, mode=mode, on_nonfinite="replay", tensors_every=1, stats_every=1) as rec:
             for s in range(2):
                 if s == 1 and huge:                  # the Linear overflows: its bundle
                     with torch.no_grad():            # holds its parameters

@@ -125,7 +125,7 @@ def test_any_output_round_trips_bit_exactly(structure, data, monkeypatch):
         model = Emit(outputs)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")              # the dtype-change warning
-            with Recorder(model, store, layers="", capture="activations", tensors_every=1) as rec:
+            with Recorder(model, store, layers="", capture="activations", tensors_every=1, stats_every=1) as rec:
                 for _ in range(steps):
                     with rec.step(), torch.no_grad():
                         model(torch.zeros(1))

@@ -28,7 +28,7 @@ def tree(path) -> dict:
 
 def record(store, mode="w-", steps=1):
     model = InplaceMLP()
-    with Recorder(model, store, layers="fc1", mode=mode, tensors_every=1) as rec:
+    with Recorder(model, store, layers="fc1", mode=mode, tensors_every=1, stats_every=1) as rec:
         for _ in range(steps):
             with rec.step():
                 model(torch.randn(2, 8)).sum().backward()
@@ -90,13 +90,13 @@ def test_what_tensortape_did_not_write_is_never_deleted(tmp_path, monkeypatch, k
     before = tree(tmp_path)
     model = InplaceMLP()
     with pytest.raises(StoreExistsError) as e:
-        Recorder(model, path, mode=mode, tensors_every=1)
+        Recorder(model, path, mode=mode, tensors_every=1, stats_every=1)
     msg = str(e.value)
     assert "\n" not in msg and "will not delete" in msg and "choose a new path" in msg, msg
     assert "mode='w'" not in msg            # it would not be safe to follow
     assert tree(tmp_path) == before and not has_hooks(model)
     with pytest.raises(StoreFormatError, match="appends only to a tensortape run"):
-        Recorder(model, path, mode="a", tensors_every=1)
+        Recorder(model, path, mode="a", tensors_every=1, stats_every=1)
 
 
 def test_mode_w_overwrites_a_run_and_nothing_beside_it(tmp_path):
@@ -104,7 +104,7 @@ def test_mode_w_overwrites_a_run_and_nothing_beside_it(tmp_path):
     store = str(tmp_path / "run.zarr")
     record(store, steps=3)
     with pytest.raises(StoreExistsError, match="pass mode='w' to overwrite it"):
-        Recorder(InplaceMLP(), store, tensors_every=1)               # the suggestion is safe here: a run
+        Recorder(InplaceMLP(), store, tensors_every=1, stats_every=1)               # the suggestion is safe here: a run
     record(store, mode="w", steps=1)                 # ... and following it works
     assert open_run(store).steps().tolist() == [0]
     assert sorted(os.listdir(store)) == ["rank0", "zarr.json"]
@@ -124,7 +124,7 @@ def test_mode_w_uses_an_empty_folder_and_overwrites_a_run_through_a_link(tmp_pat
 
 def test_append_needs_a_run(tmp_path):
     with pytest.raises(StoreNotFoundError, match="mode='w-' to create it"):
-        Recorder(InplaceMLP(), str(tmp_path / "missing.zarr"), mode="a", tensors_every=1)
+        Recorder(InplaceMLP(), str(tmp_path / "missing.zarr"), mode="a", tensors_every=1, stats_every=1)
 
 
 def test_an_s3_prefix_holding_other_objects_is_never_cleared(s3_server):
@@ -136,7 +136,7 @@ def test_an_s3_prefix_holding_other_objects_is_never_cleared(s3_server):
     url = f"{s3_server}/precious"
     for mode in ("w", "w-"):
         with pytest.raises(StoreExistsError, match="important.txt.*will not delete"):
-            Recorder(InplaceMLP(), url, mode=mode, tensors_every=1)
+            Recorder(InplaceMLP(), url, mode=mode, tensors_every=1, stats_every=1)
     fs.invalidate_cache()
     assert fs.cat(f"{bucket}/precious/important.txt") == b"a week of notes"
     run_url = f"{s3_server}/run.zarr"

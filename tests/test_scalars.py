@@ -31,7 +31,7 @@ def train(store, steps, log, mode="w-", logged=None):
     """Steps with forward and backward; ``log(rec, i, loss)`` logs; the values logged
     are kept in ``logged`` ({step: {name: value}}) by the caller's ``log``."""
     m = model()
-    with Recorder(m, store, mode=mode, max_bytes=None, tensors_every=None) as rec:
+    with Recorder(m, store, mode=mode, max_bytes=None, tensors_every=None, stats_every=1) as rec:
         for i in steps:
             with rec.step(i):
                 loss = m(torch.randn(3, 4)).pow(2).mean()
@@ -75,7 +75,7 @@ def test_a_tensor_is_read_at_the_steps_end_without_a_sync_at_log_time(tmp_path, 
     when logged."""
     store = str(tmp_path / "run.zarr")
     m = model()
-    with Recorder(m, store, max_bytes=None, tensors_every=None) as rec:
+    with Recorder(m, store, max_bytes=None, tensors_every=None, stats_every=1) as rec:
         with rec.step(0):
             m(torch.randn(2, 4)).sum().backward()
             t = torch.tensor(1.5)
@@ -99,7 +99,7 @@ def test_a_tensor_is_read_at_the_steps_end_without_a_sync_at_log_time(tmp_path, 
 ])
 def test_bad_input_is_one_line_that_names_the_fix(tmp_path, bad, words):
     m = model()
-    with Recorder(m, str(tmp_path / "run.zarr"), max_bytes=None, tensors_every=1) as rec:
+    with Recorder(m, str(tmp_path / "run.zarr"), max_bytes=None, tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             m(torch.randn(2, 4))
             with pytest.raises(ConfigError) as e:

@@ -232,7 +232,7 @@ class Schedules(RuleBasedStateMachine):
 
     def recorder(self, mode):
         return Recorder(self.run[1], self.store, layers=self.cfg["layers"], outside_step="ignore",
-                        flush_interval=60.0, mode=mode, **self.kw).attach()
+                        flush_interval=60.0, mode=mode, **{"stats_every": 1, **self.kw}).attach()
 
     def close(self):
         with warnings.catch_warnings():

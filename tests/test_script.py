@@ -27,7 +27,7 @@ def tensortape(*args, cwd=ROOT):
 
 def test_record_an_unchanged_script(tmp_path):
     store = str(tmp_path / "run.zarr")
-    p = tensortape("record", "-o", store, "--layers", "0", "--layers", "2", "--capture",
+    p = tensortape("record", "--stats-every", "1", "-o", store, "--layers", "0", "--layers", "2", "--capture",
                    "activations", "--capture", "weight_grads", "--tensors-every", "1", "--",
                    "python", SCRIPT, "5")
     assert p.returncode == 3, p.stderr                  # the script's own exit status
@@ -46,11 +46,11 @@ def test_record_an_unchanged_script(tmp_path):
 
 def test_a_run_that_cannot_be_recorded_stops_in_one_line_unless_keep_going(tmp_path):
     store = str(tmp_path / "run.zarr")
-    p = tensortape("record", "-o", store, "--layers", "nope*", "--", "python", SCRIPT, "2")
+    p = tensortape("record", "--stats-every", "1", "-o", store, "--layers", "nope*", "--", "python", SCRIPT, "2")
     assert p.returncode == 2 and "trained" not in p.stdout
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "'nope*'" in lines[0] and "--keep-going" in lines[0], p.stderr
-    p = tensortape("record", "-o", store, "--layers", "nope*", "--keep-going", "--", "python",
+    p = tensortape("record", "--stats-every", "1", "-o", store, "--layers", "nope*", "--keep-going", "--", "python",
                    SCRIPT, "2")
     assert p.returncode == 3 and p.stdout.strip() == "trained 2"
     assert "not recording" in p.stderr and "'nope*'" in p.stderr
@@ -70,22 +70,22 @@ def in_process(*args):
 def test_record_modes_on_an_existing_run(tmp_path):
     """In this process (the installed command's own process is test_record_an_unchanged_script's)."""
     store = str(tmp_path / "run.zarr")
-    assert in_process("record", "-o", store, "--", "python", SCRIPT, "2").returncode == 3
-    p = in_process("record", "-o", store, "--", "python", SCRIPT, "3")     # mode w-: refused
+    assert in_process("record", "--stats-every", "1", "-o", store, "--", "python", SCRIPT, "2").returncode == 3
+    p = in_process("record", "--stats-every", "1", "-o", store, "--", "python", SCRIPT, "3")     # mode w-: refused
     assert p.returncode == 2 and "trained" not in p.stdout
     assert p.stderr.count("\n") == 1 and "already exists" in p.stderr
     assert "--mode w " in p.stderr and "mode=" not in p.stderr    # the CLI's words
-    p = in_process("record", "-o", store, "--mode", "w", "--", "python", SCRIPT, "3")
+    p = in_process("record", "--stats-every", "1", "-o", store, "--mode", "w", "--", "python", SCRIPT, "3")
     assert p.returncode == 3 and open_run(store).steps().tolist() == [0, 1, 2]
-    p = in_process("record", "-o", store, "--mode", "a", "--", "python", SCRIPT, "2")
+    p = in_process("record", "--stats-every", "1", "-o", store, "--mode", "a", "--", "python", SCRIPT, "2")
     assert p.returncode == 3 and open_run(store).steps().tolist() == [0, 1, 2, 3, 4]  # continued
-    p = in_process("record", "-o", str(tmp_path / "none.zarr"), "--mode", "a", "--", "python",
+    p = in_process("record", "--stats-every", "1", "-o", str(tmp_path / "none.zarr"), "--mode", "a", "--", "python",
                    SCRIPT, "2")
     assert p.returncode == 2 and "trained" not in p.stdout
     assert "--mode a cannot append" in p.stderr and "mode=" not in p.stderr, p.stderr
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    p = in_process("record", "-o", str(tmp_path / "mine"), "--mode", "w", "--", "python", SCRIPT, "2")
+    p = in_process("record", "--stats-every", "1", "-o", str(tmp_path / "mine"), "--mode", "w", "--", "python", SCRIPT, "2")
     assert p.returncode == 2 and "will not delete" in p.stderr
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
@@ -96,7 +96,7 @@ def test_record_modes_on_an_existing_run(tmp_path):
 ])
 def test_a_missing_script_is_one_line(tmp_path, command, needle):
     store = tmp_path / "new" / "deeper" / "run.zarr"
-    p = tensortape("record", "-o", str(store), "--", *command)
+    p = tensortape("record", "--stats-every", "1", "-o", str(store), "--", *command)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], p.stderr
@@ -129,12 +129,12 @@ def test_a_store_that_cannot_be_written_stops_before_the_script_starts(tmp_path,
         else f"/proc/tensortape-{os.getpid()}/run.zarr"
     script, marker = tmp_path / "train.py", tmp_path / "started"
     script.write_text(MARKED)
-    p = tensortape("record", "-o", store, "--", "python", str(script), str(marker))
+    p = tensortape("record", "--stats-every", "1", "-o", store, "--", "python", str(script), str(marker))
     assert p.returncode == 2 and p.stdout == "" and not marker.exists(), p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot write the run" in lines[0], p.stderr
     assert "not started" in lines[0] and "--keep-going" in lines[0]
-    p = tensortape("record", "-o", store, "--keep-going", "--", "python", str(script), str(marker))
+    p = tensortape("record", "--stats-every", "1", "-o", store, "--keep-going", "--", "python", str(script), str(marker))
     assert p.returncode == 4 and p.stdout.strip() == "trained" and marker.exists()
     lines = p.stderr.strip().splitlines()                  # trained unrecorded, after one line
     assert len(lines) == 1 and "not recording" in lines[0] and "cannot write" in lines[0], p.stderr
@@ -151,7 +151,7 @@ def test_a_module_is_found_as_python_m_finds_it(tmp_path):
     plain = subprocess.run([sys.executable, "-m", "mypkg.trainmod", "x"], cwd=tmp_path,
                            capture_output=True, text=True)
     assert plain.returncode == 4, plain.stderr
-    p = tensortape("record", "-o", store, "--", "python", "-m", "mypkg.trainmod", "x",
+    p = tensortape("record", "--stats-every", "1", "-o", store, "--", "python", "-m", "mypkg.trainmod", "x",
                    cwd=tmp_path)
     assert p.returncode == 4, p.stderr
     assert p.stdout == plain.stdout                 # sys.path[0], argv and __name__ as python's
@@ -163,7 +163,7 @@ def test_the_first_forward_is_recorded_like_any_other(tmp_path):
     2 micro-batches a step, step 0 holds both, labelled 0 and 1, the root's inputs
     included, with the values plain torch hooks see."""
     store = str(tmp_path / "run.zarr")
-    p = tensortape("record", "-o", store, "--capture", "inputs", "--capture", "activations",
+    p = tensortape("record", "--stats-every", "1", "-o", store, "--capture", "inputs", "--capture", "activations",
                    "--layers", "*", "--tensors-every", "1", "--", "python", ACCUM, "3")
     assert p.returncode == 0 and p.stdout.strip() == "trained", p.stderr
     script = runpy.run_path(ACCUM, run_name="oracle")
@@ -280,7 +280,7 @@ def test_mode_a_continues_the_run_after_its_last_step(tmp_path):
     script.write_text(RESUMABLE)
 
     def record(job, steps, *flags):
-        r = CliRunner().invoke(cli.cli, ["record", "-o", store, "--layers", "0", "--layers",
+        r = CliRunner().invoke(cli.cli, ["record", "--stats-every", "1", "-o", store, "--layers", "0", "--layers",
                                          "2", "--capture", "activations", "--tensors-every", "0",
                                          *flags, "--", "python", str(script), str(job),
                                          str(steps)], prog_name="tensortape")

@@ -52,7 +52,7 @@ def record_spiky(path: str, steps: int = STEPS, spike: int | None = SPIKE,
     to log at a step (None: nothing)."""
     model = Spiky()
     data = torch.Generator().manual_seed(1)
-    with Recorder(model, path, tensors_every=None, capture=("activations",)) as rec:
+    with Recorder(model, path, tensors_every=None, capture=("activations",), stats_every=1) as rec:
         for step in range(steps):
             x = torch.randn(3, 4, generator=data)
             if step == spike:
@@ -304,7 +304,7 @@ def test_scalars_say_which_logged_values_are_non_finite(tmp_path, serve):
     model = nn.Linear(2, 2)
     path = str(tmp_path / "loss.zarr")
     losses = [1.0, 0.5, math.inf, math.nan, math.nan, 0.25]
-    with Recorder(model, path, tensors_every=None, capture=("activations",)) as rec:
+    with Recorder(model, path, tensors_every=None, capture=("activations",), stats_every=1) as rec:
         for step, loss in enumerate(losses):
             with rec.step(step), torch.no_grad():
                 model(torch.ones(1, 2))
@@ -322,7 +322,7 @@ def test_a_scalar_keeps_its_values_whatever_its_name(tmp_path, serve, name):
     model = nn.Linear(2, 2)
     path = str(tmp_path / "names.zarr")
     logged = {name: [0.5, math.inf, -2.0], "loss": [math.nan, 1.0, 3.0]}
-    with Recorder(model, path, tensors_every=None, capture=("activations",)) as rec:
+    with Recorder(model, path, tensors_every=None, capture=("activations",), stats_every=1) as rec:
         for step in range(3):
             with rec.step(step), torch.no_grad():
                 model(torch.ones(1, 2))
@@ -388,7 +388,7 @@ def test_a_full_tensor_metric_leaves_steps_without_tensors_uncompared(tmp_path, 
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
         paths.append(str(tmp_path / f"{name}.zarr"))
-        with Recorder(model, paths[-1], tensors_every=3, capture=("activations",)) as rec:
+        with Recorder(model, paths[-1], tensors_every=3, capture=("activations",), stats_every=1) as rec:
             for step in range(10):
                 with rec.step(step), torch.no_grad():
                     model(torch.full((2, 3), step / 10))
@@ -406,7 +406,7 @@ def test_the_run_counts_every_event_not_only_those_kept(tmp_path, serve):
     from tensortape.recorder import Recorder
     path = str(tmp_path / "many.zarr")
     model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(20)])
-    with Recorder(model, path, tensors_every=None, capture=("activations",)) as rec:
+    with Recorder(model, path, tensors_every=None, capture=("activations",), stats_every=1) as rec:
         for step in range(60):
             with rec.step(step), torch.no_grad():
                 model(torch.full((1, 2), float("nan")))

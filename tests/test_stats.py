@@ -31,7 +31,7 @@ class Emit(nn.Module):
 
 def record_tensors(store, xs):
     model = Emit(xs)
-    with Recorder(model, store, layers="", capture="activations", tensors_every=None) as rec:
+    with Recorder(model, store, layers="", capture="activations", tensors_every=None, stats_every=1) as rec:
         with rec.step():
             model()
     run = open_run(store)
@@ -40,7 +40,7 @@ def record_tensors(store, xs):
 
 def test_statistics_equal_numpy_on_the_stored_tensor(tmp_store):
     model = transformer()
-    with Recorder(model, tmp_store, layers=["layers.*.linear*", "layers.0.self_attn"], tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers=["layers.*.linear*", "layers.0.self_attn"], tensors_every=1, stats_every=1) as rec:
         for i in range(2):
             with rec.step():
                 model(torch.randn(3, 5, 32)).relu().sum().backward()
@@ -164,7 +164,7 @@ def test_integer_tensors_get_a_count_only(tmp_store):
         def forward(self, x):
             return x.argmax(-1)
     model = nn.Sequential(nn.Linear(4, 4), Argmax())
-    with Recorder(model, tmp_store, layers="1", capture="activations", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="1", capture="activations", tensors_every=1, stats_every=1) as rec:
         with rec.step():
             model(torch.randn(3, 4))
     run = open_run(tmp_store)
@@ -197,7 +197,7 @@ class Poisoned(nn.Module):
 
 def _run_poisoned(store, ring=3, **kw):
     model = Poisoned(7)
-    rec = Recorder(model, store, layers=["a", "b"], tensors_every=None, ring=ring, **kw)
+    rec = Recorder(model, store, layers=["a", "b"], tensors_every=None, ring=ring, **{"stats_every": 1, **kw})
     with rec:
         for i in range(10):
             model.step = i
@@ -229,7 +229,7 @@ class InfGrad(nn.Module):
 
 def test_inf_only_in_backward_is_a_gradients_event(tmp_store):
     model = InfGrad()
-    with Recorder(model, tmp_store, layers="lin", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="lin", tensors_every=1, stats_every=1) as rec:
         with rec.step():
             (model(torch.randn(2, 3)).sum() * 1e10).backward()
     ev = open_run(tmp_store).first_nonfinite()
@@ -297,7 +297,7 @@ def test_histogram_bins_are_identical_across_runs(tmp_path):
     for seed in (0, 1):
         model = transformer(seed)
         store = str(tmp_path / f"r{seed}.zarr")
-        with Recorder(model, store, layers="layers.0.linear1", tensors_every=None) as rec:
+        with Recorder(model, store, layers="layers.0.linear1", tensors_every=None, stats_every=1) as rec:
             with rec.step():
                 model(torch.randn(2, 3, 32) * (seed + 1)).sum().backward()
         h = open_run(store).histogram("layers.0.linear1", step=0)

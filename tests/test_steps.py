@@ -17,7 +17,7 @@ def _batch(i, n=4):
 @pytest.mark.parametrize("policy", ["warn", "ignore"])
 def test_forward_passes_outside_a_step_are_counted_not_recorded(tmp_store, policy):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc*", outside_step=policy, tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc*", outside_step=policy, tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             model(_batch(0)).sum().backward()
         with warnings.catch_warnings(record=True) as seen:
@@ -39,14 +39,14 @@ def test_forward_passes_outside_a_step_are_counted_not_recorded(tmp_store, polic
 
 def test_outside_step_raise_says_how_to_fix(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, outside_step="raise", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, outside_step="raise", tensors_every=1, stats_every=1) as rec:
         with pytest.raises(InspectionError, match=r"rec\.step\(\).*rec\.pause\(\)"):
             model(_batch(0))
 
 
 def test_pause_records_nothing_inside_a_step_or_not(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc1", outside_step="raise", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc1", outside_step="raise", tensors_every=1, stats_every=1) as rec:
         with rec.pause():
             model(_batch(0))                         # outside a step: no error, no count
         with rec.step(0):
@@ -66,11 +66,11 @@ def test_micro_batches_give_exact_step_statistics_and_every_tensor(tmp_path):
     xs = [torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     layers = ["layers.0.linear1", "layers.1.self_attn"]
     micro_model, whole_model = transformer(), transformer()
-    with Recorder(micro_model, str(tmp_path / "micro.zarr"), layers=layers, tensors_every=1) as rec:
+    with Recorder(micro_model, str(tmp_path / "micro.zarr"), layers=layers, tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             for x in xs:
                 micro_model(x).pow(2).sum().backward()
-    with Recorder(whole_model, str(tmp_path / "whole.zarr"), layers=layers, tensors_every=1) as rec:
+    with Recorder(whole_model, str(tmp_path / "whole.zarr"), layers=layers, tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             whole_model(torch.cat(xs)).pow(2).sum().backward()
     micro, whole = open_run(str(tmp_path / "micro.zarr")), open_run(str(tmp_path / "whole.zarr"))
@@ -92,7 +92,7 @@ def test_micro_batches_give_exact_step_statistics_and_every_tensor(tmp_path):
 
 def test_events_carry_the_micro_batch(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc1", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc1", tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             for k in range(3):
                 x = _batch(k)
@@ -105,7 +105,7 @@ def test_events_carry_the_micro_batch(tmp_store):
 
 def test_repeated_step_numbers_explain_gradient_accumulation(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, tensors_every=1) as rec:
+    with Recorder(model, tmp_store, tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             model(_batch(0)).sum().backward()
         with pytest.raises(InspectionError, match="gradient accumulation.*micro-batch"):
@@ -114,11 +114,11 @@ def test_repeated_step_numbers_explain_gradient_accumulation(tmp_store):
 
 def test_a_resumed_job_rerecords_steps_and_readers_take_the_latest(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc1", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc1", tensors_every=1, stats_every=1) as rec:
         for i in range(4):
             with rec.step(i):
                 model(_batch(i)).sum().backward()
-    with Recorder(model, tmp_store, layers="fc1", mode="a", tensors_every=1) as rec:   # from a step-2 checkpoint
+    with Recorder(model, tmp_store, layers="fc1", mode="a", tensors_every=1, stats_every=1) as rec:   # from a step-2 checkpoint
         for i in (2, 3, 4):
             with rec.step(i):
                 model(_batch(100 + i)).sum().backward()
@@ -136,13 +136,13 @@ def test_a_costly_default_warns_once_and_max_bytes_caps_full_tensors(tmp_path):
     wide = torch.nn.Linear(64, 4096)
     x = torch.randn(400, 64)                       # 6.6 MB an output, 13 MB a step with grads
     with pytest.warns(TensortapeWarning, match=r"GB every 100 steps.*tensors_every=.*max_bytes="):
-        with Recorder(wide, str(tmp_path / "a.zarr"), tensors_every=1) as rec:
+        with Recorder(wide, str(tmp_path / "a.zarr"), tensors_every=1, stats_every=1) as rec:
             with rec.step(0):
                 wide(x).sum().backward()
     row = 400 * 4096 * 4
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with Recorder(wide, str(tmp_path / "b.zarr"), max_bytes=3 * row, tensors_every=1) as rec:
+        with Recorder(wide, str(tmp_path / "b.zarr"), max_bytes=3 * row, tensors_every=1, stats_every=1) as rec:
             for i in range(4):
                 with rec.step(i):
                     wide(x).sum().backward()
@@ -160,7 +160,7 @@ def test_a_costly_default_warns_once_and_max_bytes_caps_full_tensors(tmp_path):
 def test_metadata_takes_numpy_and_torch_scalars(tmp_store):
     model = InplaceMLP()
     with Recorder(model, tmp_store, metadata={"lr": np.float32(0.25), "n": np.int64(3),
-                                              "t": torch.tensor(2.5)}, tensors_every=1) as rec:
+                                              "t": torch.tensor(2.5)}, tensors_every=1, stats_every=1) as rec:
         with rec.step():
             model(_batch(0)).sum().backward()
     assert open_run(tmp_store).metadata == {"lr": 0.25, "n": 3, "t": 2.5}
@@ -176,7 +176,7 @@ def test_a_child_named_like_the_root_never_shares_its_table(tmp_store):
             return getattr(self, "(root)")(x) * 2
     model = Odd()
     x = torch.randn(2, 4)
-    with Recorder(model, tmp_store, capture="activations", tensors_every=1) as rec:
+    with Recorder(model, tmp_store, capture="activations", tensors_every=1, stats_every=1) as rec:
         with rec.step():
             model(x)
     run = open_run(tmp_store)
@@ -189,7 +189,7 @@ def test_a_child_named_like_the_root_never_shares_its_table(tmp_store):
 def test_a_change_of_dtype_is_counted_never_silent(tmp_store):
     model = torch.nn.Linear(4, 4)
     with pytest.warns(TensortapeWarning, match="changed rank or dtype"):
-        with Recorder(model, tmp_store, layers="", capture="activations", tensors_every=1) as rec:
+        with Recorder(model, tmp_store, layers="", capture="activations", tensors_every=1, stats_every=1) as rec:
             for i in range(4):
                 with rec.step(i), torch.autocast("cpu", dtype=torch.bfloat16, enabled=i >= 2):
                     model(torch.randn(2, 4))
@@ -202,7 +202,7 @@ def test_a_change_of_dtype_is_counted_never_silent(tmp_store):
 
 def test_weights_are_captured_once_a_step_whatever_the_micro_batches(tmp_store):
     model = InplaceMLP()
-    with Recorder(model, tmp_store, layers="fc1", capture=("weights", "activations"), tensors_every=1) as rec:
+    with Recorder(model, tmp_store, layers="fc1", capture=("weights", "activations"), tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             for k in range(3):
                 model(_batch(k)).sum().backward()

@@ -122,7 +122,7 @@ OUTSIDE = textwrap.dedent("""
     from tensortape.recorder import Recorder, TensortapeWarning
     {setup}
     model = torch.nn.Linear(4, 4)
-    with Recorder(model, sys.argv[1], tensors_every=None, mode="w") as rec:
+    with Recorder(model, sys.argv[1], tensors_every=None, mode="w", stats_every=1) as rec:
         with rec.step(0):
             model(torch.randn(2, 4)).sum().backward()
         try:
@@ -177,7 +177,7 @@ def test_pytest_filterwarnings_can_name_the_class(tmp_path):
     import torch
     from tensortape.recorder import Recorder, TensortapeWarning
     model = torch.nn.Linear(4, 4)
-    with Recorder(model, str(tmp_path / "r.zarr"), tensors_every=None) as rec:
+    with Recorder(model, str(tmp_path / "r.zarr"), tensors_every=None, stats_every=1) as rec:
         with pytest.raises(TensortapeWarning, match="outside a step"):
             model(torch.randn(2, 4))
         with rec.step(0):
@@ -200,7 +200,7 @@ def test_a_tensortape_warning_made_an_error_never_loses_the_step(tmp_path, monke
     store, raised = str(tmp_path / "r.zarr"), []
     with warnings.catch_warnings():
         warnings.simplefilter("error", TensortapeWarning)
-        with Recorder(model, store, tensors_every=None) as rec:
+        with Recorder(model, store, tensors_every=None, stats_every=1) as rec:
             for i in range(3):
                 try:
                     scope = rec.step(i)
@@ -237,7 +237,7 @@ def test_a_layer_absent_at_a_step_reads_under_a_strict_filter(tmp_path):
             return self.b(x) if use_b else x
 
     model, store = Skips(), str(tmp_path / "r.zarr")
-    with Recorder(model, store, layers=["a", "b"], tensors_every=None) as rec:
+    with Recorder(model, store, layers=["a", "b"], tensors_every=None, stats_every=1) as rec:
         for i in range(3):
             with rec.step(i):
                 model(torch.randn(3, 4), use_b=i != 1).sum().backward()
@@ -254,7 +254,7 @@ def test_a_killed_writers_temporary_file_never_stops_reading(tmp_path):
     import torch
     from tensortape.recorder import Recorder
     model, store = torch.nn.Linear(4, 4), str(tmp_path / "r.zarr")
-    with Recorder(model, store, tensors_every=None) as rec:
+    with Recorder(model, store, tensors_every=None, stats_every=1) as rec:
         with rec.step(0):
             model(torch.randn(3, 4)).sum().backward()
     with open(os.path.join(store, "zarr.0123456789abcdef0123456789abcdef.partial"), "w") as f:

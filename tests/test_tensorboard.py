@@ -35,7 +35,7 @@ def store(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tb") / "run.zarr")
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 8), Spike(), nn.Linear(8, 2))
-    with Recorder(m, path, max_bytes=None, tensors_every=None) as rec:
+    with Recorder(m, path, max_bytes=None, tensors_every=None, stats_every=1) as rec:
         for i in range(5):
             with rec.step(i):
                 loss = m(torch.randn(6, 4) * (i + 1)).pow(2).mean()
@@ -133,7 +133,7 @@ def test_each_value_lies_in_the_bucket_of_its_bin(steps, tmp_path_factory):
     store, out = str(tmp / "run.zarr"), str(tmp / "tb")
     m = nn.Sequential(nn.Identity())
     with Recorder(m, store, layers="0", capture=("activations",), tensors_every=None,
-                  max_bytes=None) as rec:
+                  max_bytes=None, stats_every=1) as rec:
         for i, x in enumerate(steps):
             with rec.step(i):
                 m(torch.from_numpy(x))

@@ -42,7 +42,7 @@ RECORD = textwrap.dedent("""
             return tuple(cases())
 
     model = Emit()
-    with Recorder(model, sys.argv[1], layers="", capture="activations", tensors_every=None) as rec:
+    with Recorder(model, sys.argv[1], layers="", capture="activations", tensors_every=None, stats_every=1) as rec:
         with rec.step():
             model()
     from tensortape.recorder._engines import Engines

@@ -39,7 +39,7 @@ def record_embedding(path: str) -> str:
     """A run of one layer, ``embed``, that records ``samples(step)`` at each step."""
     model = nn.Sequential()
     model.add_module("embed", Feed())
-    with Recorder(model, path, capture="activations", tensors_every=None) as rec:
+    with Recorder(model, path, capture="activations", tensors_every=None, stats_every=1) as rec:
         for step in range(STEPS):
             with rec.step(step):
                 model(torch.from_numpy(samples(step)))
@@ -163,7 +163,7 @@ def test_the_evolution_of_a_long_window_is_its_steps_largest_from_the_grains(spi
 def test_a_scalar_logged_once_is_named_apart_from_the_lines(tmp_path, serve):
     model = nn.Linear(2, 2)
     path = str(tmp_path / "run.zarr")
-    with Recorder(model, path, capture="activations", tensors_every=None) as rec:
+    with Recorder(model, path, capture="activations", tensors_every=None, stats_every=1) as rec:
         for step in range(5):
             with rec.step(step):
                 model(torch.ones(1, 2))

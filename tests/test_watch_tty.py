@@ -23,7 +23,7 @@ TRAIN = textwrap.dedent(f"""
     model.add_module("fc1", nn.Linear(4, 8))
     model.add_module("fc2", nn.Linear(8, 2))
     with Recorder(model, sys.argv[1], tensors_every=None, capture=("activations",),
-                  flush_interval=0.2) as rec:
+                  flush_interval=0.2, stats_every=1) as rec:
         for i in range(40):
             if i == {NAN_FROM}:                 # the NaN comes once watch has shown a step
                 rec.flush()
@@ -126,7 +126,7 @@ LONG_NAMES = textwrap.dedent(f"""
 
     model = Blocks()
     with Recorder(model, sys.argv[1], tensors_every=None, capture=("activations",),
-                  layers="model.*", flush_interval=0.2) as rec:
+                  layers="model.*", flush_interval=0.2, stats_every=1) as rec:
         for i in range(40):
             with rec.step(i):
                 x = torch.randn(3, 4)

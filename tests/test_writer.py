@@ -114,7 +114,7 @@ def _record(store, layers=6, steps=STEPS, tensors_every=3, flush_interval=0.05, 
     twin = copy.deepcopy(model)
     oracle = Oracle(twin, "*", ("activations", "gradients"), tensors_every=tensors_every)
     with Recorder(model, store, layers="*", tensors_every=tensors_every,
-                  flush_interval=flush_interval, **kw) as rec:
+                  flush_interval=flush_interval, **{"stats_every": 1, **kw}) as rec:
         _train(model, rec, oracle, twin, steps=range(steps))
     oracle.close()
     return oracle
@@ -146,7 +146,7 @@ def test_every_row_is_stored_on_a_slow_store_whatever_the_threads(tmp_path, monk
                 store = str(tmp_path / f"run{threads}.zarr")
                 oracle = Oracle(twin, "*", ("activations", "gradients"), tensors_every=10)
                 rec = Recorder(model, store, layers="*", tensors_every=10,
-                               flush_interval=0.05).attach()
+                               flush_interval=0.05, stats_every=1).attach()
                 runs[store] = (model, twin, oracle, rec)
             errors = []
 
@@ -207,7 +207,7 @@ def test_random_store_faults_lose_nothing_uncounted(tmp_path_factory, fails, thr
             twin = copy.deepcopy(model)
             oracle = Oracle(twin, "*", ("activations", "gradients"), tensors_every=3)
             faults.enabled = False                     # creating the run may fail: not this test
-            with Recorder(model, store, layers="*", tensors_every=3, flush_interval=0.05) as rec:
+            with Recorder(model, store, layers="*", tensors_every=3, flush_interval=0.05, stats_every=1) as rec:
                 faults.enabled = True
                 _train(model, rec, oracle, twin)
                 faults.enabled = False                 # the store heals before the end
@@ -230,7 +230,7 @@ def test_a_hung_store_never_hangs_training_nor_close(tmp_path):
         with pytest.warns(TensortapeWarning) as told:
             start = time.monotonic()
             with Recorder(model, store, layers="*", tensors_every=1, flush_interval=0.05,
-                          close_timeout=1.0, max_pending_bytes=1 << 20) as rec:
+                          close_timeout=1.0, max_pending_bytes=1 << 20, stats_every=1) as rec:
                 for i in range(100):                   # more than the inbox holds
                     with rec.step(i):
                         model(torch.randn(64, 16)).square().mean().backward()
@@ -268,7 +268,7 @@ def test_a_dead_writer_never_hangs_training(tmp_path, monkeypatch):
         # called stuck: a loaded machine's slow writes must not read as that (a dead
         # writer is seen at once, whatever the timeout)
         with Recorder(model, store, layers="*", flush_interval=0.05, close_timeout=120,
-                      tensors_every=1) as rec:
+                      tensors_every=1, stats_every=1) as rec:
             for i in range(200):
                 with rec.step(i):
                     model(torch.randn(4, 16)).square().mean().backward()
@@ -284,7 +284,7 @@ def test_a_dead_writer_raises_once_under_on_error_raise(tmp_path, monkeypatch):
     monkeypatch.setattr(_worker.Worker, "_take", lambda self: (_ for _ in ()).throw(SystemExit()))
     model = _model()
     rec = Recorder(model, str(tmp_path / "run.zarr"), layers="*", on_error="raise",
-                   close_timeout=120, tensors_every=1)         # a writer not yet run is not "stuck" on a busy machine
+                   close_timeout=120, tensors_every=1, stats_every=1)         # a writer not yet run is not "stuck" on a busy machine
     errors, noticed = 0, None
     with pytest.warns(TensortapeWarning, match="did not commit within close_timeout"), rec:
         # the writer dies when it first runs, which a loaded machine may put off for a
@@ -311,7 +311,7 @@ def test_a_forgotten_recorder_is_ended_without_a_lock_or_a_wait(tmp_path):
     the writer's lock) and joins nothing."""
     store = str(tmp_path / "run.zarr")
     model = _model()
-    rec = Recorder(model, store, layers="*", tensors_every=1).attach()
+    rec = Recorder(model, store, layers="*", tensors_every=1, stats_every=1).attach()
     for i in range(3):
         with rec.step(i):
             model(torch.randn(4, 16)).sum().backward()
@@ -353,7 +353,7 @@ def test_close_always_reaches_the_writer(tmp_path, monkeypatch):
     from tensortape.recorder import _writer
     store = str(tmp_path / "run.zarr")
     model = _model()
-    rec = Recorder(model, store, layers="*", outside_step="ignore", tensors_every=1).attach()
+    rec = Recorder(model, store, layers="*", outside_step="ignore", tensors_every=1, stats_every=1).attach()
     with rec.step(0):
         model(torch.randn(4, 16)).sum().backward()
     model(torch.randn(4, 16))                          # counted at close: a late record
@@ -380,7 +380,7 @@ def test_the_backlog_of_an_outage_is_bounded_in_records(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TensortapeWarning)
         with Recorder(model, store, layers="0", capture="activations", tensors_every=None,
-                      flush_interval=60.0) as rec:
+                      flush_interval=60.0, stats_every=1) as rec:
             with faulty(fail=1.0) as faults:
                 for i in range(20):
                     with rec.step(i):
@@ -405,7 +405,7 @@ model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(24)])
 hang = faulty(hang=lambda key: "/c" in key and "/data/" in key, release=threading.Event())
 hang.__enter__()                                   # never released
 rec = Recorder(model, sys.argv[1], layers="*", tensors_every=1, flush_interval=0.05,
-               close_timeout=1.0).attach()
+               close_timeout=1.0, stats_every=1).attach()
 for i in range(20):
     with rec.step(i):
         model(torch.randn(256, 256)).sum().backward()
@@ -464,7 +464,7 @@ def test_a_bad_write_threads_setting_is_one_line_before_anything_is_written(tmp_
     from tensortape.recorder import ConfigError
     monkeypatch.setenv("TENSORTAPE_WRITE_THREADS", "abc")
     with pytest.raises(ConfigError, match="TENSORTAPE_WRITE_THREADS='abc' is not valid"):
-        Recorder(_model(), str(tmp_path / "run.zarr"), tensors_every=1)
+        Recorder(_model(), str(tmp_path / "run.zarr"), tensors_every=1, stats_every=1)
     assert not (tmp_path / "run.zarr").exists()
 
 
@@ -472,7 +472,7 @@ def test_tensortape_s_warnings_name_the_user_s_line(tmp_path):
     """A warning points at the user's code that called tensortape (here a forward
     outside a step), not at tensortape's or torch's frames."""
     model = _model()
-    with Recorder(model, str(tmp_path / "run.zarr"), layers="*", tensors_every=1) as rec:
+    with Recorder(model, str(tmp_path / "run.zarr"), layers="*", tensors_every=1, stats_every=1) as rec:
         with rec.step(0):
             model(torch.randn(2, 16)).sum().backward()
         with pytest.warns(TensortapeWarning, match="outside a step") as told:
@@ -547,7 +547,7 @@ def test_a_steps_rows_land_in_their_layers_whatever_their_order(tmp_store):
     twin = copy.deepcopy(model)
     oracle = Oracle(twin, ["a", "b", "c"], ("activations", "gradients"), tensors_every=None)
     with Recorder(model, tmp_store, layers=["a", "b", "c"], tensors_every=None,
-                  on_nonfinite="record") as rec:
+                  on_nonfinite="record", stats_every=1) as rec:
         for s in range(4):
             model.step = twin.step = s
             with rec.step(s):

@@ -76,7 +76,7 @@ def main(framework, how, k, store, log, models=None):
             train()
         else:
             from tensortape.recorder import Recorder
-            with Recorder(model, store, **kw) as rec:
+            with Recorder(model, store, **{"stats_every": 1, **kw}) as rec:
                 train(rec)
     elif framework == "hf":
         import transformers

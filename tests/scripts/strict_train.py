@@ -199,7 +199,7 @@ def main(mode, out, store=None):
         from tensortape.recorder import Recorder
         model = mlp()
         oracle = Oracle(model, "*", ("activations", "gradients"), tensors_every=2)
-        with Recorder(model, store, tensors_every=2, on_nonfinite="replay") as rec:
+        with Recorder(model, store, tensors_every=2, on_nonfinite="replay", stats_every=1) as rec:
             plain_loop(model, rec, oracle)
     elif mode == "bare":                    # knows nothing of tensortape
         model = mlp()
