@@ -52,9 +52,9 @@ _ending: set = set()                    # the writers a finaliser asked to end t
                                         # whose thread ended is dropped
 _previous = signal.SIG_DFL              # SIGTERM's handler before ours
 _terminating = False                    # our handler is closing the Recorders
-_HERE = os.path.dirname(os.path.abspath(__file__))
 # tensortape's modules that run the user's training and hold no lock while it runs
-_RUNNERS = {"script.py", "_script.py", "integrations.py"}
+_RUNNERS = {"tensortape.recorder.script", "tensortape.recorder._script",
+            "tensortape.recorder.integrations"}
 
 
 def opened(rec, writer, hooks, buffer) -> None:
@@ -148,8 +148,8 @@ def _inside(frame) -> bool:
     """Whether the interrupted code (``frame`` and its callers) is tensortape's own,
     which may hold one of its locks."""
     while frame is not None:
-        path = frame.f_code.co_filename
-        if os.path.dirname(path) == _HERE and os.path.basename(path) not in _RUNNERS:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("tensortape.recorder.") and name not in _RUNNERS:
             return True
         frame = frame.f_back
     return False

@@ -1,4 +1,13 @@
-"""Warnings of tensortape's dependencies, raised inside its own machinery, are
+"""``with quiet():`` the warnings of tensortape's dependencies (zarr, numcodecs,
+numpy, torch) raised inside this block, on this thread and in the asyncio tasks
+it starts, are ignored; tensortape's own warnings never are.
+
+Public for the readers (``analysis``), which read stores through zarr as the
+recorder writes them: zarr warns of what it meets in a store (a killed
+writer's temporary files), and that is not the user's news, nor an error
+under ``-W error``.  ``warn`` and ``holding`` are the recorder's own.
+
+Warnings of tensortape's dependencies, raised inside its own machinery, are
 not the user's news, and never change what it records.
 
 Compiling the statistics kernels imports inductor, which warns
@@ -52,7 +61,7 @@ import warnings
 
 from .errors import TensortapeWarning
 
-__all__ = ["holding", "quiet", "warn"]
+__all__ = ["quiet"]
 
 _inside = contextvars.ContextVar("tensortape_quiet", default=0)
 _holder: contextvars.ContextVar = contextvars.ContextVar("tensortape_holder", default=None)

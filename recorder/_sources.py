@@ -17,11 +17,10 @@ import torch
 
 __all__ = ["caller", "kind", "line"]
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-_ROOT = os.path.dirname(_HERE)
+_ROOT = os.path.dirname(os.path.abspath(sys.modules["tensortape"].__file__))
 # tensortape's own code, and what only calls on (never the user's line)
-_OURS = (_HERE + os.sep, os.path.join(_ROOT, "analysis") + os.sep, os.path.join(_ROOT, "cli.py"))
+_OURS = (os.path.join(_ROOT, "recorder") + os.sep, os.path.join(_ROOT, "analysis") + os.sep, os.path.join(_ROOT, "cli.py"))
 # torch's frames that are dispatch machinery, not a line of a library's op
 _MACHINERY = tuple(os.path.join(_TORCH, f) for f in (
     "_compile.py", "_dynamo" + os.sep, "utils" + os.sep + "_python_dispatch.py", "_ops.py",
