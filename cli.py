@@ -734,7 +734,7 @@ def compare(run_a, run_b, kind, pattern, rtol, fmt, output, rank, strict):
 @_reading
 def serve(run, run_b, host, port, no_browser):
     """Serve a browser view of RUN (or of RUN and RUN_B side by side), read-only."""
-    from tensortape.analysis._serve import loopback, make_server   # here: --help and the rest skip it
+    from tensortape.analysis.browser._serve import loopback, make_server   # here: --help and the rest skip it
     paths = [run] + ([run_b] if run_b else [])
     try:
         server = make_server(paths, host, port)
@@ -774,7 +774,7 @@ def export(run, out, force, to):
     """Export RUN to one HDF5 file OUT (open_run reads it back with the same API), or
     with --format tensorboard to TensorBoard event files in the folder OUT."""
     if to == "tensorboard":
-        from tensortape.analysis._tensorboard import existing_events, to_tensorboard
+        from tensortape.analysis.export._tensorboard import existing_events, to_tensorboard
         if os.path.exists(out) and not os.path.isdir(out):
             raise click.BadParameter(f"{out!r} is a file; give a folder for the event files",
                                      param_hint="OUT")

@@ -415,7 +415,7 @@ def plot_comparison(a, b, layer, kind="activations", stat="std", rtol: float = 1
     answers when the caller has them already (they scan full tensors).  rank:
     as in ``compare_runs``."""
     import os
-    from . import _plots
+    from .plots import _plots
     a, b = _runs(a, b, rank)
     ds = compare_runs(a, b, kind) if ds is None else ds
     lines = []

@@ -99,7 +99,7 @@ class Inspector:
 
     def plot_histogram(self, layer: str, what: str = "activations", ax=None):
         """The histogram of one capture -> Figure."""
-        from . import _plots
+        from .plots import _plots
         h = self.get_histogram(layer, what).expand_dims(step=[0])
         for k in ("nan", "posinf", "neginf"):
             h.coords[k] = ("step", [int(h.coords[k])])

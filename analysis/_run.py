@@ -8,7 +8,7 @@
 - ``_stats.Statistics`` and ``_tensors.Tensors``: the reads;
 - ``_events``: non-finite events, the first of them, the replay bundle;
 - ``_accessor.RunPlotAccessor``: the pictures (``run.plot``);
-- ``_display``: summary, repr and HTML; ``_export``: the HDF5 export.
+- ``_display``: summary, repr and HTML; ``_hdf5``: the HDF5 export.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tensortape.recorder import format as fmt
 from tensortape.recorder.format import NonFiniteEvent
 
 from . import _events
-from ._accessor import RunPlotAccessor, UncachedAccessor
+from .plots._accessor import RunPlotAccessor, UncachedAccessor
 from ._display import as_html, as_text, summary
 from ._events import FirstNonFinite
 from ._index import RunIndex
@@ -212,14 +212,14 @@ class Run:
         order, their rows mixed in a buffer of that many rows.  batch_size: None
         (single rows) or rows per item; drop_last.  docs/GUIDE.md, "Activations as a
         data set"."""
-        from ._dataset import Rows
+        from .export._dataset import Rows
         return Rows(self._index, layer, kind, **options)
 
     def dataset(self, layer: str, kind: str = "activations", **options):
         """``rows(layer, kind, **options)`` as a torch ``IterableDataset``
         (DataLoader-ready: with ``num_workers=N`` each worker reads its own chunks,
         every row once); ``x`` as a tensor."""
-        from ._dataset import as_torch
+        from .export._dataset import as_torch
         return as_torch(self.rows(layer, kind, **options))
 
     def micro_batches_by_step(self, layer: str, kind: str = "activations", steps=(),
@@ -301,7 +301,7 @@ class Run:
         return self.path.rstrip("/").rsplit("/", 1)[-1] or self.path
 
     def to_hdf5(self, path, progress=None) -> str:
-        from ._export import to_hdf5
+        from .export._hdf5 import to_hdf5
         return to_hdf5(self, path, progress=progress)
 
     def disk_bytes(self) -> int:

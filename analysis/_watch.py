@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from tensortape.recorder import format as fmt
 from tensortape.recorder.errors import StoreFormatError, StoreNotFoundError
 
-from ._between import Between
+from .browser._between import Between
 from ._run import open_run
 
 __all__ = ["render", "snapshots"]

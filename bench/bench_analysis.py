@@ -206,7 +206,7 @@ def cpu_time(fn):
 
 def compare_bench(folder, steps, n_layers, every):
     from tensortape.analysis import compare_runs, first_divergence, open_run
-    from tensortape.analysis._api import compare_map
+    from tensortape.analysis.browser._api import compare_map
     a, b = record_pair(folder, steps, n_layers, every)
     print(f"two runs of {steps} steps x {n_layers} layers (+ the root), full tensors every "
           f"{every} steps: {dir_bytes(a) / 1e6:.0f} and {dir_bytes(b) / 1e6:.0f} MB on disk; "

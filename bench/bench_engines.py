@@ -7,7 +7,7 @@ gradients of ``bench_recorder.py``, bfloat16 copies of two and a float8 copy of
 one):
 
 - ``x.sum()``: one read of the tensor, the floor (of its bytes, for float8);
-- ``numba``: ``recorder._numba.NumbaEngine`` (one read; a tensor split across
+- ``numba``: ``recorder.capture._numba.NumbaEngine`` (one read; a tensor split across
   threads by a pool of Python threads running ``nogil`` kernels);
 - ``numba prange``: the same kernel run by ``@njit(parallel=True)`` over the
   chunks (numba's threading layer instead of the pool);
@@ -31,10 +31,10 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from tensortape.recorder import _nbkernels as K
-from tensortape.recorder._engines import CpuEngine
-from tensortape.recorder._numba import NumbaEngine, bits, _splits
-from tensortape.recorder._summary import VECTOR, prepared
+from tensortape.recorder.capture import _nbkernels as K
+from tensortape.recorder.capture._engines import CpuEngine
+from tensortape.recorder.capture._numba import NumbaEngine, bits, _splits
+from tensortape.recorder.capture._summary import VECTOR, prepared
 
 
 @njit(parallel=True, nogil=True, cache=True)

@@ -158,7 +158,7 @@ def differences(a, b) -> tuple[list[str], float]:
     """Two summary vectors' statistics: the exact ones (counts, extremes, histogram)
     that differ, and the largest relative difference of the moments (the sums are
     added in another order, around another shift)."""
-    from tensortape.recorder._summary import finalize
+    from tensortape.recorder.capture._summary import finalize
     x, y = finalize([a]), finalize([b])
     bad = [k for k in ("count", "min", "max", "abs_max", "zero_frac", "nan", "posinf", "neginf")
            if not np.array_equal(x.stats[k], y.stats[k], equal_nan=True)]
@@ -187,8 +187,8 @@ def check_sync(base, ids, args, tmp):
 def check_triton(base, ids, args):
     """The Triton engine against the CPU engine on one step's tensors, in each dtype,
     and with their first elements NaN (the sums' shift must skip them)."""
-    from tensortape.recorder._engines import Engines
-    from tensortape.recorder._triton import TritonEngine
+    from tensortape.recorder.capture._engines import Engines
+    from tensortape.recorder.capture._triton import TritonEngine
     m = copy.deepcopy(base)
     seen = []
     hand_hooks(m, STATS_LAYERS, lambda k, t: seen.append(t.detach()))
@@ -313,7 +313,7 @@ def check_first_step(base, ids, args, tmp):
 
 
 def kernel_table(base, ids, args):
-    from tensortape.recorder._engines import Engines
+    from tensortape.recorder.capture._engines import Engines
     seen = []
     m = copy.deepcopy(base)
     hand_hooks(m, STATS_LAYERS, lambda k, t: seen.append(t.detach()))

@@ -22,8 +22,8 @@ import warnings
 import torch
 
 import bench_recorder as br
-from tensortape.recorder._engine import Engine
-from tensortape.recorder._summary import VECTOR
+from tensortape.recorder.capture._engine import Engine
+from tensortape.recorder.capture._summary import VECTOR
 
 
 class _StubEngine(Engine):

@@ -249,7 +249,7 @@ def bench_parts(tmp, rounds, block):
 
 def bench_kernel(tmp, rounds, block):
     """Per-tensor time of the statistics engine against one read of the tensor."""
-    from tensortape.recorder._engines import Engines
+    from tensortape.recorder.capture._engines import Engines
     base, x, layers = transformer()
     seen = []
     m = copy.deepcopy(base)

@@ -4,7 +4,7 @@
     python bench/against.py REV --pairs 1 -- bench/bench_scale.py ...   (side by side)
 
 R processes each write one rank through the writer's store layer
-(``recorder._store.RunStore``: ``append_stats``, ``append_tensor``, ``flush``,
+(``recorder.store._store.RunStore``: ``append_stats``, ``append_tensor``, ``flush``,
 ``commit``, what the background writer calls), for S steps: statistics and
 histograms of two kinds (activations, gradients) for L layers a step, full
 tensors of 3 layers every 100th step (64 KiB each), and a commit every 50 steps
@@ -46,8 +46,8 @@ def _rows(rng, layers: int, nbins: int, base: np.ndarray, step: int) -> np.ndarr
 def write_rank(loc: str, rank: int, steps: int, layers: int, nan_rank: int,
                out: mp.Queue) -> None:
     from tensortape.recorder import format as fmt
-    from tensortape.recorder._root import open_root
-    from tensortape.recorder._store import RunStore
+    from tensortape.recorder.claim._root import open_root
+    from tensortape.recorder.store._store import RunStore
     try:
         from tensortape.recorder.histogram import NBINS
     except ImportError:                    # a tree before format.py's split (bench/against.py)
@@ -97,7 +97,7 @@ def main():
     ap.add_argument("--out", default=None, help="folder for the store (default: a temporary one)")
     args = ap.parse_args()
     from tensortape.recorder import format as fmt
-    from tensortape.recorder._root import open_root
+    from tensortape.recorder.claim._root import open_root
     tmp = args.out or tempfile.mkdtemp(prefix="tt-scale-")
     loc = os.path.join(tmp, "run.zarr")
     shutil.rmtree(loc, ignore_errors=True)

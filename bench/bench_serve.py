@@ -5,7 +5,7 @@ and the same data through TensorBoard's reader.
                                 [--paint 3] [--live 10]
 
 The store (statistics only, one kind) is written through the writer's store layer
-(``recorder._store.RunStore.append_stats``, what the background writer calls),
+(``recorder.store._store.RunStore.append_stats``, what the background writer calls),
 with no model: recording 200 layers x 100,000 steps through hooks would take
 hours on a 2-core machine and measure the recorder, not the view.  Each layer's
 statistics drift smoothly; layer 117 has a one-step spike (x 1e4) at step
@@ -78,8 +78,8 @@ def rows(step: int, layers: int, rng) -> tuple[dict, np.ndarray]:
 
 def write(loc: str, steps: int, layers: int) -> float:
     from tensortape.recorder import format as fmt
-    from tensortape.recorder._root import open_root
-    from tensortape.recorder._store import RunStore
+    from tensortape.recorder.claim._root import open_root
+    from tensortape.recorder.store._store import RunStore
     names = names_of(layers)
     root = open_root(loc, "w", 0, attributes={"tensortape_format": fmt.FORMAT_VERSION,
                                               "status": "recording", "layers": names,
@@ -123,7 +123,7 @@ def timed(url: str, n: int = 5) -> tuple[float, dict]:
 
 
 def serve(loc: str, warm: bool = False):
-    from tensortape.analysis._serve import make_server
+    from tensortape.analysis.browser._serve import make_server
     server = make_server([loc], "127.0.0.1", 0, warm=warm)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
@@ -138,7 +138,7 @@ def shows(m: dict, step: int, layer: str, nonfinite: bool) -> bool:
 
 
 def bench_server(loc: str, steps: int, layers: int) -> None:
-    from tensortape.analysis._api import GRAIN
+    from tensortape.analysis.browser._api import GRAIN
     names = names_of(layers)
     t = time.perf_counter()
     server, url = serve(loc)
@@ -171,7 +171,7 @@ def bench_server(loc: str, steps: int, layers: int) -> None:
         print(f"  the one-step spike (step {SPIKE}) is its row's peak: "
               f"{shows(m, SPIKE, names[SPIKE_LAYER], False)}; the NaN at step {NAN_STEP} "
               f"is marked: {shows(m, NAN_STEP, names[NAN_LAYER], True)}")
-    from tensortape.analysis._serve import answer
+    from tensortape.analysis.browser._serve import answer
     served = server.RequestHandlerClass.served
     zooms = [("all steps", {})] + [
         (f"a zoom to {span:,} steps", {"start": [str(a)], "stop": [str(a + span)]})
@@ -199,7 +199,8 @@ def bench_server(loc: str, steps: int, layers: int) -> None:
         print(f"    as the page asks for it, {part}: {t * 1e3:.0f} ms")
     server.shutdown()
     server.server_close()
-    from tensortape.analysis import _api, open_run
+    from tensortape.analysis.browser import _api
+    from tensortape.analysis import open_run
     run = open_run(loc)
     _, rows, _ = run._statistics.rows("activations", 0)
     for span in sorted({min(steps, s) for s in (10_000, 50_000, steps)}):

@@ -24,7 +24,7 @@ __all__ = [
     "select_layers",
 ]
 
-_LAZY = {"Recorder": "._recorder", "select_layers": "._selection"}
+_LAZY = {"Recorder": "._recorder", "select_layers": ".hooks._selection"}
 
 
 def __getattr__(name: str):

@@ -53,7 +53,7 @@ _ending: set = set()                    # the writers a finaliser asked to end t
 _previous = signal.SIG_DFL              # SIGTERM's handler before ours
 _terminating = False                    # our handler is closing the Recorders
 # tensortape's modules that run the user's training and hold no lock while it runs
-_RUNNERS = {"tensortape.recorder.script", "tensortape.recorder._script",
+_RUNNERS = {"tensortape.recorder.script", "tensortape.recorder._tracker",
             "tensortape.recorder.integrations"}
 
 

@@ -8,7 +8,7 @@ It wires the one-way flow and owns the lifecycle, nothing more::
 Settings are validated once (``_config``); the run is opened on every rank by
 ``_ranklog.RankLog.open``, the owner of the rank's durable state, which the
 writer feeds.  Under
-``on_nonfinite="replay"`` a step's end goes through ``_replay.Replayer`` too.
+``on_nonfinite="replay"`` a step's end goes through ``_replayer.Replayer`` too.
 A Recorder left open at exit, or collected unclosed, is ended by ``_exit``.
 
 Training thread.
@@ -24,22 +24,23 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _exit, _scalars
+from . import _exit
+from .step import _scalars
 from . import format as fmt
 from ._config import ON_NONFINITE, STATS_EVERY, TENSORS_EVERY, RecorderConfig
-from ._engines import engine_choice
-from ._quiet import quiet, warn
-from ._hooks import HookSet
-from ._selection import select_layers, unwrap
-from ._budget import resolve as resolve_budget
-from ._buffer import StepBuffer
-from ._drops import DropLedger
-from ._ranklog import RankLog
-from ._ranks import rank0_decides, rank_and_world
-from ._pool import write_threads
-from ._root import check_mode
-from ._replay import Replayer
-from ._writer import Writer
+from .capture._engines import engine_choice
+from .quiet import quiet, warn
+from .hooks._hooks import HookSet
+from .hooks._selection import select_layers, unwrap
+from .writer._budget import resolve as resolve_budget
+from .step._buffer import StepBuffer
+from .step._drops import DropLedger
+from .store._ranklog import RankLog
+from .store._ranks import rank0_decides, rank_and_world
+from .store._pool import write_threads
+from .claim._root import check_mode
+from .replay._replayer import Replayer
+from .writer._writer import Writer
 from .errors import ConfigError, InspectionError, NonFiniteError
 
 __all__ = ["Recorder"]

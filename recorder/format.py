@@ -185,7 +185,7 @@ def rank_of(name) -> int | None:
 
 
 CLAIM_NAME = "tensortape.lock"   # a group at the root whose zarr.json names the job that
-                                 # records the run (``recorder._claim``); gone at close
+                                 # records the run (``recorder.claim._claim``); gone at close
 
 
 def is_own_entry(name: str) -> bool:

@@ -20,9 +20,9 @@ from torch import nn
 
 from . import format as fmt
 from ._config import RecorderConfig
-from ._engines import summarize
-from ._hooks import HookSet
-from ._naming import leaves
+from .capture._engines import summarize
+from .hooks._hooks import HookSet
+from .hooks._naming import leaves
 
 __all__ = ["Capture", "inspect_batch", "watched_kinds"]
 

@@ -35,7 +35,7 @@ optional extra: ``tensortape[hf]``, ``tensortape[lightning]``).
 
 from __future__ import annotations
 
-from . import _scalars
+from .step import _scalars
 from ._config import RecorderConfig
 from .errors import RecorderError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from ._lock import lock_for
+from .claim._lock import lock_for
 
 __all__ = ["recording_job"]
 

@@ -60,8 +60,8 @@ def write_run(location, attrs: dict, states: dict[int, fmt.RankState],
     tensortape run there (never other files).  ``source``: the location read,
     which is never the one written.  A copy that fails removes what it wrote:
     the folder it created, or what it put in the one that was there."""
-    from ._root import open_root
-    from ._store import RunStore
+    from .claim._root import open_root
+    from .store._store import RunStore
     location = fmt.location(location)
     _check_entry(location, mode, source)
     existed = _exists(location)
@@ -76,7 +76,7 @@ def write_run(location, attrs: dict, states: dict[int, fmt.RankState],
 def _check_entry(location: str, mode: str, source) -> None:
     """Refuse, before anything is written, a mode other than "w-"/"w", the source
     itself, and (under "w-") anything already at ``location``."""
-    from ._root import Contents, look
+    from .claim._root import Contents, look
     from .errors import ConfigError, StoreExistsError, argument
     if mode not in ("w-", "w"):
         raise ConfigError(f"{argument('mode', mode)} is not valid here; use 'w-' (a new "
@@ -145,7 +145,7 @@ def _write(root, location: str, attrs: dict, states, tables, RunStore) -> str:
             s.trim()
         last = dict(attrs, tensortape_format=fmt.FORMAT_VERSION)
         ranks = sorted(states)
-        from ._ranklog import RankLog
+        from .store._ranklog import RankLog
         for rank in ranks:                   # the counters after the data, the root last
             RankLog.commit_copy(store(rank), states[rank], last if rank == ranks[-1] else None)
         if not ranks:

@@ -1,5 +1,5 @@
 """Record a training script that knows nothing of tensortape (``tensortape record``):
-``run_script`` (its internals are ``_script``'s).
+``run_script`` (its internals are ``_tracker``'s).
 
 The script runs in this process (``runpy``), unchanged:
 
@@ -41,9 +41,9 @@ import runpy
 import sys
 import traceback
 
-from ._script import Stop, Tracker, find_module, probe
+from ._tracker import Stop, Tracker, find_module, probe
 from ._config import RecorderConfig
-from ._root import check_mode
+from .claim._root import check_mode
 from .errors import ConfigError, RecorderError, argument
 
 __all__ = ["run_script"]

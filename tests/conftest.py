@@ -197,7 +197,7 @@ def old_s3_client(monkeypatch):
 def machines(monkeypatch):
     """One shared disk without flock, seen from two machines: ``machines("A")`` makes
     what follows run as if on machine A (its host, boot and pid namespace)."""
-    from tensortape.recorder import _holder, _lockfile
+    from tensortape.recorder.claim import _holder, _lockfile
     monkeypatch.setattr(_lockfile, "fcntl", None)
     where = {"node": "A"}
     monkeypatch.setattr(_holder, "this_node", lambda: f"machine-{where['node']}|boot|ns")

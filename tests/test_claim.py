@@ -19,8 +19,8 @@ from torch import nn
 from tensortape.analysis import open_run
 from tensortape.recorder import Recorder, StoreExistsError
 from tensortape.recorder import format as fmt
-from tensortape.recorder._claim import Claim
-from tensortape.recorder._holder import this_node
+from tensortape.recorder.claim._claim import Claim
+from tensortape.recorder.claim._holder import this_node
 from conftest import InplaceMLP, at_once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -335,7 +335,7 @@ def test_who_is_gone(tmp_path, monkeypatch):
 
 def test_a_stale_claim_without_a_claim_of_ones_own_is_a_store_error(tmp_path):
     """open_root without a claim (tools) never lets zarr's raw FileExistsError out."""
-    from tensortape.recorder._root import open_root
+    from tensortape.recorder.claim._root import open_root
     store = str(tmp_path / "run.zarr")
     fake_claim(store, heartbeat=0)                        # a stale claim: the store is "empty"
     with pytest.raises(StoreExistsError):

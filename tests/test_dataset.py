@@ -72,7 +72,7 @@ def record(store, steps=STEPS):
 def recorded(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("dataset") / "run.zarr")
     with pytest.MonkeyPatch.context() as mp:        # a chunk a step (the default: ~8 MB)
-        mp.setattr("tensortape.recorder._layout.CHUNK_BYTES", 2048)
+        mp.setattr("tensortape.recorder.store._layout.CHUNK_BYTES", 2048)
         truth = record(store)
     return store, truth
 

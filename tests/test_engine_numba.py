@@ -1,4 +1,4 @@
-"""The numba CPU statistics engine (``recorder._numba``) against the oracle.
+"""The numba CPU statistics engine (``recorder.capture._numba``) against the oracle.
 
 Its statistics and histograms must be the ones the SPEC defines (the oracle:
 numpy in float64 on the tensor's values): counts, minimum, maximum and every
@@ -22,8 +22,8 @@ pytest.importorskip("numba")
 import oracle                                      # noqa: E402
 from tensortape.analysis import open_run                     # noqa: E402
 from tensortape.recorder import Recorder                      # noqa: E402
-from tensortape.recorder._engines import Engines              # noqa: E402
-from tensortape.recorder._summary import finalize, prepared   # noqa: E402
+from tensortape.recorder.capture._engines import Engines              # noqa: E402
+from tensortape.recorder.capture._summary import finalize, prepared   # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16] + [
@@ -157,7 +157,7 @@ def test_the_recorder_stores_the_oracles_statistics(tmp_store, monkeypatch):
 
 
 def test_a_failing_kernel_is_demoted_to_the_torch_engine(tmp_store, monkeypatch):
-    from tensortape.recorder import _nbkernels
+    from tensortape.recorder.capture import _nbkernels
     monkeypatch.setenv("TENSORTAPE_ENGINE", "numba")
     engine()
 
@@ -180,7 +180,7 @@ def test_a_failing_kernel_is_demoted_to_the_torch_engine(tmp_store, monkeypatch)
 def _left_to_the_writer(monkeypatch, later):
     """Fresh engines (a failure must not outlive the test), every capture of a dtype
     for which ``later(engine, dtype)`` holds left to the writer; the copies it got."""
-    from tensortape.recorder import _engines, _numba, _summarizer
+    from tensortape.recorder.capture import _engines, _numba, _summarizer
     monkeypatch.setenv("TENSORTAPE_ENGINE", "numba")
     monkeypatch.setattr(_engines, "_instances", {})
     monkeypatch.setattr(_numba.NumbaEngine, "later", later)
@@ -225,7 +225,7 @@ def test_a_kernel_failing_on_the_writer_is_demoted_and_nothing_is_lost(tmp_path,
     """The writer summarises that capture eagerly (exact); the training thread
     demotes the dtype at its next capture, warned once, that capture counted."""
     import threading
-    from tensortape.recorder import _numba
+    from tensortape.recorder.capture import _numba
     _left_to_the_writer(monkeypatch, lambda self, dtype: dtype not in self._failed)
     reduce = _numba.NumbaEngine.reduce
 
@@ -253,7 +253,7 @@ class _nothing:
 
 
 def test_the_training_thread_never_compiles():
-    from tensortape.recorder import _nbkernels as K
+    from tensortape.recorder.capture import _nbkernels as K
     e = engine()
     kernels = (K.one, K.chunk, K.finish, K.many, K.nonfinite, K.shift_of, K._moments, K._codes)
     before = [len(k.signatures) for k in kernels]
@@ -270,7 +270,7 @@ def test_the_training_thread_never_compiles():
 
 def test_without_numba_the_torch_engine_takes_the_cpu():
     code = ("import sys; sys.modules['numba'] = None\n"
-            "import torch\nfrom recorder._engines import Engines\n"
+            "import torch\nfrom recorder.capture._engines import Engines\n"
             "print(type(Engines().for_tensor(torch.zeros(1))).__name__)")
     p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT),
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -278,8 +278,8 @@ def test_without_numba_the_torch_engine_takes_the_cpu():
 
 
 def test_an_empty_cache_is_filled_by_a_child_process(tmp_path):
-    code = ("import os, torch\nfrom recorder._numba import NumbaEngine\n"
-            "from recorder._nbkernels import cached_mark\nfrom recorder._engine import Engine\n"
+    code = ("import os, torch\nfrom recorder.capture._numba import NumbaEngine\n"
+            "from recorder.capture._nbkernels import cached_mark\nfrom recorder.capture._engine import Engine\n"
             "e = NumbaEngine('cpu', True)\nx = torch.randn(30000)\n"
             "assert not os.path.exists(cached_mark('float32'))\n"
             "e.ready(torch.float32, wait=True)\nassert os.path.exists(cached_mark('float32'))\n"
@@ -298,7 +298,7 @@ def test_an_empty_cache_is_filled_by_a_child_process(tmp_path):
 COLD = r'''
 import json, sys, threading, torch
 from torch import nn
-from tensortape.recorder import Recorder, _engine, _nbkernels
+from tensortape.recorder import Recorder; from tensortape.recorder.capture import _engine, _nbkernels
 out, mode = sys.argv[1], sys.argv[2]
 on_training = []
 for kernel in ("reduce", "reduce_many", "count_nonfinite"):
@@ -308,7 +308,7 @@ for kernel in ("reduce", "reduce_many", "count_nonfinite"):
         return _orig(self, *a)
     setattr(_engine.Engine, kernel, spy)
 if mode == "broken":                                # no kernels: nothing compiles, loads fail
-    import tensortape.recorder._numba as N
+    import tensortape.recorder.capture._numba as N
     N._compile_apart = lambda reads: None
     def broken(*a, **k):
         raise RuntimeError("compile broken")

@@ -163,7 +163,7 @@ def numba_ready():
     """numba's float64 kernels loaded, so that its engine (not the eager kernels a
     capture takes while they compile) summarises what the test records."""
     pytest.importorskip("numba")
-    from tensortape.recorder._engines import Engines
+    from tensortape.recorder.capture._engines import Engines
     Engines(choice="numba").for_tensor(torch.zeros(1)).ready(torch.float64, wait=True)
 
 
@@ -207,7 +207,7 @@ TRITON = textwrap.dedent("""
     cases = [extreme(*c) for c in eval(sys.argv[2])]
     torch.save(cases, sys.argv[1] + ".pt")
     record(sys.argv[1], cases)
-    from tensortape.recorder._engines import Engines
+    from tensortape.recorder.capture._engines import Engines
     print(type(Engines().for_tensor(torch.zeros(1))).__name__)
 """)
 

@@ -17,10 +17,11 @@ from torch import nn
 
 from tensortape.analysis import open_run
 from tensortape.recorder import ConfigError, InspectionError, NonFiniteError, Recorder
-from tensortape.recorder import _engines, _hooks, _snapshot
+from tensortape.recorder.capture import _engines, _snapshot
+from tensortape.recorder.hooks import _hooks
 
 try:                                   # the numba engine, when numba is installed
-    from tensortape.recorder import _numba
+    from tensortape.recorder.capture import _numba
 except ImportError:
     _numba = None
 
@@ -102,7 +103,7 @@ def test_a_failure_inside_tensortape_never_reaches_training(tmp_store, monkeypat
 
 
 def test_a_failing_triton_engine_gives_way_to_the_torch_kernels(tmp_store, monkeypatch):
-    triton_engine = pytest.importorskip("tensortape.recorder._triton").TritonEngine
+    triton_engine = pytest.importorskip("tensortape.recorder.capture._triton").TritonEngine
     monkeypatch.setenv("TENSORTAPE_ENGINE", "triton")       # Triton for CPU tensors: it fails,
     calls = []                                               # as a launch on a bad device would
     monkeypatch.setattr(triton_engine, "reduce", failing(lambda self, x: (_ for _ in ()).throw(

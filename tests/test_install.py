@@ -37,10 +37,10 @@ def test_the_wheel_installs_one_top_level_name(wheel):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"tensortape"}, tops
     names = zipfile.ZipFile(wheel).namelist()
     for part in ("tensortape/__main__.py", "tensortape/cli.py", "tensortape/recorder/__init__.py",
-                 "tensortape/analysis/__init__.py", "tensortape/analysis/static/index.html",
-                 "tensortape/sample_runs/task.py", "tensortape/analysis/static/vendor/uPlot.iife.min.js",
-                 "tensortape/analysis/static/vendor/uPlot.min.css",
-                 "tensortape/analysis/static/vendor/uPlot.LICENSE"):
+                 "tensortape/analysis/__init__.py", "tensortape/analysis/browser/static/index.html",
+                 "tensortape/sample_runs/task.py", "tensortape/analysis/browser/static/vendor/uPlot.iife.min.js",
+                 "tensortape/analysis/browser/static/vendor/uPlot.min.css",
+                 "tensortape/analysis/browser/static/vendor/uPlot.LICENSE"):
         assert part in names
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from conftest import at_once
 from tensortape.recorder import format as fmt
-from tensortape.recorder._holder import Held, claim_doc, new_claim
-from tensortape.recorder._lock import lock_for
+from tensortape.recorder.claim._holder import Held, claim_doc, new_claim
+from tensortape.recorder.claim._lock import lock_for
 
 STALE_S = 2.0
 

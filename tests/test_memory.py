@@ -1,6 +1,6 @@
 """Bounded memory on an accelerator, checked on the CPU with a fake device.
 
-The fake stands in for CUDA's copies (``recorder._snapshot.COPIES``): it keeps
+The fake stands in for CUDA's copies (``recorder.capture._snapshot.COPIES``): it keeps
 a "device clone" alive until its copy to the host lands, and lands a copy only
 after the recorder has asked about it a few times (a slow device).  It measures
 the device and pinned bytes alive at every moment, and which thread ever waits
@@ -23,7 +23,7 @@ from torch import nn
 
 from tensortape.analysis import open_run
 from tensortape.recorder import Recorder
-from tensortape.recorder import _snapshot
+from tensortape.recorder.capture import _snapshot
 
 KIB = 1 << 10
 

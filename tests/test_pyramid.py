@@ -106,7 +106,7 @@ def stores(tmp_path_factory):
 
 class Server:
     def __init__(self, path):
-        from tensortape.analysis._serve import make_server
+        from tensortape.analysis.browser._serve import make_server
         self.server = make_server([path], "127.0.0.1", 0)
         self.url = "http://127.0.0.1:%d" % self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -303,7 +303,7 @@ def test_a_table_widened_by_a_writer_without_pyramids_is_read_from_its_rows(tmp_
     pyramid entry (attributes are merged) but widens only ``stats`` when a layer is
     added: the narrower levels must not be read, or the new layer would show another
     layer's grains (or the map would fail)."""
-    from tensortape.recorder import _store
+    from tensortape.recorder.store import _store
     path = str(tmp_path / "mixed.zarr")
     model, data = Net(), torch.Generator().manual_seed(5)
 

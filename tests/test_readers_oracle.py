@@ -796,7 +796,7 @@ class Served:
     ``get`` answers (status, JSON body)."""
 
     def __init__(self, path: str):
-        from tensortape.analysis._serve import make_server
+        from tensortape.analysis.browser._serve import make_server
         self.server = make_server([path], "127.0.0.1", 0)
         self.url = "http://127.0.0.1:%d/api/" % self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()

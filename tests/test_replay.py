@@ -494,7 +494,7 @@ def test_an_output_cleaned_in_place_after_the_call_is_judged_by_its_capture(tmp_
 
 
 def test_the_cap_counts_outputs_and_output_gradients(tmp_path):
-    from tensortape.recorder._keeper import Keeper
+    from tensortape.recorder.replay._keeper import Keeper
     k = Keeper(1 << 20)
     x, y, g = torch.zeros(10), torch.zeros(20), torch.zeros(30)
     k.enter("m", "m", 0, nn.Identity(), (x,), {})
@@ -709,7 +709,7 @@ def test_ddp_a_producer_with_a_collective_in_its_forward_is_stopped_before_it(tm
 
 
 def test_a_forward_hook_of_torch_distributed_on_a_descendant_rules_out_a_replay():
-    from tensortape.recorder._collectives import collectives
+    from tensortape.recorder.replay._collectives import collectives
 
     def gather(module, args):                   # stands for FSDP's or TP's pre-forward hook
         return None

@@ -321,7 +321,8 @@ def test_steps_lost_in_an_outage_of_the_store_still_hide_the_old_recording(tmp_s
     steps into one record (their statistics counted, not kept); the old recording of
     those steps is not read either, and its NaN there is not reported."""
     from faultstore import faulty
-    from tensortape.recorder import TensortapeWarning, _journal
+    from tensortape.recorder import TensortapeWarning
+    from tensortape.recorder.store import _journal
     model = Net()
     oracle = Oracle(model)
     record(tmp_store, model, oracle, 0, [(s, [(True, s == 4)]) for s in range(8)])

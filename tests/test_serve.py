@@ -90,7 +90,7 @@ class Served:
     (status, JSON body)."""
 
     def __init__(self, *paths):
-        from tensortape.analysis._serve import make_server
+        from tensortape.analysis.browser._serve import make_server
         self.server = make_server(list(paths), "127.0.0.1", 0)
         self.url = "http://127.0.0.1:%d" % self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -435,13 +435,13 @@ def test_the_page_is_self_contained(spiky, serve):
     fetches nothing, and names only its own home in its licence header."""
     import hashlib
     import re
-    from tensortape.analysis._serve import STATIC
+    from tensortape.analysis.browser._serve import STATIC
     s = serve(spiky)
     status, page, ctype = s.raw("/")
     assert status == 200 and ctype.startswith("text/html")
     loaded = re.findall(r'(?:src|href)="(/[^"]*)"', page.decode())
     assert loaded and set(loaded) <= set(STATIC), loaded
-    vendor = os.path.join(ROOT, "analysis", "static", "vendor")
+    vendor = os.path.join(ROOT, "analysis", "browser", "static", "vendor")
     with open(os.path.join(vendor, "SHA256SUMS")) as f:
         sums = dict(reversed(line.split()) for line in f if not line.startswith("#"))
     for path in STATIC:
@@ -510,7 +510,7 @@ def test_a_page_of_another_site_rebound_to_loopback_is_refused(spiky, serve, pat
 
 
 def test_a_server_bound_beyond_loopback_answers_any_host(spiky):
-    from tensortape.analysis._serve import make_server
+    from tensortape.analysis.browser._serve import make_server
     server = make_server([spiky], "0.0.0.0", 0, warm=False)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -576,7 +576,7 @@ def test_a_host_other_than_loopback_warns_of_no_authentication(spiky):
 def test_help_and_analysis_do_not_import_the_server_or_torch():
     code = ("import sys, analysis, cli\n"
             "try:\n    cli.main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
-            "assert 'tensortape.analysis._serve' not in sys.modules and 'http.server' not in sys.modules\n"
+            "assert 'tensortape.analysis.browser._serve' not in sys.modules and 'http.server' not in sys.modules\n"
             "assert 'torch' not in sys.modules\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
                        capture_output=True, text=True, timeout=120)

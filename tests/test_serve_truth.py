@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
 from tensortape import Recorder
-from tensortape.analysis import _serve
+from tensortape.analysis.browser import _serve
 from tensortape.recorder import format as fmt
 from tensortape.recorder.errors import StoreFormatError
 
@@ -279,7 +279,7 @@ def as_rank(monkeypatch, rank, path):
         with open(claim) as f:
             return None, json.load(f)["attributes"]["tensortape_claim"]["token"]
     if rank:
-        monkeypatch.setattr("tensortape.recorder._ranks.rank0_decides", rank0_told)
+        monkeypatch.setattr("tensortape.recorder.store._ranks.rank0_decides", rank0_told)
 
 
 def test_a_rank_that_appears_while_the_run_is_live_is_served(tmp_path, serve, monkeypatch):
@@ -313,7 +313,7 @@ def test_an_internal_error_is_a_500_not_the_askers_fault(tmp_path, serve, monkey
 
     def fails(*args, **kwargs):
         raise error
-    monkeypatch.setattr("tensortape.analysis._api.map_", fails)
+    monkeypatch.setattr("tensortape.analysis.browser._api.map_", fails)
     status, body = s.get("map", kind="activations", stat="abs_max", width=3)
     assert status == 500 and str(error) in body["error"] and "\n" not in body["error"]
     status, body = s.get("map", kind="activations", stat="abs_max", width="x")

@@ -190,7 +190,8 @@ def test_a_tensortape_warning_made_an_error_never_loses_the_step(tmp_path, monke
     tensortape's warnings errors, the warning is raised once, where the loop
     called tensortape, and every step still reaches the store, the failure counted."""
     import torch
-    from tensortape.recorder import Recorder, TensortapeWarning, _engines
+    from tensortape.recorder import Recorder, TensortapeWarning
+    from tensortape.recorder.capture import _engines
 
     def broken(self, xs, exp_bits):
         raise RuntimeError("injected failure")

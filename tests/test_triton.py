@@ -45,7 +45,7 @@ RECORD = textwrap.dedent("""
     with Recorder(model, sys.argv[1], layers="", capture="activations", tensors_every=None, stats_every=1) as rec:
         with rec.step():
             model()
-    from tensortape.recorder._engines import Engines
+    from tensortape.recorder.capture._engines import Engines
     print(type(Engines().for_tensor(torch.zeros(1))).__name__)
 """)
 
@@ -83,8 +83,8 @@ def test_triton_engine_equals_the_cpu_engine(tmp_path):
 LAUNCHES = textwrap.dedent("""
     import collections, concurrent.futures, json, torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from tensortape.recorder import _triton
-    from tensortape.recorder._engines import Engines
+    from tensortape.recorder.capture import _triton
+    from tensortape.recorder.capture._engines import Engines
 
     class Ops(TorchDispatchMode):         # the torch ops a capture's statistics queue
         def __init__(self):

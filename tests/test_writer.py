@@ -250,7 +250,7 @@ def test_a_hung_store_never_hangs_training_nor_close(tmp_path):
 def test_a_dead_writer_never_hangs_training(tmp_path, monkeypatch):
     """The writer thread dies (a bug in its loop): each later step's captures are
     dropped and counted, the training thread is told once, and close returns."""
-    from tensortape.recorder import _worker
+    from tensortape.recorder.writer import _worker
     store = str(tmp_path / "run.zarr")
     model = _model()
     real_take = _worker.Worker._take
@@ -280,7 +280,7 @@ def test_a_dead_writer_never_hangs_training(tmp_path, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_writer_raises_once_under_on_error_raise(tmp_path, monkeypatch):
-    from tensortape.recorder import _worker
+    from tensortape.recorder.writer import _worker
     monkeypatch.setattr(_worker.Worker, "_take", lambda self: (_ for _ in ()).throw(SystemExit()))
     model = _model()
     rec = Recorder(model, str(tmp_path / "run.zarr"), layers="*", on_error="raise",
@@ -350,7 +350,7 @@ def test_a_forgotten_recorder_is_ended_without_a_lock_or_a_wait(tmp_path):
 def test_close_always_reaches_the_writer(tmp_path, monkeypatch):
     """The last record's hand-over raises (on_error='raise'): close still ends the
     writer, and the run is not left 'recording'."""
-    from tensortape.recorder import _writer
+    from tensortape.recorder.writer import _writer
     store = str(tmp_path / "run.zarr")
     model = _model()
     rec = Recorder(model, store, layers="*", outside_step="ignore", tensors_every=1, stats_every=1).attach()
@@ -373,7 +373,7 @@ def test_close_always_reaches_the_writer(tmp_path, monkeypatch):
 def test_the_backlog_of_an_outage_is_bounded_in_records(tmp_path, monkeypatch):
     """While the store cannot be written, at most BACKLOG_RECORDS steps keep their
     statistics; those past it are counted with their reason, never silently lost."""
-    from tensortape.recorder import _journal
+    from tensortape.recorder.store import _journal
     monkeypatch.setattr(_journal, "BACKLOG_RECORDS", 5)
     store = str(tmp_path / "run.zarr")
     model = _model()
@@ -445,7 +445,7 @@ def test_a_hung_store_never_hangs_the_interpreter_s_exit(tmp_path, threads, ende
 def test_the_journal_is_bounded_in_records(monkeypatch):
     """Past BACKLOG_RECORDS steps, the journal holds one record for all the others:
     their counts add up, their statistics are counted, memory stays flat."""
-    from tensortape.recorder import _journal
+    from tensortape.recorder.store import _journal
     from tensortape.recorder.format import RankState
     monkeypatch.setattr(_journal, "BACKLOG_RECORDS", 5)
     journal = _journal.Journal(RankState())
@@ -489,14 +489,14 @@ def _files(root):
 
 @pytest.mark.parametrize("layers", [3, 201, 300])
 def test_statistics_shards_are_written_byte_for_byte_as_zarr_writes_them(tmp_path, layers):
-    """The writer encodes the statistics tables' shards itself (``recorder._table``);
+    """The writer encodes the statistics tables' shards itself (``recorder.store._table``);
     the oracle is zarr writing the same blocks into an identical array: every stored
     file is the same, byte for byte, after each write (a first write, a shard's
     other bands kept, a band written again, several shards across the layers, the
     edge padded), and zarr reads back what was written."""
     import zarr
-    from tensortape.recorder._layout import stats_columns
-    from tensortape.recorder._shards import Shards
+    from tensortape.recorder.store._layout import stats_columns
+    from tensortape.recorder.store._shards import Shards
     rng = np.random.default_rng(layers)
     made = {}
     for side in ("zarr", "ours"):

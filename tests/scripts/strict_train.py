@@ -168,7 +168,7 @@ def lightning(store, out_dir):
 def compiled_kept() -> bool | None:
     """Whether every compiled statistics kernel this process made is still
     compiled (None: tensortape compiled nothing here)."""
-    engines = sys.modules.get("tensortape.recorder._engines")
+    engines = sys.modules.get("tensortape.recorder.capture._engines")
     if engines is None:
         return None
     numba = [e for e in engines._instances.values() if type(e).__name__ == "NumbaEngine"]

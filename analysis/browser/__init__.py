@@ -1,0 +1,3 @@
+"""``tensortape serve``: the HTTP server, its JSON API and the page (``static/``).
+
+Private: every module here starts with ``_``."""

@@ -1,0 +1,210 @@
+"""The claim on a local disk or a shared file system: ``O_EXCL`` and ``flock``.
+
+``LocalLock.acquire`` creates ``tensortape.lock/zarr.json`` with
+``open(O_CREAT | O_EXCL)``, takes an ``flock`` on it, and writes and fsyncs the
+claim; the owner holds that flock for as long as it records, so a lock file
+some process still holds an flock on is never taken over.  A claim whose owner
+is gone (``Holder.alive``) is taken over under its flock: re-read, still that
+stale claim? then rewritten in place.  The heartbeat is the file's mtime;
+``release`` deletes the file, under the flock, only while it is still this
+claim.  On a file system without flocks, pids and heartbeats decide alone, and
+a claim whose owner is gone is taken over by writing the new claim beside it
+and renaming it over the old one, then waiting ``SETTLE_S`` and reading it
+back: of two jobs that take it over at once, the last rename wins, and each
+reads which one that was.
+
+Runs on the thread that calls it: the training thread at attach
+(``acquire``), the ``tensortape-claim`` thread and the writer thread (``beat``,
+serialised by ``_heartbeat.Heartbeat``'s lock), and whichever thread releases the
+claim (close, the garbage collector's finaliser, interpreter exit).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .. import format as fmt
+from ._holder import LOCK_FILE, MAX_BYTES, TRIES, Held, Holder, parse_claim
+
+__all__ = ["LocalLock"]
+
+try:
+    import fcntl
+except ImportError:                        # no flock here: pids and heartbeats decide
+    fcntl = None
+
+
+SETTLE_S = 1.0                 # without flocks: rename, wait, read back
+
+
+def _flock(fd: int, wait: float) -> bool | None:
+    """Take an exclusive flock on ``fd`` within ``wait`` seconds: True when taken,
+    False when another process holds it, None on a file system without flocks."""
+    if fcntl is None:
+        return None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        except OSError:                    # ENOLCK, ENOSYS, EOPNOTSUPP: no flocks here
+            return None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _holder_of(fd: int) -> Holder:
+    """The claim in the open lock file ``fd``, without its mtime."""
+    return parse_claim(os.pread(fd, MAX_BYTES, 0), 0.0)
+
+
+class LocalLock:
+    """The lock file of the store at ``location``; ``fd`` while this job holds it."""
+
+    def __init__(self, location: str):
+        self.dir = os.path.join(location, fmt.CLAIM_NAME)
+        self.path = os.path.join(self.dir, LOCK_FILE)
+        self.fd: int | None = None
+        self.token = ""
+
+    def read(self) -> Holder | None:
+        """The claim there (None if there is none), given a moment if being written."""
+        h = None
+        for _ in range(20):
+            try:
+                with open(self.path, "rb") as f:
+                    raw, mtime = f.read(MAX_BYTES), os.fstat(f.fileno()).st_mtime
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            h = parse_claim(raw, mtime)
+            if h.readable or time.time() - mtime > 1:
+                return h
+            time.sleep(0.05)               # being written: give its owner a moment
+        return h
+
+    def acquire(self, doc: bytes, token: str) -> None:
+        """Write the claim ``doc`` (whose token is ``token``) if there is none or
+        its owner is gone; else raise ``Held``."""
+        cloexec = getattr(os, "O_CLOEXEC", 0)
+        for _ in range(TRIES):
+            os.makedirs(self.dir, exist_ok=True)
+            try:
+                # held read-only (the flock needs no more): an open file for writing
+                # would keep its file system from a read-only remount
+                fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | cloexec, 0o644)
+                created = True
+            except FileExistsError:
+                try:
+                    fd = os.open(self.path, os.O_RDONLY | cloexec)
+                except FileNotFoundError:  # released meanwhile
+                    continue
+                created = False
+            except FileNotFoundError:      # its folder removed by a release meanwhile
+                continue
+            try:
+                locked = _flock(fd, 2.0 if created else 0.5)
+                if locked is False:                  # a live owner holds it
+                    raise Held(self.read() or Holder.unreadable())
+                if not _same_file(fd, self.path):    # released and claimed anew meanwhile
+                    os.close(fd)
+                    continue
+                if not created:
+                    h = parse_claim(os.pread(fd, MAX_BYTES, 0), os.fstat(fd).st_mtime)
+                    if h.alive():
+                        raise Held(h)
+                    if locked is None:               # no flocks: replaced whole, read back
+                        os.close(fd)
+                        fd = -1
+                        fd = self._replace(doc, token)
+                        self.fd, self.token = fd, token
+                        return
+                w = os.open(self.path, os.O_WRONLY | cloexec)    # under the flock
+                try:
+                    os.ftruncate(w, 0)     # a gone owner's: taken over
+                    os.pwrite(w, doc, 0)
+                    os.fsync(w)
+                finally:
+                    os.close(w)
+            except BaseException:
+                if created and _same_file(fd, self.path) and not os.fstat(fd).st_size:
+                    os.unlink(self.path)   # the empty file this call made: not left behind
+                if fd >= 0:
+                    os.close(fd)
+                raise
+            self.fd, self.token = fd, token
+            return
+        raise Held(self.read() or Holder.unreadable())
+
+    def _replace(self, doc: bytes, token: str) -> int:
+        """Without flocks: the gone owner's claim replaced by ``doc`` (a new file renamed
+        over it), and after ``SETTLE_S`` the claim there, open, if it is ours; else
+        ``Held`` names who took it."""
+        cloexec = getattr(os, "O_CLOEXEC", 0)
+        tmp = os.path.join(self.dir, f"zarr.{token}.partial")
+        w = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | cloexec, 0o644)
+        try:
+            os.pwrite(w, doc, 0)
+            os.fsync(w)
+        finally:
+            os.close(w)
+        os.replace(tmp, self.path)
+        time.sleep(SETTLE_S)
+        try:
+            fd = os.open(self.path, os.O_RDONLY | cloexec)
+        except FileNotFoundError:
+            raise Held(Holder.unreadable()) from None
+        h = _holder_of(fd)
+        if h.token != token:
+            os.close(fd)
+            raise Held(self.read() or Holder.unreadable())
+        return fd
+
+    def check(self) -> str | None:
+        """Why the claim is no longer this job's, or None: a ``stat`` and a ``pread``
+        of the lock file held open."""
+        if self.fd is None:
+            return "released"
+        if not _same_file(self.fd, self.path):
+            h = self.read()
+            if h is not None and h.token != self.token:
+                return f"taken over by {h.describe()}"
+            return f"its lock {self.path!r} was removed (a job that took the run over ended?)"
+        h = _holder_of(self.fd)
+        if h.token != self.token:
+            return f"taken over by {h.describe()}"
+        return None
+
+    def beat(self) -> str | None:
+        """Touch the lock file; why the claim is no longer this job's, or None."""
+        why = self.check()
+        if why is None:
+            os.utime(self.fd if os.utime in os.supports_fd else self.path)
+        return why
+
+    def release(self) -> bool:
+        """Delete the lock file if it is still this claim; True if this call did."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return False
+        try:
+            if not _same_file(fd, self.path) or _holder_of(fd).token != self.token:
+                return False
+            os.unlink(self.path)           # under our flock: nobody takes it over meanwhile
+            try:
+                os.rmdir(self.dir)
+            except OSError:
+                pass
+            return True
+        finally:
+            os.close(fd)
