@@ -53,8 +53,7 @@ _ending: set = set()                    # the writers a finaliser asked to end t
 _previous = signal.SIG_DFL              # SIGTERM's handler before ours
 _terminating = False                    # our handler is closing the Recorders
 # tensortape's modules that run the user's training and hold no lock while it runs
-_RUNNERS = {"tensortape.recorder.script", "tensortape.recorder._tracker",
-            "tensortape.recorder.integrations"}
+_RUNNERS = {f"{__package__}.{m}" for m in ("script", "_tracker", "integrations")}
 
 
 def opened(rec, writer, hooks, buffer) -> None:
@@ -149,7 +148,7 @@ def _inside(frame) -> bool:
     which may hold one of its locks."""
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name.startswith("tensortape.recorder.") and name not in _RUNNERS:
+        if name.startswith(f"{__package__}.") and name not in _RUNNERS:
             return True
         frame = frame.f_back
     return False

@@ -15,10 +15,17 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ANALYSIS = sorted(f"analysis/{n}" for n in os.listdir(os.path.join(ROOT, "analysis"))
+
+
+def _modules(top: str) -> list[str]:
+    """Every module under ``top``, its subpackages included."""
+    return sorted(os.path.relpath(os.path.join(d, n), ROOT)
+                  for d, _, names in os.walk(os.path.join(ROOT, top)) for n in names
                   if n.endswith(".py"))
-RECORDER = sorted(f"recorder/{n}" for n in os.listdir(os.path.join(ROOT, "recorder"))
-                  if n.endswith(".py"))
+
+
+ANALYSIS = _modules("analysis")
+RECORDER = _modules("recorder")
 
 
 def imports(relpath: str, module_level: bool = False) -> list[tuple[int, str]]:
@@ -152,13 +159,17 @@ def foreign_privates(relpath: str) -> list[tuple[int, str]]:
                 continue
             hits.append((node.lineno, f"{ast.unparse(base)}.{node.attr}"))
         elif isinstance(node, ast.ImportFrom):
-            folder = package if node.level == 1 else ROOT
-            sub = (node.module or "").removeprefix("tensortape.").replace(".", os.sep)
+            folder = package
+            for _ in range(node.level - 1):
+                folder = os.path.dirname(folder)
+            folder = folder if node.level else ROOT
+            sub = (node.module or "").removeprefix("tensortape").lstrip(".").replace(".", os.sep)
             for a in node.names:
                 if not _private(a.name) or a.name in FOREIGN_PRIVATES:
                     continue
-                if os.path.exists(os.path.join(folder, sub, a.name + ".py")):
-                    continue                        # a private module of the package
+                where = os.path.join(folder, sub, a.name)
+                if os.path.exists(where + ".py") or os.path.exists(os.path.join(where, "__init__.py")):
+                    continue                        # a private module (or package) of the package
                 hits.append((node.lineno, f"from {'.' * node.level}{node.module or ''} "
                                           f"import {a.name}"))
     return hits

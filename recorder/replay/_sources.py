@@ -17,10 +17,13 @@ import torch
 
 __all__ = ["caller", "kind", "line"]
 
+from .. import __file__ as _recorder_init
+
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-_ROOT = os.path.dirname(os.path.abspath(sys.modules["tensortape"].__file__))
+_RECORDER = os.path.dirname(os.path.abspath(_recorder_init))
+_ROOT = os.path.dirname(_RECORDER)
 # tensortape's own code, and what only calls on (never the user's line)
-_OURS = (os.path.join(_ROOT, "recorder") + os.sep, os.path.join(_ROOT, "analysis") + os.sep, os.path.join(_ROOT, "cli.py"))
+_OURS = (_RECORDER + os.sep, os.path.join(_ROOT, "analysis") + os.sep, os.path.join(_ROOT, "cli.py"))
 # torch's frames that are dispatch machinery, not a line of a library's op
 _MACHINERY = tuple(os.path.join(_TORCH, f) for f in (
     "_compile.py", "_dynamo" + os.sep, "utils" + os.sep + "_python_dispatch.py", "_ops.py",
