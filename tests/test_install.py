@@ -44,6 +44,19 @@ def test_the_wheel_installs_one_top_level_name(wheel):
         assert part in names
 
 
+def test_the_wheel_holds_every_module_of_every_subpackage(wheel):
+    """Each folder of the package (``recorder/store``, ``analysis/browser``, ...) is
+    listed in ``pyproject.toml``: a folder left out would install without its modules."""
+    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                              "recorder", "analysis", "sample_runs"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    modules = {f"tensortape/{f}" for f in tracked if f.endswith(".py")
+               and os.path.isfile(os.path.join(ROOT, f))}
+    assert any(m.count("/") > 2 for m in modules)       # the subpackages are there to check
+    missing = modules - set(zipfile.ZipFile(wheel).namelist())
+    assert not missing, sorted(missing)
+
+
 USER_SCRIPT = textwrap.dedent("""
     import sys, torch
     import analysis, recorder, cli                      # the user's own modules
