@@ -120,7 +120,8 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "pl
 
 def _record(tmp_path, *flags):
     store = str(tmp_path / "run.zarr")
-    p = subprocess.run([sys.executable, "-m", "tensortape", "record", "-o", store, "--layers", "0",
+    p = subprocess.run([sys.executable, "-m", "tensortape", "record", "--stats-every", "1", "-o", store,
+                        "--layers", "0",
                         "--capture", "activations", *flags, "--", "python", SCRIPT, "4"],
                        capture_output=True, text=True, cwd=ROOT)
     return store, p

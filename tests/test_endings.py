@@ -83,7 +83,8 @@ def tensortape(*args):
 @pytest.mark.parametrize("how,status", [("raise", 1), ("sigint", 130)])
 def test_record_keeps_the_steps_of_a_script_that_fails(tmp_path, how, status):
     store, log = str(tmp_path / "run.zarr"), str(tmp_path / "log")
-    p = tensortape("record", "-o", store, "--layers", "0", "--tensors-every", "2", "--",
+    p = tensortape("record", "--stats-every", "1", "-o", store, "--layers", "0", "--tensors-every", "2",
+                   "--",
                    "python", CRASH, "none", how, str(K), "-", log)
     assert p.returncode == status, p.stderr[-2000:]
     if how == "sigint":                 # Ctrl-C: one line, no traceback
@@ -278,7 +279,7 @@ def test_record_closes_the_run_at_sigterm(tmp_path, how, status):
     cmd = [exe] if exe else [sys.executable, os.path.join(ROOT, "cli.py")]
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    got, lines, err = terminated(tmp_path, [*cmd, "record", "-o", store, "--tensors-every", "0",
+    got, lines, err = terminated(tmp_path, [*cmd, "record", "--stats-every", "1", "-o", store, "--tensors-every", "0",
                                             "--", "python", str(script), how], "waiting")
     assert got == status, err[-3000:]
     assert ("handler ran" in lines) == (how == "own handler")

@@ -108,7 +108,7 @@ def test_lightning_under_W_error_records_what_the_oracle_sees(tmp_path):
 
 def test_tensortape_record_under_W_error_records_what_the_oracle_sees(tmp_path):
     store, out = str(tmp_path / "rec.zarr"), str(tmp_path / "want.json")
-    p = strict(os.path.join(ROOT, "cli.py"), "record", "-o", store, "--", "python", SCRIPT,
+    p = strict(os.path.join(ROOT, "cli.py"), "record", "--stats-every", "1", "-o", store, "--", "python", SCRIPT,
                "bare", out)
     assert p.returncode == 0, p.stderr[-3000:]
     run, want = check_against_oracle(store, out)

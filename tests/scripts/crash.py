@@ -89,7 +89,7 @@ def main(framework, how, k, store, log, models=None):
             per_device_train_batch_size=BATCH, max_steps=1000, save_strategy="no", report_to=[],
             use_cpu=True, disable_tqdm=True, logging_strategy="no")
         trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows(data),
-                                       callbacks=[TrainerCallback(store, **kw)])
+                                       callbacks=[TrainerCallback(store, **{"stats_every": 1, **kw})])
         if models is not None:
             models.append(trainer)          # alive after a failure, as in a notebook
         trainer.train()
@@ -112,7 +112,8 @@ def main(framework, how, k, store, log, models=None):
                 return torch.optim.SGD(self.parameters(), lr=1e-2)
         trainer = pl.Trainer(max_steps=1000, accelerator="cpu", logger=False,
                              enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, callbacks=[LightningCallback(store, **kw)],
+                             enable_model_summary=False,
+                             callbacks=[LightningCallback(store, **{"stats_every": 1, **kw})],
                              default_root_dir=os.path.dirname(store))
         if models is not None:
             models.append(trainer)

@@ -116,7 +116,8 @@ def hugging_face(store, out_dir):
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=token_rows(2 * ACCUM * STEPS, 0),
         eval_dataset=token_rows(4, 1), data_collator=transformers.default_data_collator,
-        callbacks=[TrainerCallback(store, layers=GPT2_LAYERS, capture=CAPTURE, tensors_every=2),
+        callbacks=[TrainerCallback(store, layers=GPT2_LAYERS, capture=CAPTURE, tensors_every=2,
+                                   stats_every=1),
                    Mirror()])
     trainer.train()
     return oracle, ""
@@ -159,7 +160,8 @@ def lightning(store, out_dir):
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out_dir,
                          callbacks=[LightningCallback(store, layers=[f"model.{p}" for p in GPT2_LAYERS],
-                                                      capture=CAPTURE, tensors_every=2),
+                                                      capture=CAPTURE, tensors_every=2,
+                                                      stats_every=1),
                                     Mirror()])
     trainer.fit(Module(model), train, val)
     return oracle, "model."
