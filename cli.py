@@ -325,7 +325,7 @@ RECORDER_FLAGS = ("mode", "tensors_every", "stats_every", "ring", "on_nonfinite"
 @click.option("--tensors-every", type=click.IntRange(min=0), default=None,
               help="persist full tensors every N steps (default 0: statistics only, and the "
                    "ring dumped at a NaN/Inf)")
-@click.option("--stats-every", type=click.IntRange(min=1), default=10, show_default=True,
+@click.option("--stats-every", type=click.IntRange(min=1), default=1, show_default=True,
               help="statistics and histograms every N steps (non-finite values are counted "
                    "at every step)")
 @click.option("--ring", type=click.IntRange(min=0), default=None,

@@ -15,9 +15,9 @@ from .format import CAPTURES
 NONFINITE_POLICIES = ("record", "dump", "raise", "replay")
 DUMPING = ("dump", "raise", "replay")      # the policies that store the ring at a NaN/Inf
 # the defaults, chosen by measurement (docs/PERFORMANCE.md, "What the defaults cost"):
-# statistics every 10 steps (NaN/Inf counted at every step), no full tensors but the ring's,
-# dumped at a NaN/Inf
-STATS_EVERY = 10
+# statistics every step (``stats_every=10``: NaN/Inf alone counted between), no full tensors
+# but the ring's, dumped at a NaN/Inf
+STATS_EVERY = 1
 TENSORS_EVERY = None
 RING = 2                                   # steps before the current one (``ring=None``:
 ON_NONFINITE = "dump"                      # this many where ``on_nonfinite`` dumps, else 0)

@@ -76,7 +76,7 @@ class Recorder:
     capture: kinds to record: ``activations``, ``gradients`` (of the outputs),
         ``inputs``, ``weights``, ``weight_grads``.
     stats_every: statistics and histograms at steps where ``step % stats_every == 0``
-        (the default: 10); every other step still counts NaN/Inf exactly.
+        (the default: 1); every other step still counts NaN/Inf exactly.
     tensors_every: full tensors at steps where ``step % tensors_every == 0``;
         ``None`` (the default) or 0 for statistics only (``--tensors-every 0``).
     ring: keep the full tensors of this many steps before the current one in
