@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from faultstore import faulty
-from ranks import BUILT_THEN_GO, run_ranks
+from ranks import BUILT_THEN_GO, PREAMBLE, run_ranks, start_ranks, wait_ranks
 from tensortape.analysis import open_run
 from tensortape.recorder import Recorder
 from tensortape.recorder import format as fmt
@@ -52,6 +52,34 @@ def take_over(location) -> None:
     fs.invalidate_cache()
 
 
+
+# Both ranks record steps 0-2 and commit; then rank 0 crashes (its claim's pid gone), and
+# rank 1, once the file named by the third argument is there, records steps 3-5, flushes
+# and closes: the warnings it was given are its "result1".
+RANK_0_CRASHES = PREAMBLE + """
+import warnings
+go = sys.argv[3]
+model = nn.Linear(3, 2)
+rec = Recorder(model, store, max_bytes=None, stats_every=1)
+def train(steps):
+    for i in steps:
+        with rec.step(i):
+            model(torch.full((2, 3), float(i))).sum().backward()
+train(range(3))
+rec.flush()
+dist.barrier()
+if rank == 0:
+    os._exit(9)
+while not os.path.exists(go):
+    time.sleep(0.01)
+with warnings.catch_warnings(record=True) as told:
+    warnings.simplefilter("always")
+    train(range(3, 6))
+    rec.flush()
+    rec.close()
+open(f"{out}/result{rank}", "w").write(json.dumps([str(w.message) for w in told]))
+os._exit(0)
+"""
 
 
 class RankLogTests:
@@ -133,6 +161,37 @@ class RankLogTests:
         assert all(g.startswith("StoreExistsError") and "being recorded by another job" in g
                    for g in got), got
         assert open_run(location).ranks == [0]
+
+    def test_a_rank_whose_rank_0_crashed_writes_nothing_once_another_job_took_over(
+            self, location, tmp_path, monkeypatch):
+        """Rank 0 crashes; on its machine its claim is taken over at once (its pid is
+        gone), by a job with mode="w".  Rank 1 trains on and commits: it writes
+        nothing into the other job's run, and says once that its claim was lost."""
+        if not self.shared:
+            pytest.skip("a memory:// store is one process's")
+        monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")    # no heartbeat rewrites
+        go = tmp_path / "go"
+        procs = start_ranks(RANK_0_CRASHES, location, tmp_path, go)
+        try:
+            assert procs[0].wait(timeout=300) == 9
+            model = nn.Linear(3, 2)
+            with Recorder(model, location, mode="w", max_bytes=None, stats_every=1,
+                          metadata={"job": "B"}) as rec:
+                train(rec, model, range(1000, 1003))
+                rec.flush()
+                before = snapshot(location)
+                go.touch()
+                assert procs[1].wait(timeout=300) == 0
+                assert snapshot(location) == before
+        finally:
+            wait_ranks(procs, 1)
+        told = json.loads((tmp_path / "result1").read_text())
+        lost = [t for t in told if "was lost" in t]
+        assert len(lost) == 1 and "taken over by another job" in lost[0] \
+            and "after step 2" in lost[0], told
+        run = open_run(location)
+        assert run.ranks == [0] and run.steps().tolist() == [1000, 1001, 1002]
+        assert run.attrs["metadata"] == {"job": "B"} and run.status == "complete"
 
 
 class TestLocal(RankLogTests):

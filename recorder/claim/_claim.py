@@ -129,6 +129,13 @@ class Claim:
         return claim
 
     @property
+    def shared_by_rank(self) -> bool:
+        """A rank other than 0's view of rank 0's claim: it has no lease of its own
+        (a crashed rank 0's claim is taken over at once on its machine), so each of
+        its commits reads the claim before it writes anything."""
+        return self._lock is not None
+
+    @property
     def held(self) -> bool:
         """Whether this object holds the claim (rank 0, not released, not lost)."""
         return self._heartbeat is not None and self._heartbeat.holding

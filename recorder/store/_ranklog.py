@@ -302,7 +302,7 @@ class RankLog:
         """Commit what was written (``final``: the last commit, every table cut to its
         rows first), with ``status`` (rank 0): confirm the claim, flush the tables,
         read the claim, then write the counters.  Nothing once the claim is lost."""
-        if not self._confirmed():
+        if not self._confirmed(read=self.claim.shared_by_rank):
             return
         st = self._state
         st.committed.update(self.store.flush())
