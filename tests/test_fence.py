@@ -286,3 +286,45 @@ def test_two_jobs_taking_one_stale_claim_over_at_once_one_wins(monkeypatch):
         assert any(isinstance(g, StoreExistsError) for g in got), got
         won[0].close()
         MemoryFileSystem().rm(url.removeprefix("memory://"), recursive=True)
+
+
+# --- a shared disk without flock: two takeovers further apart than any settle ------------------
+def test_two_takeovers_without_flock_renamed_seconds_apart_have_one_winner(tmp_path, machines,
+                                                                           monkeypatch):
+    """A shared disk without flock: two jobs on machine B take over the claim of a job
+    of machine A that is gone, at once; the first to rename its claim into place is
+    held up 2 s (a slow file server) before the rename lands.  One records, the
+    other is refused naming a job of machine B, and the claim is the winner's."""
+    monkeypatch.setenv("TENSORTAPE_CLAIM_STALE", "1")
+    store = tmp_path / "run.zarr"
+    lock = store / fmt.CLAIM_NAME / "zarr.json"
+    lock.parent.mkdir(parents=True)
+    gone = dict(token="t" * 32, host="elsewhere", node="machine-A|boot|ns", pid=4242,
+                started="2026-01-01T00:00:00+00:00", heartbeat=0.0, world=1, mode="w")
+    lock.write_text(json.dumps({"zarr_format": 3, "node_type": "group",
+                                "attributes": {"tensortape_claim": gone}}))
+    os.utime(lock, (0, 0))
+    replace, held_up = os.replace, []
+
+    def slow_replace(src, dst, *args, **kwargs):
+        if os.fspath(dst) == str(lock) and not held_up:
+            held_up.append(src)
+            time.sleep(2.0)
+        return replace(src, dst, *args, **kwargs)
+    monkeypatch.setattr(os, "replace", slow_replace)
+    machines("B")
+    recs = [Recorder(nn.Linear(2, 2), str(store), mode="w", max_bytes=None, stats_every=1)
+            for _ in range(2)]
+    got = at_once(lambda i: recs[i].attach())
+    won = [g for g in got if isinstance(g, Recorder)]
+    try:
+        lost = [g for g in got if isinstance(g, StoreExistsError)]
+        assert len(won) == 1 and len(lost) == 1, got
+        assert "host" in str(lost[0]) and "elsewhere" not in str(lost[0]), lost[0]
+        claim = json.loads(lock.read_text())["attributes"]["tensortape_claim"]
+        assert claim["node"] == "machine-B|boot|ns"
+    finally:
+        for r in won:
+            r.close()
+    assert open_run(str(store)).status == "complete"
+    assert fmt.CLAIM_NAME not in os.listdir(store)             # the claim released whole

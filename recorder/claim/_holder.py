@@ -27,8 +27,8 @@ from datetime import datetime, timezone
 
 from ..errors import argument
 
-__all__ = ["Held", "Holder", "claim_doc", "heartbeat_s", "new_claim", "parse_claim",
-           "refusal", "stale_s", "this_node"]
+__all__ = ["Held", "Holder", "amended", "beaten", "claim_doc", "heartbeat_s", "new_claim",
+           "parse_claim", "refusal", "stale_s", "this_node"]
 
 LOCK_FILE = "zarr.json"        # the claim is the group CLAIM_NAME: its zarr.json names the job
 TRIES = 20                     # a claim that changes under us this often: refuse
@@ -104,6 +104,7 @@ class Holder:
     pid_started: int | None = None
     started: str = "?"
     world: int = 1
+    generation: int = 0                    # takeovers without flock before it (``_lockfile``)
     beat: float = 0.0                      # newest heartbeat: written in it, or its mtime
     readable: bool = True
 
@@ -162,11 +163,16 @@ def claim_doc(info: dict) -> bytes:
                        "attributes": {"tensortape_claim": info}}, indent=1).encode()
 
 
+def amended(raw: bytes, **fields) -> bytes:
+    """The claim document ``raw`` with ``fields`` set (all else kept)."""
+    info = json.loads(raw)["attributes"]["tensortape_claim"]
+    info.update(fields)
+    return claim_doc(info)
+
+
 def beaten(raw: bytes) -> bytes:
     """The claim document ``raw`` with its heartbeat set to now (all else kept)."""
-    info = json.loads(raw)["attributes"]["tensortape_claim"]
-    info["heartbeat"] = time.time()
-    return claim_doc(info)
+    return amended(raw, heartbeat=time.time())
 
 
 def parse_claim(raw: bytes, mtime: float) -> Holder:
@@ -177,6 +183,7 @@ def parse_claim(raw: bytes, mtime: float) -> Holder:
         return Holder(token=str(c["token"]), host=str(c["host"]), node=str(c["node"]),
                       pid=int(c["pid"]), started=str(c["started"]), world=int(c.get("world", 1)),
                       pid_started=int(started) if started is not None else None,
+                      generation=int(c.get("generation") or 0),
                       beat=max(float(c.get("heartbeat") or 0), mtime))
     except Exception:
         return Holder.unreadable(mtime)

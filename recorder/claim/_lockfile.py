@@ -8,10 +8,15 @@ is gone (``Holder.alive``) is taken over under its flock: re-read, still that
 stale claim? then rewritten in place.  The heartbeat is the file's mtime;
 ``release`` deletes the file, under the flock, only while it is still this
 claim.  On a file system without flocks, pids and heartbeats decide alone, and
-a claim whose owner is gone is taken over by writing the new claim beside it
-and renaming it over the old one, then waiting ``SETTLE_S`` and reading it
-back: of two jobs that take it over at once, the last rename wins, and each
-reads which one that was.
+a claim whose owner is gone is taken over by an exclusive create: a claim
+carries its ``generation`` (the takeovers before it), and the job that creates
+``taken.<generation + 1>`` beside it (``O_EXCL``, holding the new claim) is the
+one that takes it over: it checks that the claim is still the one it found
+gone, and renames its own over it.  Any other job that found the same claim
+gone is refused, naming the winner, however far apart their writes land.  A
+marker whose job is gone (it died taking the claim over) is passed by, to the
+next generation.  A winner paused between its marker and its rename for longer
+than the stale time can still be passed by so (the lease's limit: see ``_claim``).
 
 Runs on the thread that calls it: the training thread at attach
 (``acquire``), the ``tensortape-claim`` thread and the writer thread (``beat``,
@@ -25,7 +30,7 @@ import os
 import time
 
 from .. import format as fmt
-from ._holder import LOCK_FILE, MAX_BYTES, TRIES, Held, Holder, parse_claim
+from ._holder import LOCK_FILE, MAX_BYTES, TRIES, Held, Holder, amended, parse_claim
 
 __all__ = ["LocalLock"]
 
@@ -34,8 +39,7 @@ try:
 except ImportError:                        # no flock here: pids and heartbeats decide
     fcntl = None
 
-
-SETTLE_S = 1.0                 # without flocks: rename, wait, read back
+MARKER = "taken.{}"            # without flocks: the takeover to a claim's generation
 
 
 def _flock(fd: int, wait: float) -> bool | None:
@@ -69,6 +73,31 @@ def _holder_of(fd: int) -> Holder:
     return parse_claim(os.pread(fd, MAX_BYTES, 0), 0.0)
 
 
+def _read_file(path: str) -> Holder | None:
+    """The claim in the file at ``path`` (None if there is none)."""
+    try:
+        with open(path, "rb") as f:
+            return parse_claim(f.read(MAX_BYTES), os.fstat(f.fileno()).st_mtime)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _write(fd: int, doc: bytes) -> None:
+    """``doc`` written to the new file ``fd``, fsync'd, and the file closed."""
+    try:
+        os.pwrite(fd, doc, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 class LocalLock:
     """The lock file of the store at ``location``; ``fd`` while this job holds it."""
 
@@ -77,18 +106,14 @@ class LocalLock:
         self.path = os.path.join(self.dir, LOCK_FILE)
         self.fd: int | None = None
         self.token = ""
+        self.generation = 0            # of a claim this job took over without flocks
 
     def read(self) -> Holder | None:
         """The claim there (None if there is none), given a moment if being written."""
         h = None
         for _ in range(20):
-            try:
-                with open(self.path, "rb") as f:
-                    raw, mtime = f.read(MAX_BYTES), os.fstat(f.fileno()).st_mtime
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-            h = parse_claim(raw, mtime)
-            if h.readable or time.time() - mtime > 1:
+            h = _read_file(self.path)
+            if h is None or h.readable or time.time() - h.beat > 1:
                 return h
             time.sleep(0.05)               # being written: give its owner a moment
         return h
@@ -123,10 +148,10 @@ class LocalLock:
                     h = parse_claim(os.pread(fd, MAX_BYTES, 0), os.fstat(fd).st_mtime)
                     if h.alive():
                         raise Held(h)
-                    if locked is None:               # no flocks: replaced whole, read back
+                    if locked is None:               # no flocks: an exclusive takeover
                         os.close(fd)
                         fd = -1
-                        fd = self._replace(doc, token)
+                        fd = self._take_over(doc, token, h)
                         self.fd, self.token = fd, token
                         return
                 w = os.open(self.path, os.O_WRONLY | cloexec)    # under the flock
@@ -146,28 +171,43 @@ class LocalLock:
             return
         raise Held(self.read() or Holder.unreadable())
 
-    def _replace(self, doc: bytes, token: str) -> int:
-        """Without flocks: the gone owner's claim replaced by ``doc`` (a new file renamed
-        over it), and after ``SETTLE_S`` the claim there, open, if it is ours; else
-        ``Held`` names who took it."""
+    def _take_over(self, doc: bytes, token: str, gone: Holder) -> int:
+        """Without flocks: the claim of ``gone`` (an owner that is gone) replaced by
+        ``doc`` (whose token is ``token``), if this job is the one that creates the
+        marker of its next generation; the lock file, open.  Else ``Held`` names
+        who took it."""
         cloexec = getattr(os, "O_CLOEXEC", 0)
-        tmp = os.path.join(self.dir, f"zarr.{token}.partial")
-        w = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | cloexec, 0o644)
-        try:
-            os.pwrite(w, doc, 0)
-            os.fsync(w)
-        finally:
-            os.close(w)
-        os.replace(tmp, self.path)
-        time.sleep(SETTLE_S)
-        try:
-            fd = os.open(self.path, os.O_RDONLY | cloexec)
-        except FileNotFoundError:
-            raise Held(Holder.unreadable()) from None
-        h = _holder_of(fd)
-        if h.token != token:
-            os.close(fd)
+        generation = gone.generation
+        for _ in range(TRIES):
+            generation += 1
+            doc = amended(doc, generation=generation)
+            marker = os.path.join(self.dir, MARKER.format(generation))
+            try:
+                m = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | cloexec, 0o644)
+            except FileExistsError:
+                h = _read_file(marker) or Holder.unreadable(0.0)
+                if h.alive():                  # another job takes it over, or took it
+                    raise Held(h) from None
+                continue                       # a job that died taking it over: passed by
+            _write(m, doc)
+            break
+        else:
             raise Held(self.read() or Holder.unreadable())
+        try:
+            now = self.read()
+            if now is None or now.token != gone.token:   # released, or taken meanwhile
+                raise Held(now or Holder.unreadable())
+            tmp = os.path.join(self.dir, f"zarr.{token}.partial")
+            _write(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | cloexec, 0o644), doc)
+            os.replace(tmp, self.path)
+            fd = os.open(self.path, os.O_RDONLY | cloexec)
+        except BaseException:
+            _unlink(marker)                    # not taken: the generation is free again
+            raise
+        self.generation = generation
+        for name in os.listdir(self.dir):      # the markers of earlier takeovers
+            if name.startswith("taken.") and name != os.path.basename(marker):
+                _unlink(os.path.join(self.dir, name))
         return fd
 
     def check(self) -> str | None:
@@ -201,6 +241,8 @@ class LocalLock:
             if not _same_file(fd, self.path) or _holder_of(fd).token != self.token:
                 return False
             os.unlink(self.path)           # under our flock: nobody takes it over meanwhile
+            if self.generation:
+                _unlink(os.path.join(self.dir, MARKER.format(self.generation)))
             try:
                 os.rmdir(self.dir)
             except OSError:
