@@ -219,6 +219,14 @@ def record_shapes(store, shapes=((4, 6), (2, 3))):
     return store
 
 
+def snapshot(location) -> dict:
+    """Every object under a store (a path or an fsspec URL), with its bytes."""
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(location)
+    fs.invalidate_cache()
+    return {p: fs.cat_file(p) for p in fs.find(root)}
+
+
 def at_once(job, n: int = 2) -> list:
     """``job(i)`` on ``n`` threads released together: what each returned, or raised."""
     gate, got = threading.Barrier(n), [None] * n

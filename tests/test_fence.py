@@ -19,7 +19,7 @@ import torch
 import zarr
 from torch import nn
 
-from conftest import at_once
+from conftest import at_once, snapshot
 from ranks import BUILT_THEN_GO, PREAMBLE, run_ranks, start_ranks, wait_ranks
 from tensortape.analysis import open_run
 from tensortape.recorder import Recorder, RecorderError, StoreExistsError
@@ -199,6 +199,62 @@ def test_an_old_s3_client_keeps_the_heartbeat_and_releases_the_claim(s3_server, 
             time.sleep(0.1)
     assert _claim_object(fs, url) is None                  # released at close
     assert open_run(url).status == "complete"
+
+
+def test_on_s3_a_job_paused_between_its_claim_read_and_its_commit_leaves_the_new_run(
+        s3_server, machines, monkeypatch):
+    """Job A reads its claim at a commit, and is paused before it writes its counters
+    (a stalled process, a slow network); meanwhile its claim goes stale and job B,
+    on another machine, takes the run over with mode="w" and records.  A's counters
+    do not land on B's run: A says once that another job holds it, and trains on."""
+    from tensortape.recorder.claim._lockobject import ObjectLock
+    monkeypatch.setenv("TENSORTAPE_CLAIM_STALE", "1")
+    monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")     # A's pause: no heartbeat
+    url = f"{s3_server}/run.zarr"
+    machines("A")
+    a_model = nn.Linear(2, 2)
+    a = Recorder(a_model, url, max_bytes=None, metadata={"job": "A"}, stats_every=1)
+    train(a, a_model, range(3))
+    a.flush()
+    check, paused, resume = ObjectLock.check, threading.Event(), threading.Event()
+
+    def pausing_check(self):
+        why = check(self)
+        if not paused.is_set():                    # A's next commit, once its claim is read
+            paused.set()
+            resume.wait(300)
+        return why
+    monkeypatch.setattr(ObjectLock, "check", pausing_check)
+    train(a, a_model, range(3, 6))
+    with warnings.catch_warnings(record=True) as told:     # A's flush warns on its thread
+        warnings.simplefilter("always")
+        flushing = threading.Thread(target=a.flush)
+        flushing.start()
+        try:
+            assert paused.wait(300), "A's commit never read its claim"
+            time.sleep(1.5)                        # past the stale time
+            machines("B")
+            b_model = nn.Linear(2, 2)
+            b = Recorder(b_model, url, mode="w", max_bytes=None, metadata={"job": "B"},
+                         stats_every=1)
+            train(b, b_model, range(1000, 1003))
+            b.flush()
+            before = snapshot(url)
+        finally:
+            machines("A")
+            resume.set()
+            flushing.join(300)
+        train(a, a_model, [6])
+        a.close()
+    lost = [str(w.message) for w in told if "claim" in str(w.message)]
+    assert len(lost) == 1 and "taken over by another job" in lost[0] \
+        and "after step 2" in lost[0], [str(w.message) for w in told]
+    assert snapshot(url) == before
+    assert a_model.weight.grad is not None             # A's training went on
+    b.close()
+    run = open_run(url)
+    assert run.steps().tolist() == [1000, 1001, 1002]
+    assert run.status == "complete" and run.attrs["metadata"] == {"job": "B"}
 
 
 # --- a Recorder dropped without close ------------------------------------------------------------

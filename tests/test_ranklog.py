@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import snapshot
 from faultstore import faulty
 from ranks import BUILT_THEN_GO, PREAMBLE, run_ranks, start_ranks, wait_ranks
 from tensortape.analysis import open_run
@@ -26,13 +27,6 @@ def train(rec, model, steps):
     for i in steps:
         with rec.step(i):
             model(torch.full((2, 3), float(i))).sum().backward()
-
-
-def snapshot(location) -> dict:
-    """Every object under a store, with its bytes."""
-    fs, root = fsspec.core.url_to_fs(location)
-    fs.invalidate_cache()
-    return {p: fs.cat_file(p) for p in fs.find(root)}
 
 
 def take_over(location) -> None:

@@ -29,7 +29,7 @@ from typing import NamedTuple
 from .. import format as fmt
 from ._holder import LOCK_FILE, TRIES, Held, Holder, beaten, parse_claim
 
-__all__ = ["ObjectLock", "drop_folder"]
+__all__ = ["ObjectLock", "condition_failed", "drop_folder"]
 
 SETTLE_S = 1.0                 # fsspec without exclusive create: write, wait, read back
 
@@ -66,7 +66,7 @@ def _old_client(e: BaseException) -> bool:
     return isinstance(e, TypeError) or type(e).__name__ == "ParamValidationError"
 
 
-def _condition_failed(e: BaseException) -> bool:
+def condition_failed(e: BaseException) -> bool:
     """What a conditional request that raised ``e`` means: True, its condition
     failed (the object changed or is gone); False, the server or the client does
     not support the condition (go on without it); anything else is raised again."""
@@ -154,7 +154,7 @@ class ObjectLock:
                 self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=doc, IfMatch=etag)
                 return True
             except Exception as e:
-                if _condition_failed(e):
+                if condition_failed(e):
                     return False
             finally:
                 self.fs.invalidate_cache(self.key)
@@ -181,7 +181,7 @@ class ObjectLock:
         except FileExistsError:
             return False
         except Exception as e:
-            if self.s3 and _condition_failed(e):
+            if self.s3 and condition_failed(e):
                 return False               # (else no If-None-Match there: as below)
         finally:
             self.fs.invalidate_cache(self.key)
@@ -252,7 +252,7 @@ class ObjectLock:
             try:
                 self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=got.etag)
             except Exception as e:
-                if _condition_failed(e):
+                if condition_failed(e):
                     return False
                 self.fs.rm_file(self.key)
         else:

@@ -40,6 +40,7 @@ import numpy as np
 from ..writer import _overbudget
 from .. import format as fmt
 from ..claim._claim import Claim
+from ..claim._fenced import fenced
 from ._journal import Journal, Unsaved
 from ..quiet import quiet
 from ..claim._root import check_mode, open_root
@@ -75,6 +76,8 @@ class RankLog:
         # not read (``fmt.current_rows``) and whose events there are removed
         self._upto = None
         self.journal = Journal(state)
+        self._put = fenced(claim.location, [store.rank_group.path, store.root.path],
+                           lambda: claim.confirm(read=True))     # on S3: conditional PUTs
 
     # --- the open decision ------------------------------------------------------------
     @classmethod
@@ -316,7 +319,10 @@ class RankLog:
         with self.lock:                      # never after a close that gave up marked the run
             if self.abandoned:
                 return
-            self.store.commit(st.to_json(), root)
+            written = self.store.commit(st.to_json(), root, self._put)
+        if not written:                      # another job wrote the record: the claim is lost
+            self._confirmed()
+            return
         self.journal.committed(st)
 
     @staticmethod
@@ -367,8 +373,8 @@ class RankLog:
         try:
             with self.lock:
                 if self.claim.confirm(read=True):
-                    self.store.root.update_attributes({"status": fmt.STATUS_INTERRUPTED,
-                                                       "note": note})
+                    self.store.commit(None, {"status": fmt.STATUS_INTERRUPTED, "note": note},
+                                      self._put)
         except Exception:                    # the store does not answer: it stays 'recording'
             pass
 

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import numpy as np
 import zarr
+from zarr.core.buffer import default_buffer_prototype
 
 from .. import format as fmt
 from ._layout import (STATS_CHUNK_ROWS, existing_columns, fill_for, new_array, nonfinite_columns,
@@ -243,13 +244,24 @@ class RunStore:
                     for p, t in self.tables.items() if isinstance(t, StatsTable)}
         return nonfinite, pyramids
 
-    def commit(self, rank_attrs: dict[str, Any], root_attrs: dict[str, Any] | None) -> None:
+    def commit(self, rank_attrs: dict[str, Any] | None, root_attrs: dict[str, Any] | None,
+               put: Callable[[str, bytes], bool] | None = None) -> bool:
         """Advance the commit counters after the data: the rank's attributes (its
         state) in one write of its ``zarr.json``, then (rank 0) the root's in one
-        write; both JSON as given."""
-        self.rank_group.update_attributes(rank_attrs)
-        if root_attrs is not None:
-            self.root.update_attributes(root_attrs)
+        write; both JSON as given (None: not written).  ``put(path, doc)`` writes
+        a group's ``zarr.json`` instead of zarr (``claim._fenced``); once it writes
+        nothing (False), nothing after it is written, and False is returned."""
+        for group, attrs in ((self.rank_group, rank_attrs), (self.root, root_attrs)):
+            if attrs is None:
+                continue
+            if put is None:
+                group.update_attributes(attrs)
+                continue
+            group.metadata.attributes.update(attrs)        # as zarr's update_attributes
+            doc = group.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"]
+            if not put(group.path, doc.to_bytes()):
+                return False
+        return True
 
     def trim(self) -> None:
         """Cut every table to its rows (at close, after the last flush)."""
