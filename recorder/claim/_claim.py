@@ -45,14 +45,19 @@ it, so a write needs no question to the store; past that (a job paused, a
 heartbeat not written) it beats first; and every commit reads the lock first
 (a ``pread`` of the lock file held open, one GET on S3).  Other ranks read
 rank 0's claim so (``Claim.shared``), within half the stale time of the
-heartbeat they last read in it.  A claim found taken over is lost for good.
+heartbeat they last read in it, and at the start of every commit too: a
+crashed rank 0's claim is taken over at once on its machine, so their lease
+does not hold.  On S3 the commit's records are written conditionally besides
+(``_fenced``).  A claim found taken over is lost for good.
 - A claim still being written (empty or unreadable) is live until it is
   ``TENSORTAPE_CLAIM_STALE`` seconds old.
 
 Taking over a claim whose owner is gone is atomic too: locally under the lock
-file's ``flock`` (re-read: still that stale claim? then rewritten in place); on
-S3 with a PUT conditional on the stale object's ETag (``If-Match``).  Of two jobs
-taking one over at once, one wins and the other is refused, naming the winner.
+file's ``flock`` (re-read: still that stale claim? then rewritten in place);
+without ``flock`` by the exclusive create of a marker of the claim's next
+generation (``_lockfile``); on S3 with a PUT conditional on the stale object's
+ETag (``If-Match``).  Of two jobs taking one over at once, one wins and the
+other is refused, naming the winner.
 
 A claim is released (its lock deleted, only while it is still this claim) by
 ``release()`` at close, by a finaliser when the ``Claim`` is garbage collected,
@@ -64,6 +69,7 @@ and at interpreter exit; never by a forked child of the owner.
 - ``_lock``: the ``Lock`` protocol, the mechanism for a location, ``live_holder``;
 - ``_lockfile``: the local mechanism (``O_EXCL`` and ``flock``);
 - ``_lockobject``: the object-store mechanism (S3's conditional writes);
+- ``_fenced``: a commit's records on S3, written conditionally (``If-Match``);
 - ``_heartbeat``: the ``tensortape-claim`` thread and the ``Heartbeat`` it shares.
 
 **Threads.**  ``Claim.acquire`` and ``release`` run on the training thread

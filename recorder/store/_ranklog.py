@@ -15,9 +15,11 @@ alone; nothing else reads, changes or writes a rank's state:
 - **the journal** of the steps not committed yet (``_journal``), written again
   from the last commit after a fault (``start_again``);
 - **the commit** (``commit``), fenced by the claim: confirm the claim (within
-  its lease without asking the store, ``_claim``), flush the tables, read the
-  claim (a ``pread`` of the lock file, one GET on S3), and only then write the
-  counters.  Every write of rows is confirmed first as well.  A claim found lost
+  its lease without asking the store, ``_claim``; ranks other than 0 read it),
+  flush the tables, read the claim (a ``pread`` of the lock file, one GET on
+  S3), and only then write the counters (on S3 each record conditional on its
+  ETag, ``claim._fenced``: another job's record is never overwritten).  Every
+  write of rows is confirmed first as well.  A claim found lost
   stops every later write, commit and status write: the training thread is told
   once which steps this job could not commit (``StoreExistsError``, a
   ``RecorderError``, under ``on_error="raise"``), and training goes on.
