@@ -2,10 +2,12 @@
 
 Each test is a way a user saw a job write into a run it did not own, or lose
 what it recorded, tried as the user did: rank 0's refusal not shared by the
-other ranks, a job that keeps committing after another took its claim over, an
+other ranks, a job that keeps committing after another took its claim over, a
+job on S3 paused between its commit's read of the claim and its counters, an
 old S3 client whose heartbeat is never written, a forgotten Recorder's writer
 kept in memory, a ``file://`` URL, two jobs taking one stale claim over at
-once, and the ranks of one job that close a Recorder and open the next."""
+once (without flock, their renames seconds apart), and the ranks of one job
+that close a Recorder and open the next."""
 import gc
 import json
 import os
