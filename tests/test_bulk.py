@@ -114,3 +114,26 @@ def test_full_tensors_skip_zarrs_codec_pipeline(tmp_path, monkeypatch, compressi
     data = [k for k in stored if "/data/c/" in k]
     files = [p for p in (tmp_path / "run.zarr").rglob("*") if "/data/c/" in str(p) and p.is_file()]
     assert files and len(data) >= len(files)
+
+
+@pytest.mark.parametrize("compression", [None, "auto"])
+def test_rows_read_a_chunk_file_whole_without_zarrs_pipeline(tmp_path, monkeypatch, compression):
+    """``run.rows`` reads each full-tensor chunk as one file read, checked and decoded
+    by numpy (zarr's pipeline costs a task and copies per chunk): zarr's array
+    reads never read a ``data`` array, and the rows, in order, are the ones plain
+    hooks saw, bit for bit."""
+    from tensortape import open_run
+    path = str(tmp_path / "run.zarr")
+    seen = _record(path, torch.float32, (3, 5, 16), 11, compression)
+    read = []
+    getitem = zarr.Array.__getitem__
+
+    def spy(self, key):
+        read.append(self.path)
+        return getitem(self, key)
+    monkeypatch.setattr(zarr.Array, "__getitem__", spy)
+    for layer, tensors in seen.items():
+        got = [b["x"] for b in open_run(path).rows(layer, shuffle=False, batch_size=7)]
+        want = np.concatenate([t.reshape(-1, 16) for t in tensors])
+        assert np.concatenate(got).tobytes() == want.tobytes()
+    assert not [p for p in read if p.endswith("/data")]
