@@ -25,12 +25,14 @@ __all__ = ["rows"]
 
 def _plan(array) -> int | None | bool:
     """The zstd level of ``array``'s chunks, None when uncompressed, False when its
-    chunks are not the ones read here."""
+    chunks are not the ones read here (an HDF5 data set's too)."""
+    meta = getattr(array, "metadata", None)
+    if getattr(meta, "zarr_format", 2) != 3:
+        return False
     import zarr
     from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
-    meta = array.metadata
     codecs = tuple(getattr(meta, "codecs", ()))
-    if (getattr(meta, "zarr_format", 2) != 3 or array.shards is not None or array.order != "C"
+    if (array.shards is not None or array.order != "C"
             or array.dtype.byteorder == ">" or not isinstance(array.store, zarr.storage.LocalStore)
             or len(codecs) not in (2, 3) or not isinstance(codecs[0], BytesCodec)
             or getattr(codecs[0].endian, "value", codecs[0].endian) not in (None, "little")
