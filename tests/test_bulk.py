@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from torch import nn
 
 from tensortape import Recorder
@@ -137,3 +137,35 @@ def test_rows_read_a_chunk_file_whole_without_zarrs_pipeline(tmp_path, monkeypat
         want = np.concatenate([t.reshape(-1, 16) for t in tensors])
         assert np.concatenate(got).tobytes() == want.tobytes()
     assert not [p for p in read if p.endswith("/data")]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from(["float32", "uint16", "bool", "complex64", "int8"]),
+       rows=st.integers(0, 30), chunk=st.integers(1, 7), width=st.integers(1, 5),
+       level=st.sampled_from([None, 1, -1]), gone=st.sets(st.integers(0, 5), max_size=2),
+       lo=st.integers(-35, 35), hi=st.integers(-35, 35) | st.none())
+@example(dtype="float32", rows=20, chunk=3, width=2, level=None, gone={2}, lo=4, hi=17)
+@example(dtype="complex64", rows=9, chunk=4, width=3, level=1, gone=set(), lo=-6, hi=None)
+def test_chunk_file_reads_agree_with_zarrs_reader(tmp_path_factory, dtype, rows, chunk, width,
+                                                  level, gone, lo, hi):
+    """The reader's chunk-file reads (``analysis._chunks``) give what zarr's own reader
+    gives for any slice of rows: within a chunk, across chunks, past the ends, from
+    the end, empty; a chunk not stored reads as the fill value."""
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+    from tensortape.analysis._chunks import rows as chunk_rows
+    where = str(tmp_path_factory.mktemp("chunks") / "a")
+    compressors = ([] if level is None else [ZstdCodec(level=level)]) + [Crc32cCodec()]
+    a = zarr.create_array(where, shape=(rows, width), chunks=(chunk, width), dtype=dtype,
+                          fill_value=0, compressors=compressors,
+                          config={"write_empty_chunks": True})
+    a[...] = np.random.default_rng(rows).integers(0, 100, (rows, width)).astype(dtype)
+    for c in gone:
+        p = pathlib.Path(where, "c", str(c), "0")
+        if p.exists():
+            p.unlink()
+    a = zarr.open_array(where, mode="r")
+    got = chunk_rows(a, slice(lo, hi))
+    assert got is not None
+    want = a[lo:hi]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
