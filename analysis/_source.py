@@ -29,6 +29,8 @@ from tensortape.recorder import format as fmt
 from tensortape.recorder.quiet import quiet
 from tensortape.recorder.errors import StoreFormatError, StoreNotFoundError
 
+from ._chunks import rows as chunk_rows
+
 __all__ = ["open_source", "said", "ZarrSource", "H5Source"]
 
 JSON_ATTR = "tensortape_json"
@@ -62,6 +64,9 @@ class Guarded:
         return _reopen, (self._location, self._where)
 
     def __getitem__(self, key):
+        got = chunk_rows(self._array, key)      # whole chunk files, where that reads them
+        if got is not None:
+            return got
         for attempt in range(RETRIES + 1):
             try:
                 with quiet():                # zarr's warnings are not the reader's news

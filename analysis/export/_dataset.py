@@ -328,9 +328,10 @@ def _mixed(blocks, size: int, rng) -> Iterator[dict]:
             for c in buffer:
                 buffer[c][:] = pool[c][perm[n:]]
         yield out
-    if filled:
-        perm = rng.permutation(filled)
-        yield {c: v[:filled][perm] for c, v in buffer.items()}
+    perm = rng.permutation(filled)          # given out in pieces of 8 MB, never copied whole
+    piece = max(1, (8 << 20) // max(1, sum(v[0].nbytes for v in (buffer or {}).values())))
+    for i in range(0, filled, piece):
+        yield {c: v[perm[i:i + piece]] for c, v in buffer.items()}
 
 
 def _single(blocks) -> Iterator[dict]:

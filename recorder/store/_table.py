@@ -8,8 +8,10 @@ with the fill value and written at a flush, then written again when it
 fills).  Capacity grows in blocks of whole chunks of every column; ``trim``
 cuts each column to its rows at close.
 
-A sharded column of whole inner chunks is encoded by ``_shards.Shards`` (as
-zarr would write it, without zarr's Python per inner chunk); zarr writes the rest.
+A whole chunk is encoded by ``_shards.Chunks`` (an unsharded column: one store
+write from the column's buffer) or ``_shards.Shards`` (a sharded column's whole
+inner chunks), as zarr would write it, without zarr's codec pipeline; zarr
+writes the rest.
 
 A statistics table (``StatsTable``) also keeps its ``Pyramid``: the maxima of
 each grain of its rows, at each level of ``format.PYRAMID_GRAINS``.
@@ -28,7 +30,7 @@ import zarr
 
 from .. import format as fmt, pyramid
 from ._pool import Lane, WritePool
-from ._shards import Shards
+from ._shards import Chunks, Shards
 
 __all__ = ["Column", "Pyramid", "Rows", "StatsTable", "Table"]
 
@@ -52,11 +54,12 @@ class Column:
     def __init__(self, array: zarr.Array, rows: int, pool: WritePool):
         self.array = array
         self.shards = Shards.of(array)
+        self.chunks = Chunks.of(array) if self.shards is None else None
         self.lane = Lane(pool)
         self.chunk_rows = array.chunks[0]
         self.fill = array.fill_value
         self.start = rows - rows % self.chunk_rows
-        self.buf = np.full((self.chunk_rows, *array.shape[1:]), self.fill, dtype=array.dtype)
+        self.buf = self._new(array.shape[1:])
         if rows > self.start:
             self.buf[: rows - self.start] = array[self.start: rows]
         self.dirty = False
@@ -68,7 +71,7 @@ class Column:
             return
         self.drain()
         self.array.resize((self.array.shape[0], *inner))
-        buf = np.full((self.chunk_rows, *inner), self.fill, dtype=self.buf.dtype)
+        buf = self._new(inner)
         buf[(slice(None), *map(slice, self.buf.shape[1:]))] = self.buf
         self.buf = buf
 
@@ -106,17 +109,30 @@ class Column:
             if self.lane.inline:
                 self.buf.fill(self.fill)
             else:                                      # the pool still reads the old one
-                self.buf = np.full_like(self.buf, self.fill)
+                self.buf = self._new(self.buf.shape[1:])
+
+    def _new(self, inner: tuple[int, ...]) -> np.ndarray:
+        """A chunk's buffer of rows ``inner`` wide, filled with the fill value."""
+        shape, dtype = (self.chunk_rows, *inner), self.array.dtype
+        if self.chunks is not None:
+            return self.chunks.buffer(shape, dtype, self.fill)
+        return np.full(shape, self.fill, dtype=dtype)
 
     def write(self) -> None:
         """Write the current chunk whole (padded with the fill value past its rows)."""
         if self.dirty:
-            self._submit(self.start, self.buf if self.lane.inline else self.buf.copy())
+            block = self.buf
+            if not self.lane.inline:                   # the writer fills it on
+                block = self._new(self.buf.shape[1:])
+                block[...] = self.buf
+            self._submit(self.start, block)
             self.dirty = False
 
     def _submit(self, start: int, block: np.ndarray) -> None:
         if self.shards is not None and self.shards.fits(start, block):
             self.lane.submit(self.shards.write, start, block)
+        elif self.chunks is not None and self.chunks.fits(start, block):
+            self.lane.submit(self.chunks.write, start, block)
         else:
             self.lane.submit(self.array.__setitem__, slice(start, start + len(block)), block)
 
