@@ -102,7 +102,7 @@ def write(loc: str, steps: int, layers: int) -> float:
             state.events_total += 1
         if step % 5000 == 4999 or step == steps - 1:
             state.committed.update(store.flush())
-            store.commit(state, None)
+            store.commit(state.to_json(), None)
             print(f"  wrote {step + 1} steps", file=sys.stderr, flush=True)
     store.close()
     root.update_attributes({"status": "complete"})
