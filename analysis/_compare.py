@@ -84,8 +84,9 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     ``ConfigError`` instead).  tensors: False compares the statistics alone (no
     full tensor is read; no ``rel_l2``, ``cosine``, ``max_abs``, ``sqnr_db``).
     """
-    out = statistics(a, b, kind, layers, rank=rank, strict=strict)
-    return with_tensors(out, a, b, progress, rank) if tensors else out
+    a, b = runs(a, b, rank)         # opened once: their reads of the tensor tables are kept
+    out = statistics(a, b, kind, layers, strict=strict)
+    return with_tensors(out, a, b, progress) if tensors else out
 
 
 def statistics(a, b, kind: str = "activations", layers=None, *, rank: int | None = None,
