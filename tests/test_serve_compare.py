@@ -18,7 +18,7 @@ from torch import nn
 from tensortape import Recorder
 from tensortape.analysis import Run
 
-from test_serve import Served, as_float
+from test_serve import Served, as_float, whole
 
 STEPS, APART_FROM = 6, 3
 
@@ -95,17 +95,6 @@ def held(monkeypatch):
         monkeypatch.setattr(Run, name, read)
     yield release, reads
     release.set()
-
-
-def whole(served: Served, **query) -> dict:
-    """The compare map once its comparison is whole (the page polls the same way)."""
-    for _ in range(3000):
-        status, m = served.get("compare-map", **query)
-        assert status == 200, m
-        if m["pending"] is None:
-            return m
-        threading.Event().wait(0.1)
-    pytest.fail("the comparison never became whole")
 
 
 def rel_l2(seen_a: dict, seen_b: dict, layer: str, step: int) -> float:
