@@ -63,7 +63,7 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     difference of any statistic.  ``first_divergence`` tests both: ``stat_rel``
     at every step, ``rel_l2`` where it is a number.  Each variable's ``covers``
     attribute, and the dataset's ``tensor_steps``/``tensor_layers``, say which
-    steps and layers it covers.
+    steps and layers it covers; its ``unlike``, what makes the runs not alike.
 
     A layer that did not run at a step (an expert with no tokens) is marked in
     ``absent_a``/``absent_b``; where either is set, ``delta_<stat>`` is no
