@@ -6,12 +6,11 @@ import numpy as np
 import xarray as xr
 
 from tensortape.recorder import format as fmt
-from tensortape.recorder.errors import ConfigError
-from tensortape.recorder.patterns import match_layers
 
+from ._alike import absent, apart, no_common, runs, say, shape_note, shared, unlike
 from ._metrics import step_metrics, steps_metrics, tensor_metrics
-from ._run import Run, open_run
-from ._select import Names, chosen, layer_coord, one_layer, steps_text
+from ._run import Run
+from ._select import Names, layer_coord, one_layer, steps_text
 
 __all__ = ["compare_runs", "divergence", "first_divergence", "plot_comparison", "step_metrics",
            "tensor_metrics"]
@@ -34,135 +33,6 @@ def _tensor_metrics(a: Run, b: Run, layer: str, kind: str, steps):
         yield from zip((int(s) for s in asked), steps_metrics(pairs))
 
 
-def _shared(a: Run, b: Run, kind: str, layers, strict: bool):
-    """What both runs hold of ``kind``, each run's statistics read once: the shared
-    layers (in ``a``'s order) whose shapes agree and the common steps
-    (``_common``, ``_alike``), what makes the runs unlike, and, where they share
-    any, both runs' statistics there (``_both_stats``; else None)."""
-    full = [r.stats(kind, lazy=False) if kind in r.kinds else None for r in (a, b)]
-    names, steps = _common(a, b, kind, layers, full)
-    names, notes = _alike(a, b, kind, layers, names, steps, strict, full)
-    both = _both_stats(a, b, kind, names, steps, full) if names and len(steps) else None
-    return names, steps, notes, both
-
-
-def _names(st: xr.Dataset | None) -> list[str]:
-    return [] if st is None else st.layer.values.tolist()
-
-
-def _common(a: Run, b: Run, kind: str, layers, full) -> tuple[list[str], np.ndarray]:
-    """The layers (in ``a``'s order) and steps of ``kind`` that both runs hold (of
-    their statistics, ``full``).  The roots of two different model classes are
-    not the same layer."""
-    named = [_names(f) if layers is None or f is None else list(chosen(_names(f), layers))
-             for f in full]
-    names = [n for n in named[0] if n in set(named[1])]
-    if a.attrs.get("model_class") != b.attrs.get("model_class"):
-        names = [n for n in names if n != fmt.ROOT_LABEL]
-    steps = np.intersect1d(a.steps(kind), b.steps(kind)) if names else np.zeros(0, np.int64)
-    return names, steps
-
-
-def _shape(r: Run, kind: str, layer: str) -> tuple[int, ...] | None:
-    """A layer's full-tensor shape past the step (the largest recorded), or None."""
-    if layer not in r.tensor_layers(kind):
-        return None
-    return r.tensor_shape(layer, kind)
-
-
-def _some(names, most: int = 2) -> str:
-    """A few example names and how many more: ``a, b and 5 more``."""
-    names = list(names)
-    head = ", ".join(names[:most])
-    return head + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def _alike(a: Run, b: Run, kind: str, layers, names: list[str], steps,
-           strict: bool, full) -> tuple[list[str], list[str]]:
-    """Whether the runs are alike enough to compare: the model classes, the
-    recorded layer sets of ``kind`` (those ``layers`` matches) and each shared
-    layer's shape (its element count at the common steps where both ran, and its
-    full tensors' shape where both hold them).  The shared layers whose shapes
-    agree, and what differs in short clauses (empty when alike; under ``strict``,
-    a ``ConfigError`` instead)."""
-    notes = []
-    ca, cb = a.attrs.get("model_class"), b.attrs.get("model_class")
-    if ca != cb:
-        notes.append(f"model classes differ ({ca} vs {cb})")
-    held = [_names(f) for f in full]
-    if layers is not None:
-        held = [match_layers(h, layers, strict=False) for h in held]
-    only = [[n for n in held[i] if n not in set(held[1 - i])] for i in (0, 1)]
-    if only[0] or only[1]:
-        notes.append("recorded layers differ (" + "; ".join(
-            f"{len(o)} only in {r.name}: {_some(o)}" for r, o in zip((a, b), only) if o) + ")")
-    bad, gone = [], set()
-    if names and len(steps):
-        ca_, cb_ = (f["count"].sel(step=steps, layer=layer_coord(names)).values for f in full)
-        ran = (ca_ >= 0) & (cb_ >= 0)
-        for j, n in enumerate(names):
-            diff = ran[:, j] & (ca_[:, j] != cb_[:, j])
-            sa, sb = _shape(a, kind, n), _shape(b, kind, n)
-            if diff.any():
-                i = int(np.nonzero(diff)[0][0])
-                bad.append(f"{n}: {int(ca_[i, j])} and {int(cb_[i, j])} elements at step "
-                           f"{int(steps[i])}")
-            elif sa is not None and sb is not None and sa != sb:
-                bad.append(f"{n}: shapes {sa} and {sb}")
-            else:
-                continue
-            gone.add(n)
-    if bad:
-        notes.append(f"{len(bad)} shared layer{'s differ' if len(bad) > 1 else ' differs'} in "
-                     f"shape ({_some(bad).replace(', ', '; ')})")
-    if notes and strict:
-        raise ConfigError(f"{_unlike(a, b, notes)}; refused (strict)")
-    return [n for n in names if n not in gone], notes
-
-
-def _unlike(a: Run, b: Run, notes: list[str]) -> str | None:
-    return f"{a.name} and {b.name} are not alike: {'; '.join(notes)}" if notes else None
-
-
-def _say(text: str | None) -> None:
-    """What makes two runs unlike, once, where something is still compared."""
-    if text:
-        import warnings
-        from tensortape.recorder.errors import TensortapeWarning
-        warnings.warn(f"tensortape: {text}; comparing only the shared layers whose shapes "
-                      f"agree", TensortapeWarning, stacklevel=3)
-
-
-def _no_common(a: Run, b: Run, kinds, layers, notes=()) -> ConfigError:
-    """Why two runs cannot be compared, in one short line: what differs (``notes``,
-    from ``_alike``), else a few of the layers each run holds."""
-    where = f" matching {layers!r}" if layers else ""
-    if notes:
-        why = "; ".join(notes)
-    else:
-        why = "; ".join(f"{r.name} has {len(r.layers)} layers ({_some(r.layers) or 'none'})"
-                        for r in (a, b))
-    shape = " of the same shape" if any("in shape" in n for n in notes) else ""
-    return ConfigError(f"{a.name} and {b.name} are not comparable: {why}; they share no recorded "
-                       f"layer of {', '.join(kinds)}{where}{shape} with common steps (pick "
-                       f"--kind/--layer that both hold)")
-
-
-def _absent(st: xr.Dataset) -> xr.DataArray:
-    """Where a layer did not run (an expert with no tokens): its count is -1."""
-    return st["count"] < 0
-
-
-def _both_stats(a: Run, b: Run, kind: str, names: list[str], steps, full):
-    """Both runs' statistics (of ``full``) of ``names`` at ``steps``, and where
-    either reads them as missing because their chunk is missing from its store
-    (``Run.damaged``): damage is no difference, and is not compared."""
-    sa, sb = (f.sel(step=steps, layer=layer_coord(names)) for f in full)
-    names = Names(names)
-    unread = a.damaged(kind, names).sel(step=steps) | b.damaged(kind, names).sel(step=steps)
-    return sa, sb, unread
-
-
 def _relative(sa: xr.Dataset, sb: xr.Dataset) -> xr.DataArray:
     """Per (step, layer), the largest relative difference of any statistic, as
     ``first_divergence`` measures it: |b - a| / max(|a|, |b|); NaN against a
@@ -176,18 +46,8 @@ def _relative(sa: xr.Dataset, sb: xr.Dataset) -> xr.DataArray:
         d = xr.where(x.isnull() & y.isnull(), 0.0, xr.where(x.isnull() | y.isnull(), np.inf, d))
         d = xr.where(x == y, 0.0, d)
         out = d if out is None else np.maximum(out, d)
-    gone_a, gone_b = _absent(sa), _absent(sb)
+    gone_a, gone_b = absent(sa), absent(sb)
     return xr.where(gone_a & gone_b, np.nan, xr.where(gone_a | gone_b, np.inf, out))
-
-
-def _runs(a, b, rank: int | None) -> tuple[Run, Run]:
-    """The two runs, each narrowed to one rank: ``rank``, or each run's first."""
-    out = []
-    for r in (open_run(a), open_run(b)):
-        if rank is not None or len(r.ranks) > 1:
-            r = r.only(r.ranks[0] if rank is None else rank)
-        out.append(r)
-    return out[0], out[1]
 
 
 def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
@@ -203,7 +63,7 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     difference of any statistic.  ``first_divergence`` tests both: ``stat_rel``
     at every step, ``rel_l2`` where it is a number.  Each variable's ``covers``
     attribute, and the dataset's ``tensor_steps``/``tensor_layers``, say which
-    steps and layers it covers.
+    steps and layers it covers; its ``unlike``, what makes the runs not alike.
 
     A layer that did not run at a step (an expert with no tokens) is marked in
     ``absent_a``/``absent_b``; where either is set, ``delta_<stat>`` is no
@@ -224,38 +84,63 @@ def compare_runs(a, b, kind: str = "activations", layers=None, progress=None, *,
     ``ConfigError`` instead).  tensors: False compares the statistics alone (no
     full tensor is read; no ``rel_l2``, ``cosine``, ``max_abs``, ``sqnr_db``).
     """
-    a, b = _runs(a, b, rank)
-    names, steps, notes, both = _shared(a, b, kind, layers, strict)
+    a, b = runs(a, b, rank)         # opened once: their reads of the tensor tables are kept
+    out = statistics(a, b, kind, layers, strict=strict)
+    return with_tensors(out, a, b, progress) if tensors else out
+
+
+def statistics(a, b, kind: str = "activations", layers=None, *, rank: int | None = None,
+               strict: bool = False, shapes: bool = True) -> xr.Dataset:
+    """``compare_runs``' answer of the statistics alone (``tensors=False``).
+    ``shapes``: False leaves the shared layers' full-tensor shapes unchecked (no
+    tensor table is read; ``with_tensors`` checks them), and says nothing of
+    what makes the runs unlike (the dataset's ``unlike`` attribute has it)."""
+    a, b = runs(a, b, rank)
+    names, steps, notes, both = shared(a, b, kind, layers, strict, shapes)
     if both is None:
-        raise _no_common(a, b, [kind], layers, notes)
-    _say(_unlike(a, b, notes))
+        raise no_common(a, b, [kind], layers, notes)
+    if shapes:
+        say(unlike(a, b, notes), stacklevel=4)
     sa, sb, unread = both
-    gone = _absent(sa) | _absent(sb) | unread      # not a difference of the statistics there
+    gone = absent(sa) | absent(sb) | unread      # not a difference of the statistics there
     out = xr.Dataset({f"delta_{s}": xr.where(gone, 0 if s in fmt.COUNT_STATS else np.nan,
                                              sb[s] - sa[s]) for s in fmt.STATS})
     out["stat_rel"] = _relative(sa, sb).where(~unread)
     out["nonfinite"] = (sum(sa[k].clip(min=0) for k in fmt.COUNT_STATS[1:]) > 0) | \
         (sum(sb[k].clip(min=0) for k in fmt.COUNT_STATS[1:]) > 0)
-    out["absent_a"], out["absent_b"] = _absent(sa), _absent(sb)
+    out["absent_a"], out["absent_b"] = absent(sa), absent(sb)
     out["unreadable"] = unread
-    stats_cover = f"statistics: {steps_text(steps)} x {len(names)} layers"
-    if bool(unread.any()):
-        stats_cover += (f", less {int(unread.sum())} (step, layer) unreadable (a chunk missing "
-                        f"from the store)")
-    for v in out.data_vars:
-        out[v].attrs["covers"] = stats_cover
     out.attrs.update(kind=kind, a=a.path, b=b.path, tensor_steps=[], tensor_layers=[],
-                     layers_compared=names)
-    return with_tensors(out, a, b, progress) if tensors else out
+                     layers_compared=names, unlike=notes)
+    return _covered(out)
+
+
+def _covered(out: xr.Dataset) -> xr.Dataset:
+    """``out`` with each statistic's ``covers``: the steps and layers compared."""
+    unread = out["unreadable"]
+    cover = f"statistics: {steps_text(out.step.values)} x {out.sizes['layer']} layers"
+    if bool(unread.any()):
+        cover += (f", less {int(unread.sum())} (step, layer) unreadable (a chunk missing "
+                  f"from the store)")
+    for v in out.data_vars:
+        out[v].attrs["covers"] = cover
+    return out
 
 
 def with_tensors(out: xr.Dataset, a, b, progress=None, rank: int | None = None) -> xr.Dataset:
-    """``compare_runs``' answer of the statistics alone (``tensors=False``) with
-    its full tensors' metrics added (a new dataset): of the layers it compared
-    that both runs hold full tensors of.  a, b, rank: the runs and rank it
-    compared."""
-    a, b = _runs(a, b, rank)
-    kind, names, steps = out.attrs["kind"], list(out.attrs["layers_compared"]), out.step.values
+    """``compare_runs``' answer of the statistics alone (``statistics``) with its
+    full tensors' metrics added (a new dataset): of the layers it compared that
+    both runs hold full tensors of in one shape (a layer they hold in other
+    shapes is left out, and said in the ``unlike`` attribute).  a, b, rank: the
+    runs and rank it compared."""
+    a, b = runs(a, b, rank)
+    kind, names = out.attrs["kind"], list(out.attrs["layers_compared"])
+    bad = apart(a, b, kind, names)
+    if bad:
+        names = [n for n in names if n not in bad]
+        out = _covered(out.sel(layer=layer_coord(names)).assign_attrs(
+            layers_compared=names, unlike=[*out.attrs["unlike"], shape_note(bad)]))
+    steps = out.step.values
     out = out.copy()
     tensor_steps, tensor_layers = set(), []
     ta, tb = (set(r.tensor_layers(kind)) for r in (a, b))
@@ -296,13 +181,13 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
     kind) with common steps.  Runs not alike: as in ``compare_runs`` (only the
     shared layers whose shapes agree; ``strict``).
     """
-    a, b = _runs(a, b, rank)
+    a, b = runs(a, b, rank)
     order = {n: i for i, n in enumerate(a.layers)}
     asked = list(kinds or fmt.FORWARD_KINDS + fmt.BACKWARD_KINDS)
     kinds = [k for k in asked if k in a.kinds and k in b.kinds]
     per_kind, unlikes = {}, []
     for kind in kinds:
-        names, steps, notes, both = _shared(a, b, kind, layers, strict)
+        names, steps, notes, both = shared(a, b, kind, layers, strict)
         unlikes.append(notes)
         if both is not None:
             sa, sb, unread = both
@@ -312,9 +197,9 @@ def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,
             per_kind[kind] = (names, steps, rel.transpose("step", "layer").values,
                               [n in held[0] and n in held[1] for n in names])
     if not per_kind:
-        raise _no_common(a, b, kinds or asked, layers, next((u for u in unlikes if u), ()))
-    for text in dict.fromkeys(_unlike(a, b, u) for u in unlikes if u):
-        _say(text)
+        raise no_common(a, b, kinds or asked, layers, next((u for u in unlikes if u), ()))
+    for text in dict.fromkeys(unlike(a, b, u) for u in unlikes if u):
+        say(text)
     # the first (step, kind, layer) in that order where the statistics differ; then
     # each layer's full tensors, read in step order only up to the first found so far
     first = None
@@ -416,13 +301,13 @@ def plot_comparison(a, b, layer, kind="activations", stat="std", rtol: float = 1
     as in ``compare_runs``."""
     import os
     from .plots import _plots
-    a, b = _runs(a, b, rank)
+    a, b = runs(a, b, rank)
     ds = compare_runs(a, b, kind) if ds is None else ds
     lines = []
     for r in (a, b):
         st = one_layer(r.stats(kind, Names([layer]))).compute()
         bad = sum(st[k].clip(min=0) for k in fmt.COUNT_STATS[1:])
-        lines.append(st[stat].assign_coords(nonfinite=bad, absent=_absent(st))
+        lines.append(st[stat].assign_coords(nonfinite=bad, absent=absent(st))
                      .assign_attrs(layer=layer, kind=kind))
     first = divergence(ds, rtol) if first is False else first
     names = [os.path.basename(r.path.rstrip("/")) or r.path for r in (a, b)]

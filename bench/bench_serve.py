@@ -16,7 +16,8 @@ Reported:
 - with ``--paint N``: first paint in Chromium, N times: ``tensortape serve STORE --port 0
   --no-browser`` started as a user starts it, Debian's ``/usr/bin/chromium`` driven by
   Playwright, from ``page.goto`` to the page's ``data-ready`` (the run, the map and the
-  scalars drawn), a new server and a new page each time;
+  scalars drawn), a new server and a new page each time; then a click on the spike's
+  cell until the layer's evolution is drawn (the map's statistics, then every one);
 - with ``--live N``: how soon a live run's new step shows, N times: a small model recorded
   in this process (statistics only), ``tensortape serve`` started on it as a user starts
   it, and after each step's ``rec.flush()`` (the step committed), the time until the
@@ -101,7 +102,7 @@ def write(loc: str, steps: int, layers: int) -> float:
             state.events_total += 1
         if step % 5000 == 4999 or step == steps - 1:
             state.committed.update(store.flush())
-            store.commit(state, None)
+            store.commit(state.to_json(), None)
             print(f"  wrote {step + 1} steps", file=sys.stderr, flush=True)
     store.close()
     root.update_attributes({"status": "complete"})
@@ -266,7 +267,7 @@ def bench_tensorboard(loc: str, tb_steps: int, layers: int) -> None:
 def bench_paint(loc: str, times: int) -> None:
     """First paint in Chromium of a new server's page (see the module)."""
     from playwright.sync_api import sync_playwright
-    took = []
+    took, clicks = [], []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium")
         for _ in range(times):
@@ -277,6 +278,7 @@ def bench_paint(loc: str, times: int) -> None:
                 page.goto(url)
                 page.wait_for_selector("body[data-ready='1']", timeout=120_000)
                 took.append(time.perf_counter() - t)
+                clicks.append(click_evolution(page, names_of(SPIKE_LAYER + 1)[SPIKE_LAYER]))
                 page.close()
             finally:
                 proc.terminate()
@@ -284,6 +286,31 @@ def bench_paint(loc: str, times: int) -> None:
         browser.close()
     print(f"chromium: first paint (page load to the map and scalars drawn), a new server each "
           f"time: {', '.join(f'{x * 1000:.0f} ms' for x in took)}")
+    print(f"chromium: a click on the map's cell of {names_of(SPIKE_LAYER + 1)[SPIKE_LAYER]} at "
+          f"step {SPIKE} until its evolution is drawn, the map's statistics / every statistic: "
+          f"{', '.join(f'{a * 1000:.0f} / {b * 1000:.0f} ms' for a, b in clicks)}")
+
+
+def click_evolution(page, layer: str) -> tuple[float, float]:
+    """Seconds from a click on ``layer``'s map cell at step ``SPIKE`` until the page
+    draws its evolution: the map's statistics (``#evolution``'s ``data-layer``), then
+    every statistic (``data-complete``).  The row is scrolled into view first."""
+    label = page.locator(f"#map-labels div[data-layer='{layer}']")
+    label.scroll_into_view_if_needed()
+    row, box = label.bounding_box(), page.locator("#map").bounding_box()
+    col = page.evaluate(f"""() => {{ const m = document.getElementById('map');
+        return [Number(m.dataset.first), Number(m.dataset.last)]; }}""")
+    x = box["x"] + box["width"] * (SPIKE - col[0] + 0.5) / (col[1] - col[0] + 1)
+    page.evaluate("() => { const e = document.getElementById('evolution'); "
+                  "e.dataset.layer = ''; e.dataset.complete = ''; }")
+    t = time.perf_counter()
+    page.mouse.click(x, row["y"] + row["height"] / 2)
+    page.wait_for_function("(l) => document.getElementById('evolution').dataset.layer === l",
+                           arg=layer, timeout=120_000, polling=5)
+    first = time.perf_counter() - t
+    page.wait_for_function("(l) => (document.getElementById('evolution').dataset.complete || '')"
+                           ".startsWith(l + '|')", arg=layer, timeout=120_000, polling=5)
+    return first, time.perf_counter() - t
 
 
 def _serve_process(loc: str):

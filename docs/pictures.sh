@@ -18,9 +18,11 @@ tensortape plot demo.zarr --layer encoder.layers.0.linear2 --kind gradients \
 tensortape compare stable.zarr demo.zarr --kind gradients -o "$docs/compare.png" \
     > /dev/null || true          # exit 1: the runs diverge, as they should
 python3 "$docs/../sample_runs/sae.py" sae > /dev/null && cp sae/sae.png "$docs/sae.png"
-# the browser view, as a user opens it: the two runs served, the diverged one shown, its
-# first NaN jumped to (serve.png); the two runs' difference map below it (serve-compare.png)
-python3 - stable.zarr demo.zarr "$docs" <<'EOF'
+# the browser view, as a user opens it: the two runs served from the folder above them, the
+# diverged one shown, its first NaN jumped to (serve.png); the two-run part of the page, their
+# difference map, once the full tensors are compared (serve-compare.png)
+mkdir -p runs && cp -r stable.zarr runs/baseline.zarr && cp -r demo.zarr runs/diverged.zarr
+python3 - runs/baseline.zarr runs/diverged.zarr "$docs" <<'EOF'
 import subprocess, sys
 from playwright.sync_api import sync_playwright
 proc = subprocess.Popen([sys.executable, "-m", "tensortape", "serve", *sys.argv[1:3], "--port", "0",
@@ -38,9 +40,11 @@ try:
         page.wait_for_selector("[data-testid=histogram][data-step]", timeout=60_000)
         page.wait_for_timeout(500)
         page.screenshot(path=f"{sys.argv[3]}/serve.png")
-        page.locator("[data-testid=compare-map]").scroll_into_view_if_needed()
+        page.wait_for_function("() => document.getElementById('compare').dataset.pending === ''",
+                               timeout=120_000)
+        page.locator("#compare").scroll_into_view_if_needed()
         page.wait_for_timeout(500)
-        page.screenshot(path=f"{sys.argv[3]}/serve-compare.png")
+        page.locator("#compare").screenshot(path=f"{sys.argv[3]}/serve-compare.png")
         browser.close()
 finally:
     proc.terminate()

@@ -258,17 +258,20 @@ def _chain(store, scale_from=None, steps=130):
 
 def test_two_runs_are_compared_reading_each_chunk_once(tmp_path, monkeypatch):
     """compare_runs and first_divergence read each chunk of full tensors from disk
-    once (counted at the store: zarr's LocalStore.get), not once a step; and
+    once (counted at the store: zarr's LocalStore.get), not once a step, and
+    compare_runs each chunk of a tensor table's key columns once; and
     first_divergence reads no chunk past the step where the runs part."""
     import collections
     import zarr
     a, b = _chain(str(tmp_path / "a.zarr")), _chain(str(tmp_path / "b.zarr"), scale_from=100)
-    reads = collections.Counter()
+    reads, tables = collections.Counter(), collections.Counter()
     get = zarr.storage.LocalStore.get
 
     async def counted(self, key, *args, **kw):
         if "/tensors/" in key and "/data/c/" in key:
             reads[(str(self.root), key)] += 1
+        if "/tensors/" in key and "/c/" in key:        # a table's key columns too
+            tables[(str(self.root), key)] += 1
         return await get(self, key, *args, **kw)
     monkeypatch.setattr(zarr.storage.LocalStore, "get", counted)
     stored = {(str(root), str(f.relative_to(root))) for root in (tmp_path / "a.zarr", tmp_path / "b.zarr")
@@ -276,6 +279,7 @@ def test_two_runs_are_compared_reading_each_chunk_once(tmp_path, monkeypatch):
     assert len(stored) == 2 * 5 * 3            # 4 layers and the root, 3 chunks each
     ds = compare_runs(a, b)
     assert set(reads) == stored and set(reads.values()) == {1}, reads   # every chunk, once
+    assert set(tables.values()) == {1}, tables      # each table checked once, not once a part
     assert float(ds["rel_l2"].sel(step=99).max()) == 0 and float(ds["rel_l2"].sel(step=100).min()) > 0
     reads.clear()
     assert first_divergence(a, b) == (100, "0")

@@ -191,7 +191,9 @@ def test_a_live_runs_new_steps_appear_without_a_reload(page, tmp_path):
 def test_compare_marks_the_first_divergence(page, runs):
     step, layer = first_divergence(runs["ok"], runs["nan"], kinds=["activations"])
     pg = page.open(runs["ok"], runs["nan"])
-    pg.wait_for_selector("[data-testid=compare-map]")
+    pg.wait_for_selector("[data-testid=compare-map]")     # whole: no redraw under the asserts
+    pg.wait_for_function("() => document.getElementById('compare').dataset.pending === ''",
+                         timeout=60000)
     text = pg.inner_text("[data-testid=first-divergence]")
     assert f"step {step}" in text and layer in text
     mark = pg.wait_for_selector("[data-testid=first-divergence-cell]")

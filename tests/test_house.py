@@ -29,7 +29,6 @@ EXCEPTIONS = {
     ("lines", "recorder/capture/_summary.py"): "the summary kernels and their host-side "
                                                 "statistics: one pure vector layout",
     ("lines", "recorder/capture/_nbkernels.py"): "numba's kernels compile as one cached module",
-    ("lines", "analysis/_compare.py"): "compare_runs and first_divergence share their walk",
     ("class", "recorder/_recorder.py:Recorder"): "the user's handle; 63 lines are its "
                                                   "parameters' docstring",
     ("class", "recorder/store/_ranklog.py:RankLog"): "the one owner of a rank's durable state: "

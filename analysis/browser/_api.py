@@ -15,6 +15,7 @@ with the run's steps.
 from __future__ import annotations
 
 import numpy as np
+import xarray as xr
 
 from tensortape.recorder import format as fmt
 from tensortape.recorder.errors import RecorderError
@@ -245,19 +246,20 @@ COMPARE_METRICS = ("stat_rel", *TENSOR_METRICS, *(f"delta_{s}" for s in fmt.STAT
 
 
 class Comparison:
-    """Two runs' ``compare_runs`` of one kind and rank, its full tensors scanned in a
-    thread of its own, on runs of its own (opened again from their paths: no
-    reader shared with the requests), while the statistics' comparison, made at
-    once, answers meanwhile.  ``done`` of ``of`` layers scanned so far."""
+    """Two runs' ``compare_runs`` of one kind and rank: the statistics' comparison
+    made at once (no tensor table read: ``_compare.statistics(shapes=False)``),
+    which answers meanwhile; the shared layers' full-tensor shapes checked and
+    their full tensors scanned in a thread of its own, on runs of its own (opened
+    again from their paths: no reader shared with the requests).  ``done`` of
+    ``of`` layers scanned so far."""
 
     def __init__(self, a, b, kind: str, rank, rtol: float):
-        from .._compare import compare_runs, divergence
-        self.stats = compare_runs(a, b, kind, rank=rank, tensors=False)
+        from .._compare import divergence, statistics
+        self.stats = statistics(a, b, kind, rank=rank, shapes=False)
         self.first = divergence(self.stats, rtol)
         self.full = self.error = None
         self.done, self.of = 0, None
         import threading
-        self.made = threading.Event()
         threading.Thread(target=self._scan, args=(a.path, b.path, rank, rtol),
                          name="tensortape-compare", daemon=True).start()
 
@@ -268,7 +270,6 @@ class Comparison:
             self.full = (ds, divergence(ds, rtol))
         except Exception as e:              # answered by the next request
             self.error = e
-        self.made.set()
 
     def _count(self, layers):
         layers = list(layers)
@@ -277,12 +278,10 @@ class Comparison:
             yield layer
             self.done += 1
 
-    def answer(self, whole: bool = False):
+    def answer(self):
         """``(ds, first divergence, pending)``: the whole comparison once it is made
         (pending None), else the statistics' and ``{"done", "of"}`` layers of full
-        tensors scanned; ``whole``: the whole comparison, waited for."""
-        if whole:
-            self.made.wait()
+        tensors scanned."""
         if self.error is not None:
             raise self.error
         if self.full is not None:
@@ -299,7 +298,9 @@ def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=
     the comparison between calls (the caller clears it when a run changes); with
     it, the first answer is the statistics' comparison, and ``pending`` says how
     many layers' full tensors are compared so far (``Comparison``), until the
-    answer is whole (``pending`` None)."""
+    answer is whole (``pending`` None); a full tensors' metric has no value until
+    then (``"nan"``: no request waits for the comparison).  ``unlike``: what makes
+    the runs unlike (the full tensors' shapes only once the answer is whole)."""
     from .._compare import compare_runs, divergence
     checked_stat(metric, COMPARE_METRICS)
     key = (kind, rank, rtol)
@@ -316,8 +317,9 @@ def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=
         else:
             ds = compare_runs(a, b, kind, rank=rank)
             first = divergence(ds, rtol)
-    if metric not in ds and pending is not None:       # a full tensors' metric: the whole
-        ds, first, pending = cache[key].answer(whole=True)
+    if metric in TENSOR_METRICS and pending is not None:    # not compared yet: no value
+        ds = ds.assign({metric: xr.full_like(ds["stat_rel"], np.nan).assign_attrs(
+            covers="full tensors: being compared")})
     if metric not in ds:
         raise NotFound(f"no metric {metric!r}: the runs do not both hold full tensors")
     order = {n: i for i, n in enumerate(a.layers)}
@@ -342,4 +344,5 @@ def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=
             "first_divergence": None if first is None else {"step": int(first[0]),
                                                              "layer": first[1]},
             "steps": [int(steps[0]), int(steps[-1])] if len(steps) else None,
-            "covers": ds[metric].attrs.get("covers", ""), "pending": pending}
+            "covers": ds[metric].attrs.get("covers", ""), "unlike": ds.attrs.get("unlike", []),
+            "pending": pending}

@@ -1,0 +1,168 @@
+"""The two-run page's server (``/api/compare-map``) while its comparison of the full
+tensors is still under way, held back here until the test lets it go: the first
+answer comes from the statistics alone, and no request waits on the comparison
+holding the server.  The truth is the tensors as plain forward hooks saw them,
+compared with numpy."""
+
+from __future__ import annotations
+
+import math
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tensortape import Recorder
+from tensortape.analysis import Run
+
+from test_serve import Served, as_float, whole
+
+STEPS, APART_FROM = 6, 3
+
+
+class Reshape(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, x):
+        return x.reshape(self.shape)
+
+
+class Shaped(nn.Module):
+    """``lin`` then ``view``: ``view``'s output is 24 elements in ``shape``."""
+
+    def __init__(self, shape):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 6)
+        self.view = Reshape(shape)
+
+    def forward(self, x):
+        return self.view(torch.tanh(self.lin(x)))
+
+
+def record(path: str, shape, scale_from: int | None) -> dict:
+    """A run of ``Shaped(shape)``, full tensors every step, the input 1% larger from
+    step ``scale_from`` on; what plain forward hooks saw: (layer, step) -> array."""
+    model, seen, at = Shaped(shape), {}, {}
+    for name in ("lin", "view"):
+        getattr(model, name).register_forward_hook(
+            lambda m, i, out, name=name: seen.__setitem__((name, at["step"]),
+                                                          out.detach().numpy().copy()))
+    data = torch.Generator().manual_seed(1)
+    with Recorder(model, path, layers=["lin", "view"], capture=("activations",),
+                  tensors_every=1, stats_every=1, max_bytes=None) as rec:
+        for step in range(STEPS):
+            at["step"] = step
+            x = torch.randn(4, 4, generator=data)
+            with rec.step(step), torch.no_grad():
+                model(x * 1.01 if scale_from is not None and step >= scale_from else x)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two runs whose ``view`` holds 24 elements in other shapes, and what hooks saw."""
+    d = tmp_path_factory.mktemp("pair")
+    a, b = str(d / "a.zarr"), str(d / "b.zarr")
+    return a, b, record(a, (24,), None), record(b, (4, 6), APART_FROM)
+
+
+@pytest.fixture
+def held(monkeypatch):
+    """The server's comparison of full tensors held back until ``release`` is set;
+    ``reads``: the tensor tables' reads (``Run.tensor_layers``, ``Run.tensor_shape``)
+    made meanwhile."""
+    from tensortape.analysis import _compare
+    release, reads = threading.Event(), []
+    real = _compare.with_tensors
+
+    def waiting(*args, **kw):
+        release.wait(300)
+        return real(*args, **kw)
+    monkeypatch.setattr(_compare, "with_tensors", waiting)
+    for name in ("tensor_layers", "tensor_shape"):
+        method = getattr(Run, name)
+
+        def read(self, *a, method=method, name=name, **kw):
+            if not release.is_set():
+                reads.append((name, threading.current_thread().name))
+            return method(self, *a, **kw)
+        monkeypatch.setattr(Run, name, read)
+    yield release, reads
+    release.set()
+
+
+def rel_l2(seen_a: dict, seen_b: dict, layer: str, step: int) -> float:
+    a = seen_a[layer, step].astype(np.float64).ravel()
+    b = seen_b[layer, step].astype(np.float64).ravel()
+    return float(np.linalg.norm(b - a) / np.linalg.norm(a))
+
+
+def test_the_first_answer_is_the_statistics_alone_the_shapes_follow_with_the_tensors(pair, held):
+    """Before: the first answer read every tensor table for its shape (0.5-1 s at 200
+    layers) and left out ``view``, whose 24 elements the runs hold in other shapes.
+    Now it is the statistics' alone, ``view`` in it; the whole answer, once the full
+    tensors are compared, leaves ``view`` out and says why."""
+    release, reads = held
+    a, b, seen_a, seen_b = pair
+    served = Served(a, b)
+    try:
+        reads.clear()
+        status, first = served.get("compare-map", width=100)
+        assert status == 200, first
+        assert reads == [] and first["pending"] == {"done": 0, "of": None}
+        assert first["layers"] == ["lin", "view"] and first["unlike"] == []
+        # the statistics differ from APART_FROM on, in both layers
+        assert first["first_divergence"] == {"step": APART_FROM, "layer": "lin"}
+        release.set()
+        m = whole(served, width=100)
+        assert m["layers"] == ["lin"]
+        assert m["unlike"] == ["1 shared layer differs in shape (view: shapes (24,) and (4, 6))"]
+        r = whole(served, width=100, metric="rel_l2")
+        want = [rel_l2(seen_a, seen_b, "lin", s) for s in range(STEPS)]
+        assert [as_float(v) for v in r["values"][0]] == pytest.approx(want, rel=1e-9, abs=0)
+    finally:
+        release.set()
+        served.close()
+
+
+@pytest.mark.parametrize("metric", ["rel_l2", "max_abs"])
+def test_a_full_tensor_metric_asked_while_pending_holds_no_other_request(pair, held, metric):
+    """Before: ``metric=rel_l2`` while the full tensors were compared waited for the
+    whole comparison holding the server's lock, and every other request (the map, a
+    histogram) waited behind it.  Now it answers at once: ``pending``, every cell not
+    compared yet (``"nan"``, not non-finite); the page asks again until it is whole."""
+    release, _ = held
+    a, b, seen_a, seen_b = pair
+    served = Served(a, b)
+    got = {}
+    asking = threading.Thread(target=lambda: got.update(
+        zip(("status", "body"), served.get("compare-map", metric=metric, width=100))))
+    try:
+        assert served.get("compare-map", width=100)[0] == 200      # the comparison starts
+        asking.start()
+        for route in ("map?run=1&width=100", "histogram?run=0&layer=lin&step=0"):
+            with urllib.request.urlopen(f"{served.url}/api/{route}", timeout=60) as r:
+                assert r.status == 200          # never behind it (before: a timeout here)
+        asking.join(300)
+        assert got["status"] == 200, got
+        pending = got["body"]
+        assert pending["pending"] is not None and pending["metric"] == metric
+        assert all(v == "nan" for row in pending["values"] for v in row)
+        assert not any(any(row) for row in pending["nonfinite"])
+        release.set()
+        r = whole(served, width=100, metric=metric)
+        assert r["layers"] == ["lin"]
+        diff = [np.abs(seen_b["lin", s].astype(np.float64) - seen_a["lin", s]).max()
+                if metric == "max_abs" else rel_l2(seen_a, seen_b, "lin", s) for s in range(STEPS)]
+        assert [as_float(v) for v in r["values"][0]] == pytest.approx(diff, rel=1e-9, abs=0)
+        assert not math.isnan(as_float(r["values"][0][-1]))
+    finally:
+        release.set()
+        asking.join(300) if asking.is_alive() else None
+        served.close()
