@@ -15,6 +15,29 @@ settings.register_profile("random", derandomize=False)
 settings.load_profile("random" if os.environ.get("TENSORTAPE_RANDOM") == "1" else "repeatable")
 
 
+# The files that take longest, longest first (measured on a 2-core machine).  Under
+# ``-n 2 --dist loadfile`` pytest-xdist hands out whole files in collection order, so the
+# files handed out last are short and both workers finish together.  xdist's own order
+# (files by their count of tests, most first) would hand out the long one-test files
+# (test_capture_memory, test_schedules) last, for one worker to run while the other waits.
+SLOWEST_FIRST = [
+    "test_script", "test_claim", "test_capture_memory", "test_strict", "test_schedules",
+    "test_absent", "test_engine_numba", "test_readers_oracle", "test_damage", "test_browser",
+    "test_accumulate", "test_extremes", "test_compare_metrics", "test_cli", "test_writer",
+    "test_answers", "test_endings", "test_serve", "test_triton", "test_distributed",
+    "test_fence", "test_ranklog", "test_watch_tty", "test_compile"]
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):      # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.stem, len(first)))     # stable
+
+
 def transformer(seed=0, d=32, layers=2):
     torch.manual_seed(seed)
     layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0, batch_first=True)
