@@ -167,7 +167,7 @@ def test_the_first_forward_is_recorded_like_any_other(tmp_path):
     2 micro-batches a step, step 0 holds both, labelled 0 and 1, the root's inputs
     included, with the values plain torch hooks see."""
     store = str(tmp_path / "run.zarr")
-    p = tensortape("record", "--stats-every", "1", "-o", store, "--capture", "inputs", "--capture", "activations",
+    p = in_process("record", "--stats-every", "1", "-o", store, "--capture", "inputs", "--capture", "activations",
                    "--layers", "*", "--tensors-every", "1", "--", "python", ACCUM, "3")
     assert p.returncode == 0 and p.stdout.strip() == "trained", p.stderr
     script = runpy.run_path(ACCUM, run_name="oracle")
