@@ -4,7 +4,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import HealthCheck, Phase, settings
 from torch import nn
 
 # hypothesis draws its examples from a fixed seed in the suite, so a run is repeatable
@@ -36,6 +36,17 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.stem, len(first)))     # stable
+
+
+def examples(ci: int) -> settings:
+    """hypothesis settings for a test whose examples take seconds: ``ci`` examples of a
+    fixed seed, or ``TENSORTAPE_ORACLE_EXAMPLES`` random ones (a long run by hand); shrunk
+    only with ``TENSORTAPE_ORACLE_SHRINK=1``."""
+    n = int(os.environ.get("TENSORTAPE_ORACLE_EXAMPLES", "0"))
+    shrink = os.environ.get("TENSORTAPE_ORACLE_SHRINK") == "1"
+    return settings(max_examples=n or ci, derandomize=not n, deadline=None, database=None,
+                    suppress_health_check=list(HealthCheck),
+                    phases=[p for p in Phase if shrink or p != Phase.shrink])
 
 
 def transformer(seed=0, d=32, layers=2):
