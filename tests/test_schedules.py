@@ -481,7 +481,7 @@ def check(run, oracle, rec):
 
 
 def test_random_schedules_match_the_oracle():
-    cfg = settings(examples(24), stateful_step_count=20)
+    cfg = settings(examples(40), stateful_step_count=20)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run_state_machine_as_test(Schedules, settings=cfg)
