@@ -4,7 +4,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import HealthCheck, Phase, settings
 from torch import nn
 
 # hypothesis draws its examples from a fixed seed in the suite, so a run is repeatable
@@ -13,6 +13,40 @@ from torch import nn
 settings.register_profile("repeatable", derandomize=True, database=None)
 settings.register_profile("random", derandomize=False)
 settings.load_profile("random" if os.environ.get("TENSORTAPE_RANDOM") == "1" else "repeatable")
+
+
+# The files that take longest, longest first (measured on a 2-core machine).  Under
+# ``-n 2 --dist loadfile`` pytest-xdist hands out whole files in collection order, so the
+# files handed out last are short and both workers finish together.  xdist's own order
+# (files by their count of tests, most first) would hand out the long one-test files
+# (test_capture_memory, test_schedules) last, for one worker to run while the other waits.
+SLOWEST_FIRST = [
+    "test_script", "test_claim", "test_capture_memory", "test_strict", "test_schedules",
+    "test_absent", "test_engine_numba", "test_readers_oracle", "test_damage", "test_browser",
+    "test_accumulate", "test_extremes", "test_compare_metrics", "test_cli", "test_writer",
+    "test_answers", "test_endings", "test_serve", "test_triton", "test_distributed",
+    "test_fence", "test_ranklog", "test_watch_tty", "test_compile"]
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):      # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.stem, len(first)))     # stable
+
+
+def examples(ci: int) -> settings:
+    """hypothesis settings for a test whose examples take seconds: ``ci`` examples of a
+    fixed seed, or ``TENSORTAPE_ORACLE_EXAMPLES`` random ones (a long run by hand); shrunk
+    only with ``TENSORTAPE_ORACLE_SHRINK=1``."""
+    n = int(os.environ.get("TENSORTAPE_ORACLE_EXAMPLES", "0"))
+    shrink = os.environ.get("TENSORTAPE_ORACLE_SHRINK") == "1"
+    return settings(max_examples=n or ci, derandomize=not n, deadline=None, database=None,
+                    suppress_health_check=list(HealthCheck),
+                    phases=[p for p in Phase if shrink or p != Phase.shrink])
 
 
 def transformer(seed=0, d=32, layers=2):
@@ -171,6 +205,23 @@ def s3_server(_s3_endpoint, monkeypatch):
     _s3_env(monkeypatch, _s3_endpoint)
     s3fs.S3FileSystem.clear_instance_cache()         # clients cached without this environment
     yield f"s3://tensortape-test/{uuid.uuid4().hex[:12]}"
+    _close_s3_clients()
+
+
+def _close_s3_clients():
+    """Close every cached s3fs client's aiohttp session on the event loop that opened it,
+    then drop the clients.  s3fs closes its synchronous clients when collected but never
+    the asynchronous ones (zarr's): left to the collector, they warn of an unclosed
+    session in whatever later test runs then, where a strict filter fails it."""
+    import s3fs
+    from fsspec.asyn import sync
+    for fs in list(s3fs.S3FileSystem._cache.values()):
+        if getattr(fs, "_s3", None) is None:
+            continue
+        loops = {s._loop for s in (fs._s3._endpoint.http_session._sessions or {}).values()}
+        for loop in loops:
+            if loop.is_running():
+                sync(loop, fs._s3creator.__aexit__, None, None, None, timeout=60)
     s3fs.S3FileSystem.clear_instance_cache()
 
 

@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import example, given, strategies as st
 from torch import nn
 
 from tensortape import Recorder, cli, open_run
 from tensortape.analysis import compare_runs, first_divergence
 
+from conftest import examples
 from test_serve import Served
 
 STEPS = 6
@@ -108,12 +109,13 @@ def where(tmp_path_factory):
     return tmp_path_factory
 
 
-@settings(max_examples=8, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@examples(3)
 @given(step=st.integers(0, STEPS - 2), micro=st.integers(0, MICRO - 1),
        every=st.sampled_from([1, 2, 3, None]), how=st.sampled_from(["inf", "scale"]),
        samples=st.sampled_from([None, 1]))
 @example(step=2, micro=1, every=2, how="scale", samples=None)    # a finite change, micro-batch 1
+@example(step=3, micro=1, every=3, how="inf", samples=None)      # Infs in a full tensor
+@example(step=1, micro=0, every=1, how="inf", samples=1)         # Infs past the kept samples
 def test_the_first_divergence_is_where_the_fault_was_put(clean, where, step, micro, every, how,
                                                          samples):
     """Full tensors every ``every`` steps, of the first ``samples`` samples: where

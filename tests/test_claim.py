@@ -29,15 +29,17 @@ STEPS = 20
 # A job that waits for its orders on stdin (so that torch is imported before the
 # race starts), then for a "go" file (so that two jobs start within a millisecond).
 JOB = textwrap.dedent("""
-    import os, sys, time
+    import json, os, sys, time
     import torch
     from torch import nn
     from tensortape.recorder import Recorder, StoreExistsError
     print("READY", flush=True)
     for line in sys.stdin:
-        store, mode, steps, job, hold, go = line.split()
+        store, mode, steps, job, hold, go, env = line.split(maxsplit=6)
+        os.environ.update(json.loads(env))
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        print("WAITING", flush=True)
         while not os.path.exists(go):
             time.sleep(0.0005)
         try:
@@ -57,7 +59,7 @@ JOB = textwrap.dedent("""
 
 
 class Job:
-    """A python process that records when told to."""
+    """A python process that records when told to (started: ``ready()`` waits for it)."""
 
     def __init__(self, log):
         self.log = open(log, "w")
@@ -65,8 +67,12 @@ class Job:
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=self.log, env={**os.environ, "PYTHONPATH": ROOT})
         self.lines: queue.Queue = queue.Queue()
+        self.orders = 0                            # orders given and not yet answered
         threading.Thread(target=self._read, daemon=True).start()
+
+    def ready(self) -> "Job":
         assert self.readline() == "READY"
+        return self
 
     def _read(self):
         for line in self.p.stdout:
@@ -86,15 +92,24 @@ class Job:
         return line
 
     def order(self, store, mode, job, go, steps=STEPS, hold=0.01):
-        self.p.stdin.write(f"{store} {mode} {steps} {job} {hold} {go}\n")
+        env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}   # the S3 server's
+        self.p.stdin.write(f"{store} {mode} {steps} {job} {hold} {go} {json.dumps(env)}\n")
         self.p.stdin.flush()
+        self.orders += 1
+        assert self.readline() == "WAITING"        # for the go file
 
     def outcome(self) -> str:
         """Skip the RECORDING lines; the job's last word."""
         while True:
             line = self.readline()
             if not line.startswith("RECORDING"):
+                self.orders -= 1
                 return line
+
+    @property
+    def idle(self) -> bool:
+        """Alive, every order answered and every line read: fit for the next test."""
+        return self.p.poll() is None and self.orders == 0 and self.lines.empty()
 
     def stop(self):
         if self.p.poll() is None:
@@ -144,8 +159,7 @@ def race(jobs, stores, mode, tmp_path, tag):
     for i, store in enumerate(stores):
         go = str(tmp_path / f"go-{tag}-{i}")
         for k, job in enumerate(jobs):
-            job.order(store, mode, k + 1, go)
-        time.sleep(0.3)                            # both wait on the go file
+            job.order(store, mode, k + 1, go)      # both wait on the go file
         open(go, "w").close()
         results.append([job.outcome() for job in jobs])
     return results
@@ -169,12 +183,30 @@ def check_race(results, stores, mode):
             else True
 
 
-@pytest.fixture
-def jobs(tmp_path):
-    js = [Job(tmp_path / "job1.log"), Job(tmp_path / "job2.log")]
-    yield js
-    for j in js:
+def start_jobs(where, n=2) -> list:
+    """``n`` jobs, started together."""
+    return [j.ready() for j in [Job(where / f"job{i + 1}.log") for i in range(n)]]
+
+
+@pytest.fixture(scope="module")
+def _job_pool(tmp_path_factory):
+    """Two jobs kept across this file's tests (each start imports torch): one that a test
+    killed, or left busy, is replaced before the next test.  Each order carries the
+    environment's S3 server."""
+    pool = start_jobs(tmp_path_factory.mktemp("jobs"))
+    yield pool
+    for j in pool:
         j.stop()
+
+
+@pytest.fixture
+def jobs(_job_pool, tmp_path):
+    spent = [i for i, j in enumerate(_job_pool) if not j.idle]
+    for i in spent:
+        _job_pool[i].stop()
+    for i, j in zip(spent, start_jobs(tmp_path, len(spent))):
+        _job_pool[i] = j
+    return list(_job_pool)
 
 
 @pytest.mark.parametrize("mode", ["w-", "w"])

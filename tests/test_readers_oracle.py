@@ -55,10 +55,11 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch import nn
 
+from conftest import examples
 from oracle import (COUNTS, STATS, Oracle, agrees, at_least, bin_index, exact, histogram,
                     largest, truth)
 from tensortape import Recorder, open_run
@@ -1049,16 +1050,6 @@ def record_ranks(spec: Spec, path: str, tmp: str) -> None:
 
 
 # --- the tests ------------------------------------------------------------------------------
-def examples(ci: int) -> settings:
-    """``ci`` examples of a fixed seed, or ``TENSORTAPE_ORACLE_EXAMPLES`` random ones;
-    shrunk only with ``TENSORTAPE_ORACLE_SHRINK=1`` (an example takes seconds)."""
-    n = int(os.environ.get("TENSORTAPE_ORACLE_EXAMPLES", "0"))
-    shrink = os.environ.get("TENSORTAPE_ORACLE_SHRINK") == "1"
-    return settings(max_examples=n or ci, derandomize=not n, deadline=None, database=None,
-                    suppress_health_check=list(HealthCheck),
-                    phases=[p for p in Phase if shrink or p != Phase.shrink])
-
-
 @examples(8)
 @given(spec=specs())
 @example(spec=Spec(     # a lone surrogate in a name: TensorBoard's tags and the served API

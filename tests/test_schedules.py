@@ -37,8 +37,9 @@ oracle's: names, statistics (sums to 1e-9), absent cells, histograms, events,
 full tensors of every micro-batch (bit-exact, none more), drops and passes
 outside steps.
 
-CI runs a fixed seed (``derandomize``); ``TENSORTAPE_SCHEDULES=N`` runs N random
-examples by hand, e.g. ``TENSORTAPE_SCHEDULES=500 pytest tests/test_schedules.py``.
+CI runs a fixed seed and a few examples; ``TENSORTAPE_ORACLE_EXAMPLES=N`` runs N random
+ones by hand, e.g. ``TENSORTAPE_ORACLE_EXAMPLES=500 pytest tests/test_schedules.py``
+(``TENSORTAPE_ORACLE_SHRINK=1`` shrinks a failing one).
 """
 import contextlib
 import os
@@ -48,7 +49,7 @@ import warnings
 
 import numpy as np
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
@@ -56,6 +57,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tensortape.analysis import open_run
+from conftest import examples
 from oracle import STATS, Oracle, bin_edges
 from tensortape.recorder import ConfigError, Recorder
 
@@ -479,9 +481,7 @@ def check(run, oracle, rec):
 
 
 def test_random_schedules_match_the_oracle():
-    n = int(os.environ.get("TENSORTAPE_SCHEDULES", "0"))
-    cfg = settings(max_examples=n or 40, stateful_step_count=20, deadline=None,
-                   derandomize=not n, suppress_health_check=list(HealthCheck))
+    cfg = settings(examples(40), stateful_step_count=20)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run_state_machine_as_test(Schedules, settings=cfg)

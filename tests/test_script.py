@@ -1,4 +1,8 @@
-"""`tensortape record`: an unchanged training script, recorded in its own process."""
+"""`tensortape record`: an unchanged training script, recorded in its own process.
+
+The installed command runs in a process of its own where the process is what is tested
+(its exit status and output, ``python -m``'s path, a live run watched); refusals and
+messages are checked with click running it in this process (``in_process``)."""
 import os
 import runpy
 import shutil
@@ -25,6 +29,17 @@ def tensortape(*args, cwd=ROOT):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
 
 
+def in_process(*args):
+    """``tensortape`` run by click in this process (no interpreter and torch to start):
+    its exit status and its separate stdout and stderr, as ``tensortape()`` gives them."""
+    from click.testing import CliRunner
+    from tensortape import cli
+    r = CliRunner().invoke(cli.cli, list(args), prog_name="tensortape")
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
+
+
 def test_record_an_unchanged_script(tmp_path):
     store = str(tmp_path / "run.zarr")
     p = tensortape("record", "--stats-every", "1", "-o", store, "--layers", "0", "--layers", "2", "--capture",
@@ -46,25 +61,14 @@ def test_record_an_unchanged_script(tmp_path):
 
 def test_a_run_that_cannot_be_recorded_stops_in_one_line_unless_keep_going(tmp_path):
     store = str(tmp_path / "run.zarr")
-    p = tensortape("record", "--stats-every", "1", "-o", store, "--layers", "nope*", "--", "python", SCRIPT, "2")
+    p = in_process("record", "--stats-every", "1", "-o", store, "--layers", "nope*", "--", "python", SCRIPT, "2")
     assert p.returncode == 2 and "trained" not in p.stdout
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "'nope*'" in lines[0] and "--keep-going" in lines[0], p.stderr
-    p = tensortape("record", "--stats-every", "1", "-o", store, "--layers", "nope*", "--keep-going", "--", "python",
+    p = in_process("record", "--stats-every", "1", "-o", store, "--layers", "nope*", "--keep-going", "--", "python",
                    SCRIPT, "2")
     assert p.returncode == 3 and p.stdout.strip() == "trained 2"
     assert "not recording" in p.stderr and "'nope*'" in p.stderr
-
-
-def in_process(*args):
-    """``tensortape`` run by click in this process (no interpreter and torch to start):
-    its exit status and its separate stdout and stderr, as ``tensortape()`` gives them."""
-    from click.testing import CliRunner
-    from tensortape import cli
-    r = CliRunner().invoke(cli.cli, list(args), prog_name="tensortape")
-    if r.exception is not None and not isinstance(r.exception, SystemExit):
-        raise r.exception
-    return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
 
 
 def test_record_modes_on_an_existing_run(tmp_path):
@@ -96,7 +100,7 @@ def test_record_modes_on_an_existing_run(tmp_path):
 ])
 def test_a_missing_script_is_one_line(tmp_path, command, needle):
     store = tmp_path / "new" / "deeper" / "run.zarr"
-    p = tensortape("record", "--stats-every", "1", "-o", str(store), "--", *command)
+    p = in_process("record", "--stats-every", "1", "-o", str(store), "--", *command)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], p.stderr
@@ -129,12 +133,12 @@ def test_a_store_that_cannot_be_written_stops_before_the_script_starts(tmp_path,
         else f"/proc/tensortape-{os.getpid()}/run.zarr"
     script, marker = tmp_path / "train.py", tmp_path / "started"
     script.write_text(MARKED)
-    p = tensortape("record", "--stats-every", "1", "-o", store, "--", "python", str(script), str(marker))
+    p = in_process("record", "--stats-every", "1", "-o", store, "--", "python", str(script), str(marker))
     assert p.returncode == 2 and p.stdout == "" and not marker.exists(), p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot write the run" in lines[0], p.stderr
     assert "not started" in lines[0] and "--keep-going" in lines[0]
-    p = tensortape("record", "--stats-every", "1", "-o", store, "--keep-going", "--", "python", str(script), str(marker))
+    p = in_process("record", "--stats-every", "1", "-o", store, "--keep-going", "--", "python", str(script), str(marker))
     assert p.returncode == 4 and p.stdout.strip() == "trained" and marker.exists()
     lines = p.stderr.strip().splitlines()                  # trained unrecorded, after one line
     assert len(lines) == 1 and "not recording" in lines[0] and "cannot write" in lines[0], p.stderr
@@ -163,7 +167,7 @@ def test_the_first_forward_is_recorded_like_any_other(tmp_path):
     2 micro-batches a step, step 0 holds both, labelled 0 and 1, the root's inputs
     included, with the values plain torch hooks see."""
     store = str(tmp_path / "run.zarr")
-    p = tensortape("record", "--stats-every", "1", "-o", store, "--capture", "inputs", "--capture", "activations",
+    p = in_process("record", "--stats-every", "1", "-o", store, "--capture", "inputs", "--capture", "activations",
                    "--layers", "*", "--tensors-every", "1", "--", "python", ACCUM, "3")
     assert p.returncode == 0 and p.stdout.strip() == "trained", p.stderr
     script = runpy.run_path(ACCUM, run_name="oracle")
