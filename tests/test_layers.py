@@ -117,6 +117,8 @@ FOREIGN_PRIVATES = {
     "_cache",               # a numba dispatcher's disk cache: where its compiled kernels are
     "_nn",                  # torch._C._nn.flatten_dense_tensors: a step's tiny tensors made one
     #                         vector in one call (what DDP's buckets use), not a reshape each
+    "_register_hook_dict",  # grad_fn's hook dict of a tensor: what Tensor.register_hook fills,
+    #                         without the handle nobody removes (_hooks._hold)
 }
 
 

@@ -109,10 +109,19 @@ def bits(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 try:                  # torch's one-call flattening of many tensors (what DDP's buckets use)
-    _flat = torch._C._nn.flatten_dense_tensors
+    _flatten = torch._C._nn.flatten_dense_tensors
 except AttributeError:          # pragma: no cover - another torch
-    def _flat(xs: list[torch.Tensor]) -> torch.Tensor:
+    def _flatten(xs: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([x.reshape(-1) for x in xs])
+
+
+def _flat(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' elements, one after another: tensors of one shape (a step of one
+    layer width) stacked, at a third of the cost of flattening each."""
+    shape = xs[0].shape
+    if all(x.shape == shape for x in xs):
+        return torch.stack(xs).reshape(-1)
+    return _flatten(xs)
 
 
 def _splits(n: int, threads: int) -> list[int]:

@@ -73,6 +73,8 @@ class Taken:
     vec: torch.Tensor | None        # the device vector (or the tiny copy) until the step ends
     snap: Snapshot | None
     engine: Engine | None = None    # left to the writer (``Later``): ``vec`` is a copy for it
+    block: int | None = None        # packed (``pack``): the block and row of its vector (None:
+    row: int = 0                    # none); the step record's ``Meta`` from then on
 
 
 class EngineFailed(Exception):
@@ -169,7 +171,8 @@ class Summarizer:
         """Batch the tiny tensors, stack the other vectors of a device and form into
         blocks, and start each device's copy to the host without waiting (a pinned
         buffer and an event on CUDA).  A failed batch is counted (``fault``), its
-        captures left with their element counts."""
+        captures left with their element counts.  The captures themselves are the
+        record's metas (``block`` and ``row`` set, their vectors let go)."""
         groups: dict = {}          # (device, form, code width of tiny ones, left to the writer)
         for i, c in enumerate(caps):       # -> capture indices
             if c.vec is not None:
@@ -202,13 +205,12 @@ class Summarizer:
                     self._failed_batch(caps, idx, err)
                 continue
             made.append((device, torch.stack(vecs), _HOLDS[f], idx))
-        at = [None] * len(caps)            # each capture's (block, row); None: no vector
         blocks, parts, start = [], [], 0
         for device in dict.fromkeys(d for d, *_ in made):
             mine = [b for b in made if b[0] == device]
             for _, mat, holds, idx in mine:
                 for row, i in enumerate(idx):
-                    at[i] = (len(blocks), row)
+                    caps[i].block, caps[i].row = len(blocks), row
                 blocks.append(Block(holds, mat.shape[0], mat.shape[1], start))
                 start += mat.shape[0] * mat.shape[1]
             if device == _LATER:
@@ -216,11 +218,9 @@ class Summarizer:
                 continue
             mats = [mat.reshape(-1) for _, mat, *_ in mine]
             parts.append(self.to_host(mats[0] if len(mats) == 1 else torch.cat(mats)))
-        metas = [Meta(c.order, c.kind, c.name, c.micro, c.numel) if w is None else
-                 Meta(c.order, c.kind, c.name, c.micro, c.numel, *w) for c, w in zip(caps, at)]
         for c in caps:
             c.vec = c.engine = None
-        return metas, blocks, Packed(parts) if parts else None
+        return caps, blocks, Packed(parts) if parts else None
 
     def _failed_batch(self, caps: list[Taken], idx: list[int], error: Exception) -> None:
         """A batch of tiny tensors failed: counted (``fault``), its captures left with

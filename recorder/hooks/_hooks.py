@@ -31,6 +31,7 @@ The common path pays one C call per capture, and a grad-mode check per call.
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from collections.abc import Iterator
@@ -311,14 +312,15 @@ class _Hook:
         if torch.compiler.is_compiling():
             return self.run(*args)
         try:
-            return self.run(*args)
+            return self.run(*args, eager=True)
         except _POLICY:
             raise
         except Exception as e:
             _ops.fault(self.hookset, e, self.module)
             return None
 
-    def run(self, *args):
+    def run(self, *args, eager: bool = False):
+        """The hook's body; ``eager``: not being traced (asked once, in ``__call__``)."""
         raise NotImplementedError
 
 
@@ -347,9 +349,9 @@ class _PassHook(_Hook):
         super().__init__(hookset, "")
         self.enter, self.no_grad = enter, no_grad
 
-    def run(self, module, args, *rest):
+    def run(self, module, args, *rest, eager: bool = False):
         target = self.hookset if torch.is_grad_enabled() else self.no_grad
-        _ops.forward_pass(target, self.enter)
+        _ops.forward_pass(target, self.enter, eager)
         return None
 
 
@@ -360,17 +362,17 @@ class _PreHook(_Hook):
         self.inputs, self.weights = inputs, weights
         self.integers = integers                # capture="batch": integer and bool inputs only
 
-    def run(self, module, args, kwargs):
+    def run(self, module, args, kwargs, eager: bool = False):
         first = True
         if self.inputs:
             for path, t in input_leaves(args, kwargs):
                 if self.integers and (t.is_floating_point() or t.is_complex()):
                     continue
-                _ops.capture(t, self.hookset, self.module, path, _INPUTS, first)
+                _ops.capture(t, self.hookset, self.module, path, _INPUTS, first, eager)
                 first = False
         if self.weights:
             for pname, p in module.named_parameters(recurse=False):
-                _ops.capture(p, self.hookset, self.module, pname, _WEIGHTS, first)
+                _ops.capture(p, self.hookset, self.module, pname, _WEIGHTS, first, eager)
                 first = False
         return None
 
@@ -382,17 +384,17 @@ class _PostHook(_Hook):
         # what an output is: with its gradient wanted, or without
         self.with_grad = What.ACTIVATIONS_GRADIENTS if activations else What.GRADIENTS
 
-    def run(self, module, args, output):
+    def run(self, module, args, output, eager: bool = False):
         acts, grads = self.activations, self.gradients
         # eager, without grad: maybe a reentrant checkpoint's forward, whose outputs
         # get their gradients through its recomputation (_recompute)
-        later = grads and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        later = grads and eager and not torch.is_grad_enabled()
         first = True
         for path, t in leaves(output):
             wants_grad = grads and t.requires_grad
             if not (acts or wants_grad or later):
                 continue
-            if wants_grad and not t.is_leaf and torch.compiler.is_compiling():
+            if wants_grad and not t.is_leaf and not eager:
                 if _ops.EAGER_GRAD_HOOKS:
                     _outside(self, t, path, first)
                 else:
@@ -400,15 +402,14 @@ class _PostHook(_Hook):
                 first = False
                 continue
             what = self.with_grad if wants_grad or later else _ACTIVATIONS
-            serial = _ops.capture(t, self.hookset, self.module, path, what, first)
+            serial = _ops.capture(t, self.hookset, self.module, path, what, first, eager)
             first = False
             if wants_grad:
                 if t.is_leaf:                   # a leaf (a parameter, a buffer): it outlives
                     if torch.is_grad_enabled():     # the pass: see leaf_hook (a call without
                         _leaf_hook(t, serial, self.hookset)     # grad has no gradient)
-                else:
-                    t.register_hook(functools.partial(_grad_hook, serial=serial,
-                                                      hookset=self.hookset))
+                elif serial >= 0:               # a gradient to record (eager: never traced)
+                    _hold(t, functools.partial(_ops.gradient, serial, self.hookset))
         return None
 
     def _traced(self, t: torch.Tensor, path: str, first: bool) -> None:
@@ -436,7 +437,7 @@ class _KeepHook(_Hook):
     def __call__(self, *args):
         return super().__call__(*args)
 
-    def run(self, module, args, last):
+    def run(self, module, args, last, eager: bool = False):
         hs = _ops.hookset(self.hookset)
         if hs is not None:
             if self.enter:
@@ -457,6 +458,22 @@ def _outside(hook: _PostHook, t: torch.Tensor, path: str, first: bool) -> None:
 
 def _grad_hook(grad, serial, hookset):
     _ops.capture_grad(grad, serial, hookset)
+
+
+def _hold(t: torch.Tensor, hook) -> None:
+    """``t.register_hook(hook)`` in eager mode, without the ``RemovableHandle`` that
+    nobody removes (the hook goes with ``t``'s graph): the same dict on ``t``'s
+    ``grad_fn`` that ``Tensor.register_hook`` fills, keyed by the hook itself (never
+    one of torch's handle ids), at a third of its cost.  A subclass (``__torch_function__``)
+    goes through ``register_hook``."""
+    if type(t) is not torch.Tensor:
+        t.register_hook(hook)
+        return
+    hooks = t._backward_hooks
+    if hooks is None:
+        hooks = t._backward_hooks = collections.OrderedDict()
+        t.grad_fn._register_hook_dict(t)
+    hooks[hook] = hook
 
 
 @torch.compiler.disable

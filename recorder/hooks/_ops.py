@@ -44,8 +44,8 @@ import torch
 from ._callnames import Phase
 from ..format import Kind
 
-__all__ = ["What", "capture", "capture_after", "capture_grad", "fault", "forward_pass", "hookset", "register",
-           "unregister"]
+__all__ = ["What", "capture", "capture_after", "capture_grad", "fault", "forward_pass", "gradient", "hookset",
+           "register", "unregister"]
 
 
 class What(enum.Enum):
@@ -200,10 +200,12 @@ else:                                              # older torch: eager only (a 
                  for f in (_capture, _capture_grad, _forward_pass, _capture_after))
 
 
-def capture(x, hookset: int, module: str, path: str, what: What, first: bool):
+def capture(x, hookset: int, module: str, path: str, what: What, first: bool,
+            eager: bool = False):
     """Hand one tensor of a module call over; its serial (an int, or an int64 scalar
-    while compiling; -1: no gradient is expected)."""
-    if torch.compiler.is_compiling():
+    while compiling; -1: no gradient is expected).  ``eager``: the hook already knows
+    that nothing is being traced (it asked once)."""
+    if not eager and torch.compiler.is_compiling():
         return _ops[0](x, hookset, module, path, what.value, first, _site())
     return _on_forward(x, hookset, module, path, what, first)
 
@@ -221,8 +223,21 @@ def capture_grad(g, serial, hookset) -> None:
         _capture_grad(g, serial, hookset)
 
 
-def forward_pass(hookset, enter) -> None:
+def gradient(serial: int, hookset: int, g) -> None:
+    """The gradient hook of an output captured in eager mode, as a ``functools.partial``
+    of its (int) serial and HookSet: ``capture_grad`` in one call (a backward that
+    Dynamo's compiled autograd traces still gets the op)."""
     if torch.compiler.is_compiling():
+        _ops[1](g, torch.tensor(serial), hookset)
+        return
+    hs = _hookset(hookset)
+    if hs is not None:
+        hs.on_gradient(serial, g)
+
+
+
+def forward_pass(hookset, enter, eager: bool = False) -> None:
+    if not eager and torch.compiler.is_compiling():
         _ops[2](hookset, enter)
     else:
         _forward_pass(hookset, enter)

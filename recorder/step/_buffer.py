@@ -188,6 +188,10 @@ class StepBuffer:
         caps = [c for c in caps if c.kind not in _BACKWARD] + \
             [c for c in caps if c.kind in _BACKWARD]
         rec = StepRecord(step, plan, layers=new)
+        for c in caps:                   # the full tensors: the captures (the metas) let them go
+            if c.snap is not None:
+                rec.tensors.append(TensorRow(c.kind, c.name, c.micro, c.snap))
+                c.snap = None
         try:
             rec.metas, rec.blocks, rec.packed = self.summarizer.pack(caps)
         except Exception as e:           # never into training: the step's statistics are dropped
@@ -195,7 +199,6 @@ class StepBuffer:
             self.drops.drop(f"statistics failed ({why})", len(caps))
             self._warn_once(why, f"tensortape: the statistics of step {step} failed ({why}); "
                             f"they are dropped and counted; training goes on")
-        rec.tensors = [TensorRow(c.kind, c.name, c.micro, c.snap) for c in caps if c.snap is not None]
         rec.scalars = self.scalars.pack(step, self.summarizer.to_host)
         rec.drops = self.drops.take()
         rec.outside = self.state.take_outside()

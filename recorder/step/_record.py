@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Protocol
 
 import numpy as np
 
@@ -67,17 +67,17 @@ class Plan:
         return cls(step, config.stats_at(step), persist, keep)
 
 
-class Meta(NamedTuple):
+class Meta(Protocol):
     """A capture as the record keeps it: which row of which block holds its vector
-    (``block`` None: none, its element count is all).  A named tuple: a step makes
-    one or two per capture, and a frozen dataclass costs three times as much."""
+    (``block`` None: none, its element count is all).  The step's own captures
+    (``_summarizer.Taken``, packed): no second object per capture."""
     order: int
     kind: str
     name: str
     micro: int
     numel: int
-    block: int | None = None
-    row: int = 0
+    block: int | None
+    row: int
 
 
 @dataclass(frozen=True)
