@@ -85,7 +85,7 @@ def _chunk(array, index: int, level: int | None) -> np.ndarray | None:
         return np.full(shape, array.fill_value, array.dtype)
     except OSError:
         return None
-    try:
+    try:                        # an I/O error (EIO, NFS's ESTALE): zarr's read, with its retries
         st = os.fstat(fd)
         size = st.st_size
         if not stat.S_ISREG(st.st_mode) or size < 4 or (
@@ -97,6 +97,8 @@ def _chunk(array, index: int, level: int | None) -> np.ndarray | None:
             got += n
         if got != size:
             return None
+    except OSError:
+        return None
     finally:
         os.close(fd)
     body = buf[:-4]
@@ -105,7 +107,9 @@ def _chunk(array, index: int, level: int | None) -> np.ndarray | None:
     if level is not None:
         from numcodecs import Zstd
         try:
-            body = np.frombuffer(Zstd().decode(body, out=np.empty(raw, np.uint8)), np.uint8)
-        except Exception:                   # not zstd, or not this chunk's size
+            body = np.frombuffer(Zstd().decode(body), np.uint8)
+        except Exception:                   # not zstd
+            return None
+        if body.size != raw:                # not this chunk's size (metadata changed under it)
             return None
     return body.view(array.dtype).reshape(shape)
