@@ -211,3 +211,29 @@ class TestS3(RankLogTests):
     @pytest.fixture
     def location(self, s3_server):
         return f"{s3_server}/run.zarr"
+
+    def test_a_rank_whose_run_was_taken_over_and_closed_writes_nothing(
+            self, location, tmp_path, monkeypatch):
+        """As above, but the job that took the run over has also closed it (its claim
+        gone) before rank 1 commits: the claim's absence is not rank 0's close, since
+        another job wrote rank 1's record (its conditional PUT fails), so rank 1 writes
+        nothing into the other job's finished run.  (On a local disk, without
+        conditional writes, this case is not fenced: docs/GUIDE.md.)"""
+        monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")
+        go = tmp_path / "go"
+        procs = start_ranks(RANK_0_CRASHES, location, tmp_path, go)
+        try:
+            assert procs[0].wait(timeout=300) == 9
+            model = nn.Linear(3, 2)
+            with Recorder(model, location, mode="w", max_bytes=None, stats_every=1,
+                          metadata={"job": "B"}) as rec:
+                train(rec, model, range(1000, 1003))
+            before = snapshot(location)
+            go.touch()
+            assert procs[1].wait(timeout=300) == 0
+            assert snapshot(location) == before
+        finally:
+            wait_ranks(procs, 1)
+        run = open_run(location)
+        assert run.ranks == [0] and run.steps().tolist() == [1000, 1001, 1002]
+        assert run.attrs["metadata"] == {"job": "B"} and run.status == "complete"

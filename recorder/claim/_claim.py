@@ -146,22 +146,26 @@ class Claim:
         """Whether this object holds the claim (rank 0, not released, not lost)."""
         return self._heartbeat is not None and self._heartbeat.holding
 
-    def confirm(self, read: bool = False) -> bool:
+    def confirm(self, read: bool = False, written: bool = False) -> bool:
         """Whether the claim is still this job's (see the module: the fence).
-        ``read``: ask the store even within the lease.  A store that cannot be
-        read raises; a claim found lost stays lost (``lost`` says why)."""
+        ``read``: ask the store even within the lease.  ``written``: another writer
+        is known to have written this rank's record since this job did (a failed
+        conditional PUT), so a lock gone is lost too, not rank 0's close.  A store
+        that cannot be read raises; a claim found lost stays lost (``lost`` says why)."""
         if self.lost is None:
             if self._heartbeat is not None:
                 self._heartbeat.confirm(read)
                 self.lost = self._heartbeat.lost or (None if self._heartbeat.holding
                                                      else "released")
             elif self._lock is not None and (read or time.time() - self._beat >= stale_s() / 2):
-                self._watch()
+                self._watch(written)
         return self.lost is None
 
-    def _watch(self) -> None:
+    def _watch(self, written: bool = False) -> None:
         h = self._lock.read()
-        if h is None:                  # released by rank 0's close: this rank's last commit
+        if h is None and written:      # another job wrote this rank's record, then closed
+            self.lost = "taken over by another job, which has since closed the run"
+        elif h is None:                # released by rank 0's close: this rank's last commit
             self._beat = 0.0           # goes on, asking again each time
         elif h.token != self.token:
             self.lost = f"taken over by {h.describe()}"

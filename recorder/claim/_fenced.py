@@ -30,8 +30,8 @@ TRIES = 3                      # an owner's PUT that keeps failing its condition
 
 
 def fenced(location: str, paths: list[str],
-           mine: Callable[[], bool]) -> Callable[[str, bytes], bool] | None:
-    """``Fenced.put`` of the groups' records at ``paths`` of the store at
+           mine: Callable[[], bool]) -> Fenced | None:
+    """A ``Fenced`` for the groups' records at ``paths`` of the store at
     ``location``, their ETags learned now; None where ``location`` is not on S3.
     ``mine()``: whether the claim, read again, is still this job's."""
     location = fmt.location(location)
@@ -44,7 +44,7 @@ def fenced(location: str, paths: list[str],
     writer = Fenced(fs, root, mine)
     for path in paths:
         writer.learn(path)
-    return writer.put
+    return writer
 
 
 class Fenced:
@@ -67,6 +67,18 @@ class Fenced:
             self.etags[path] = self.fs.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
         except FileNotFoundError:
             self.etags[path] = None
+
+    def unchanged(self, path: str) -> bool:
+        """Whether the record at ``path`` is still the one this job last wrote or read
+        (one HEAD; True where conditions are not used)."""
+        if not self.conditional or path not in self.etags:
+            return True
+        bucket, key = self._key(path)
+        try:
+            etag = self.fs.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
+        except FileNotFoundError:
+            etag = None
+        return etag == self.etags[path]
 
     def put(self, path: str, doc: bytes) -> bool:
         """Write ``doc`` as the record at ``path``; False when another job wrote it

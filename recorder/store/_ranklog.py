@@ -73,13 +73,12 @@ class RankLog:
         self.abandoned = False              # close gave up: commit nothing more
         self.lost = False                   # the claim is lost: write nothing more
         self._skipped: set[str] = set()     # tensor tables told of a changed dtype or rank
-        # mode="a" begins a new recording of the rank: of the steps it records, those up to
-        # the rank's last step so far may be held by an older one, whose rows there are then
-        # not read (``fmt.current_rows``) and whose events there are removed
+        # mode="a": of the steps recorded, those up to the rank's last may be held by an older
+        # recording, whose rows there are not read (``fmt.current_rows``), events removed
         self._upto = None
         self.journal = Journal(state)
-        self._put = fenced(claim.location, [store.rank_group.path, store.root.path],
-                           lambda: claim.confirm(read=True))     # on S3: conditional PUTs
+        self._fence = fenced(claim.location, [store.rank_group.path, store.root.path],
+                             lambda: claim.confirm(read=True, written=True))   # S3: conditional
 
     # --- the open decision ------------------------------------------------------------
     @classmethod
@@ -180,12 +179,12 @@ class RankLog:
         self.notices.append(Notice(key, message, error))
 
     # --- the fence ---------------------------------------------------------------------
-    def _confirmed(self, read: bool = False) -> bool:
+    def _confirmed(self, read: bool = False, written: bool = False) -> bool:
         """Whether this job may still write (see ``_claim``: the fence); once not, it
         never may again, and the training thread is told once."""
         if self.lost or self.abandoned:
             return False
-        if self.claim.confirm(read):
+        if self.claim.confirm(read, written):
             return True
         self.lost = True
         last = self.journal.last_committed_step
@@ -304,10 +303,11 @@ class RankLog:
 
     # --- commits ------------------------------------------------------------------------
     def commit(self, status: str | None = None, final: bool = False) -> None:
-        """Commit what was written (``final``: the last commit, every table cut to its
-        rows first), with ``status`` (rank 0): confirm the claim, flush the tables,
-        read the claim, then write the counters.  Nothing once the claim is lost."""
-        if not self._confirmed(read=self.claim.shared_by_rank):
+        """Commit what was written (``final``: every table cut to its rows first), with
+        ``status`` (rank 0): confirm the claim, flush, read the claim, write the counters."""
+        shared, fence = self.claim.shared_by_rank, self._fence     # written: by another job
+        if not self._confirmed(shared, bool(shared and fence) and not fence.unchanged(
+                self.store.rank_group.path)):
             return
         st = self._state
         st.committed.update(self.store.flush())
@@ -321,11 +321,11 @@ class RankLog:
         with self.lock:                      # never after a close that gave up marked the run
             if self.abandoned:
                 return
-            written = self.store.commit(st.to_json(), root, self._put)
-        if not written:                      # another job wrote the record: the claim is lost
+            written = self.store.commit(st.to_json(), root, fence and fence.put)
+        if written:                          # else another job wrote it: the claim is lost
+            self.journal.committed(st)
+        else:
             self._confirmed()
-            return
-        self.journal.committed(st)
 
     @staticmethod
     def commit_copy(store: RunStore, state: fmt.RankState, root_attrs: dict | None) -> None:
@@ -376,7 +376,7 @@ class RankLog:
             with self.lock:
                 if self.claim.confirm(read=True):
                     self.store.commit(None, {"status": fmt.STATUS_INTERRUPTED, "note": note},
-                                      self._put)
+                                      self._fence and self._fence.put)
         except Exception:                    # the store does not answer: it stays 'recording'
             pass
 
