@@ -218,7 +218,11 @@ def _close_s3_clients():
     for fs in list(s3fs.S3FileSystem._cache.values()):
         if getattr(fs, "_s3", None) is None:
             continue
-        loops = {s._loop for s in (fs._s3._endpoint.http_session._sessions or {}).values()}
+        try:                                         # aiobotocore's internals: as in 3.x
+            sessions = fs._s3._endpoint.http_session._sessions or {}
+        except AttributeError:                       # another version: left to the collector
+            continue
+        loops = {s._loop for s in sessions.values()}
         for loop in loops:
             if loop.is_running():
                 sync(loop, fs._s3creator.__aexit__, None, None, None, timeout=60)

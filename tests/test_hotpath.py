@@ -145,3 +145,31 @@ def test_recorded_gradients_are_plain_hooks(tmp_path_factory, inplace, scale, se
         assert np.array_equal(got, want.numpy()), name
     assert np.array_equal(run.tensor("(root)", "gradients", step=0).values,
                           want_grads["3"].numpy())      # the root's output is module 3's
+
+
+def test_a_users_torch_function_mode_sees_the_gradient_hooks(tmp_store):
+    """Under a user's ``TorchFunctionMode`` the outputs' gradient hooks go through
+    ``Tensor.register_hook``, which the mode sees (as it sees any hook registered
+    under it), and the gradients recorded are still plain torch's."""
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.hooks = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.hooks += func is torch.Tensor.register_hook
+            return func(*args, **(kwargs or {}))
+    m, x = mlp(2), torch.randn(4, 8, requires_grad=True)
+    grads = {}
+    for name, mod in m.named_children():
+        mod.register_full_backward_hook(
+            lambda mod, gi, go, name=name: grads.__setitem__(name, go[0].detach().clone()))
+    with Recorder(m, tmp_store, tensors_every=1, stats_every=1) as rec:
+        with rec.step(0), Seen() as mode:
+            step(m, x)
+    assert mode.hooks == len(m) + 1         # each module's output and the root's
+    run = open_run(tmp_store)
+    for name, g in grads.items():
+        np.testing.assert_array_equal(run.tensor(name, kind="gradients", step=0).values, g.numpy())

@@ -119,6 +119,8 @@ FOREIGN_PRIVATES = {
     #                         vector in one call (what DDP's buckets use), not a reshape each
     "_register_hook_dict",  # grad_fn's hook dict of a tensor: what Tensor.register_hook fills,
     #                         without the handle nobody removes (_hooks._hold)
+    "_is_torch_function_mode_enabled",  # torch._C: a TorchFunctionMode is active, so a
+    #                         gradient hook goes through Tensor.register_hook (_hooks._hold)
 }
 
 

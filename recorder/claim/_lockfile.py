@@ -189,7 +189,11 @@ class LocalLock:
                 if h.alive():                  # another job takes it over, or took it
                     raise Held(h) from None
                 continue                       # a job that died taking it over: passed by
-            _write(m, doc)
+            try:
+                _write(m, doc)
+            except BaseException:              # a disk full: no empty marker left to refuse others
+                _unlink(marker)
+                raise
             break
         else:
             raise Held(self.read() or Holder.unreadable())

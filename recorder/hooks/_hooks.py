@@ -465,8 +465,8 @@ def _hold(t: torch.Tensor, hook) -> None:
     nobody removes (the hook goes with ``t``'s graph): the same dict on ``t``'s
     ``grad_fn`` that ``Tensor.register_hook`` fills, keyed by the hook itself (never
     one of torch's handle ids), at a third of its cost.  A subclass (``__torch_function__``)
-    goes through ``register_hook``."""
-    if type(t) is not torch.Tensor:
+    goes through ``register_hook``, and so does any tensor under a ``TorchFunctionMode``."""
+    if type(t) is not torch.Tensor or torch._C._is_torch_function_mode_enabled():
         t.register_hook(hook)
         return
     hooks = t._backward_hooks
