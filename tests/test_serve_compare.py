@@ -166,3 +166,19 @@ def test_a_full_tensor_metric_asked_while_pending_holds_no_other_request(pair, h
         release.set()
         asking.join(300) if asking.is_alive() else None
         served.close()
+
+
+def test_a_comparison_dropped_when_a_run_changes_scans_no_further(pair, held):
+    """A live run's commit drops the server's comparison (``Served`` reopens the run);
+    its thread then compares no further layer, so comparisons dropped one after
+    another do not pile up threads reading every full tensor."""
+    from tensortape import open_run
+    from tensortape.analysis.browser._api import Comparison
+    release, _ = held
+    a, b, *_ = pair
+    comparison = Comparison(open_run(a), open_run(b), "activations", None, 1e-3)
+    comparison.stop()
+    release.set()
+    for t in [t for t in threading.enumerate() if t.name == "tensortape-compare"]:
+        t.join(120)
+    assert comparison.done == 0

@@ -260,6 +260,7 @@ class Comparison:
         self.full = self.error = None
         self.done, self.of = 0, None
         import threading
+        self._stop = threading.Event()
         threading.Thread(target=self._scan, args=(a.path, b.path, rank, rtol),
                          name="tensortape-compare", daemon=True).start()
 
@@ -275,8 +276,14 @@ class Comparison:
         layers = list(layers)
         self.of = len(layers)
         for layer in layers:
+            if self._stop.is_set():
+                return
             yield layer
             self.done += 1
+
+    def stop(self) -> None:
+        """Scan no further layer (a run changed: this comparison is dropped)."""
+        self._stop.set()
 
     def answer(self):
         """``(ds, first divergence, pending)``: the whole comparison once it is made

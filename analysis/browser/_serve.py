@@ -75,6 +75,8 @@ class Served:
         if fresh.attrs == run.attrs and fresh.ranks == run.ranks \
                 and all(fresh.state(r) == run.state(r) for r in run.ranks):
             return
+        for comparison in self.compared.values():      # their threads end at their next layer
+            comparison.stop()
         self.compared.clear()
         self.sizes[i] = None
         if fresh.attrs.get("created") != run.attrs.get("created"):    # another run now
