@@ -325,7 +325,9 @@ def test_evaluation_before_training_in_a_step_and_inference_steps(tmp_store):
             assert rec.outside_steps == 2 and rec.dropped == 0
     plain.h.remove()
     run = open_run(tmp_store)
-    assert run.layers == ["fc1:weight", "fc1:bias", "fc1", "fc2:weight", "fc2:bias", "fc2"]
+    # the weights, taken at the step's first pass, are its first recorded captures; the
+    # evaluation pass's activations are not recorded: the training pass's come after them
+    assert run.layers == ["fc1:weight", "fc1:bias", "fc2:weight", "fc2:bias", "fc1", "fc2"]
     for k in range(2):
         np.testing.assert_array_equal(run.tensor("fc1", step=0, micro=k).values,
                                       plain.acts[k].numpy())
@@ -341,3 +343,51 @@ def test_evaluation_before_training_in_a_step_and_inference_steps(tmp_store):
     assert float(st["abs_max"].sel(step=0, layer="fc1")) == np.abs(v).max()
     np.testing.assert_array_equal(run.tensor("fc1:weight", "weights", step=0).values,
                                   model.fc1.weight.detach().numpy())
+
+
+class Routed(nn.Module):
+    """``a``, then ``b`` where ``route`` says, then ``c``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.route = True
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.route:
+            h = self.b(h)
+        return self.c(h)
+
+
+def test_layers_are_in_first_recorded_order_without_evaluation_passes(tmp_store):
+    """``run.layers`` lists the names in the order of their first recorded capture
+    (plain forward hooks of training passes are the truth): an evaluation pass
+    before a step's first training pass records nothing, so a layer that ran
+    there (``b``) is listed where a training pass first ran it."""
+    model = Routed()
+    order = []                                   # the truth: plain hooks, training passes
+
+    def seen(name):
+        def hook(module, args, out):
+            if torch.is_grad_enabled() and name not in order:
+                order.append(name)
+        return hook
+    handles = [getattr(model, n).register_forward_hook(seen(n)) for n in "abc"]
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    with Recorder(model, tmp_store, layers=["a", "b", "c"], capture=("activations",),
+                  stats_every=1) as rec:
+        with rec.step(0):
+            with torch.no_grad():
+                model(x)                         # evaluation: a, b, c ran, none recorded
+            model.route = False
+            model(x).sum().backward()            # a, c
+        with rec.step(1):
+            model.route = True
+            model(x).sum().backward()            # a, b, c
+        assert rec.outside_steps == 1
+    for h in handles:
+        h.remove()
+    assert order == ["a", "c", "b"]
+    assert open_run(tmp_store).layers == order

@@ -64,8 +64,7 @@ class StepBuffer:
         self.pending: list[str] = []            # warnings held by end(), for tell()
         self._captures: list[Taken] = []
         self._lock = threading.Lock()           # backward hooks may run on autograd threads
-        self._known = dict.fromkeys(known_layers)
-        self._new: list[str] = []
+        self._known = dict.fromkeys(known_layers)       # the run's names, in first-capture order
         self._warned: set[str] = set()
         # the Sink's questions about the step, answered by the state itself (no extra call)
         self.current_token = self.state.current_token
@@ -127,9 +126,6 @@ class StepBuffer:
         with self._lock:
             capture.order = len(self._captures)
             self._captures.append(capture)
-            if name not in self._known:
-                self._known[name] = None
-                self._new.append(name)
 
     def fault(self, error: BaseException, kind: fmt.Kind | str, name: str, n: int = 1) -> None:
         """Anything raised while capturing ``name``: that capture (or ``n`` of them) is
@@ -181,8 +177,10 @@ class StepBuffer:
                 self.fault(e, "step end", "(hooks)")
         with self._lock:
             caps, self._captures = self._captures, []
-            new, self._new = self._new, []
         caps = self.state.without_evaluation(caps)
+        # the names first recorded now, in capture order (an evaluation pass's are not recorded)
+        new = [n for n in dict.fromkeys(c.name for c in caps) if n not in self._known]
+        self._known.update(dict.fromkeys(new))
         self.captured = len(caps)
         # forward kinds first, then backward, each in capture order (the order appended)
         caps = [c for c in caps if c.kind not in _BACKWARD] + \
