@@ -1,4 +1,5 @@
 """Post-mortems, comparison, plots, HDF5 and the Inspector, on recorded runs."""
+import os
 import numpy as np
 import pytest
 import torch
@@ -259,7 +260,8 @@ def _chain(store, scale_from=None, steps=130):
 def test_two_runs_are_compared_reading_each_chunk_once(tmp_path, monkeypatch):
     """compare_runs and first_divergence read each chunk of full tensors from disk
     once (counted at the store: zarr's LocalStore.get), not once a step, and
-    compare_runs each chunk of a tensor table's key columns once; and
+    compare_runs each chunk of a tensor table's key columns once (counted at the store
+    and at the reader's own chunk-file reads, ``os.open``); and
     first_divergence reads no chunk past the step where the runs part."""
     import collections
     import zarr
@@ -274,6 +276,19 @@ def test_two_runs_are_compared_reading_each_chunk_once(tmp_path, monkeypatch):
             tables[(str(self.root), key)] += 1
         return await get(self, key, *args, **kw)
     monkeypatch.setattr(zarr.storage.LocalStore, "get", counted)
+    roots = [str(tmp_path / "a.zarr"), str(tmp_path / "b.zarr")]
+    real_open = os.open
+
+    def opened(path, *args, **kw):                   # the reader's own chunk-file reads
+        p = str(path)
+        for root in roots:
+            key = p[len(root) + 1:]
+            if p.startswith(root + "/") and "/tensors/" in key and "/data/c/" in key:
+                reads[(root, key)] += 1
+            if p.startswith(root + "/") and "/tensors/" in key and "/c/" in key:
+                tables[(root, key)] += 1
+        return real_open(path, *args, **kw)
+    monkeypatch.setattr(os, "open", opened)
     stored = {(str(root), str(f.relative_to(root))) for root in (tmp_path / "a.zarr", tmp_path / "b.zarr")
               for f in root.glob("rank0/tensors/activations/*/data/c/*/*/*")}
     assert len(stored) == 2 * 5 * 3            # 4 layers and the root, 3 chunks each
