@@ -165,28 +165,40 @@ class RankLogTests:
         if not self.shared:
             pytest.skip("a memory:// store is one process's")
         monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")    # no heartbeat rewrites
-        go = tmp_path / "go"
-        procs = start_ranks(RANK_0_CRASHES, location, tmp_path, go)
-        try:
-            assert procs[0].wait(timeout=300) == 9
-            model = nn.Linear(3, 2)
-            with Recorder(model, location, mode="w", max_bytes=None, stats_every=1,
-                          metadata={"job": "B"}) as rec:
-                train(rec, model, range(1000, 1003))
-                rec.flush()
-                before = snapshot(location)
-                go.touch()
-                assert procs[1].wait(timeout=300) == 0
-                assert snapshot(location) == before
-        finally:
-            wait_ranks(procs, 1)
-        told = json.loads((tmp_path / "result1").read_text())
+        before, after, told = rank_1_after_a_takeover(location, tmp_path, b_closes=False)
+        assert after == before
         lost = [t for t in told if "was lost" in t]
         assert len(lost) == 1 and "taken over by another job" in lost[0] \
             and "after step 2" in lost[0], told
         run = open_run(location)
         assert run.ranks == [0] and run.steps().tolist() == [1000, 1001, 1002]
         assert run.attrs["metadata"] == {"job": "B"} and run.status == "complete"
+
+
+def rank_1_after_a_takeover(location, tmp_path, b_closes: bool):
+    """Two ranks record; rank 0 crashes; job B takes the run over (mode="w") and
+    records (and closes it first, with ``b_closes``); then rank 1 trains and commits.
+    The store before and after rank 1's commit, and what rank 1 was told."""
+    go, rec = tmp_path / "go", None
+    procs = start_ranks(RANK_0_CRASHES, location, tmp_path, go)
+    try:
+        assert procs[0].wait(timeout=300) == 9
+        model = nn.Linear(3, 2)
+        rec = Recorder(model, location, mode="w", max_bytes=None, stats_every=1,
+                       metadata={"job": "B"})
+        train(rec, model, range(1000, 1003))
+        rec.flush()
+        if b_closes:
+            rec.close()
+        before = snapshot(location)
+        go.touch()
+        assert procs[1].wait(timeout=300) == 0
+        after = snapshot(location)
+    finally:
+        if rec is not None:
+            rec.close()
+        wait_ranks(procs, 1)
+    return before, after, json.loads((tmp_path / "result1").read_text())
 
 
 class TestLocal(RankLogTests):
@@ -220,20 +232,8 @@ class TestS3(RankLogTests):
         nothing into the other job's finished run.  (On a local disk, without
         conditional writes, this case is not fenced: docs/GUIDE.md.)"""
         monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")
-        go = tmp_path / "go"
-        procs = start_ranks(RANK_0_CRASHES, location, tmp_path, go)
-        try:
-            assert procs[0].wait(timeout=300) == 9
-            model = nn.Linear(3, 2)
-            with Recorder(model, location, mode="w", max_bytes=None, stats_every=1,
-                          metadata={"job": "B"}) as rec:
-                train(rec, model, range(1000, 1003))
-            before = snapshot(location)
-            go.touch()
-            assert procs[1].wait(timeout=300) == 0
-            assert snapshot(location) == before
-        finally:
-            wait_ranks(procs, 1)
+        before, after, _ = rank_1_after_a_takeover(location, tmp_path, b_closes=True)
+        assert after == before
         run = open_run(location)
         assert run.ranks == [0] and run.steps().tolist() == [1000, 1001, 1002]
         assert run.attrs["metadata"] == {"job": "B"} and run.status == "complete"
