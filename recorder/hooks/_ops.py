@@ -235,7 +235,6 @@ def gradient(serial: int, hookset: int, g) -> None:
         hs.on_gradient(serial, g)
 
 
-
 def forward_pass(hookset, enter, eager: bool = False) -> None:
     if not eager and torch.compiler.is_compiling():
         _ops[2](hookset, enter)
