@@ -95,7 +95,8 @@ def build(args):
     import transformers
     cfg = transformers.GPT2Config(n_layer=2 if args.tiny else 12, n_embd=64 if args.tiny else 768,
                                   n_head=2 if args.tiny else 12, n_positions=args.seq,
-                                  loss_type="ForCausalLM")  # (None: a warning, a graph break)
+                                  loss_type="ForCausalLM",  # (None: a warning, a graph break)
+                                  use_cache=False)          # training: no key/value cache
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).to(args.device)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=args.device)
@@ -281,6 +282,7 @@ def check_compile(args, tmp):
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
         out[mode] = {"steps recorded": run.steps().tolist(), "layers": len(run.layers),
                      "graph breaks": breaks,
+                     "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                      "reasons": list(torch._dynamo.utils.counters["graph_break"])[:5]}
     report("check: compiled recording", out, args.json)
 
@@ -312,34 +314,62 @@ def check_first_step(base, ids, args, tmp):
            round(first - bare, 3), args.json)
 
 
+VARIANTS = {          # how the Triton kernel counts codes: (HIST, LOCAL, BLOCK, WARPS)
+    "atomics": (0, 4096, 1024, 4), "program 4096": (1, 4096, 1024, 4),
+    "program 4096 b4k w8": (1, 4096, 4096, 8), "window 1024": (2, 1024, 1024, 4),
+    "window 1024 b4k w8": (2, 1024, 4096, 8), "window 512 b4k w8": (2, 512, 4096, 8),
+    "window 1024 b8k w16": (2, 1024, 8192, 16)}
+
+
+def use(variant):
+    from tensortape.recorder.capture._triton import TritonEngine
+    TritonEngine.HIST, TritonEngine.LOCAL, TritonEngine.BLOCK, TritonEngine.WARPS = VARIANTS[variant]
+
+
 def kernel_table(base, ids, args):
+    """Each tensor of one step: the statistics kernel (each of ``VARIANTS`` on a GPU)
+    against one read pass; the fastest variant's name (equal vectors checked)."""
     from tensortape.recorder.capture._engines import Engines
     seen = []
     m = copy.deepcopy(base)
     hand_hooks(m, STATS_LAYERS, lambda k, t: seen.append(t.detach()))
     with torch.autocast(args.device, dtype=torch.bfloat16):
         m(input_ids=ids, labels=ids).loss.backward()
-    ratios = []
-    for t in seen[:: max(1, len(seen) // 8)]:
-        eng = Engines().for_tensor(t)
 
-        def timed(fn, reps=20):
+    def timed(fn, reps=20):
+        fn()
+        sync(args)
+        s = time.perf_counter()
+        for _ in range(reps):
             fn()
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            s = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            return (time.perf_counter() - s) / reps
-        k, floor = timed(lambda: eng.reduce(t)), timed(lambda: t.sum())
-        ratios.append(k / floor)
-        print(f"  {tuple(t.shape)} {str(t.dtype):15s} {t.numel() * t.element_size() / 1e6:7.1f} MB  "
-              f"summary {k * 1e3:7.3f} ms  x.sum() {floor * 1e3:7.3f} ms  ratio {k / floor:6.1f}  "
-              f"({type(eng).__name__})")
-    report("statistics kernel / one read pass, median over the step's tensors",
-           round(statistics.median(ratios), 1), args.json)
+        sync(args)
+        return (time.perf_counter() - s) / reps
+    variants = list(VARIANTS) if args.device == "cuda" else ["atomics"]
+    ratios, times = {v: [] for v in variants}, {v: 0.0 for v in variants}
+    for t in seen[:: max(1, len(seen) // 8)]:
+        floor = timed(lambda: t.sum())
+        want = None
+        for v in variants:
+            use(v)
+            eng = Engines().for_tensor(t)
+            got = eng.reduce(t)
+            if want is None:
+                want = got
+            elif not (torch.equal(got[4:], want[4:]) and torch.equal(got[:2], want[:2])):
+                raise AssertionError(f"variant {v!r} differs from 'atomics' on {tuple(t.shape)}")
+            k = timed(lambda: eng.reduce(t))
+            ratios[v].append(k / floor)
+            times[v] += k
+            print(f"  {tuple(t.shape)} {str(t.dtype):15s} {t.numel() * t.element_size() / 1e6:7.1f} MB  "
+                  f"{v:22s} {k * 1e3:7.3f} ms  x.sum() {floor * 1e3:7.3f} ms  ratio {k / floor:6.1f}  "
+                  f"({type(eng).__name__})")
+    table = {v: round(statistics.median(r), 1) for v, r in ratios.items()}
+    report("statistics kernel / one read pass, median over the step's tensors, by variant",
+           table, args.json)
+    best = min(variants, key=times.__getitem__)
+    use("atomics")
+    report("fastest kernel variant (same vectors as 'atomics')", best, args.json)
+    return best
 
 
 def main():
@@ -354,7 +384,8 @@ def main():
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--json", default=None, help="write every check and figure here")
     ap.add_argument("--only", default=None,
-                    help="contenders to time, e.g. bare,statistics (a compiled run's pair)")
+                    help="what to time, of kernels,bare,statistics,noring,tensorboard,full "
+                         "(e.g. kernels,bare,statistics for a compiled run)")
     args = ap.parse_args()
     if args.tiny:
         args.batch, args.seq = min(args.batch, 2), min(args.seq, 64)
@@ -369,13 +400,28 @@ def main():
             guarded("exact", lambda: check_exact(base, ids, args, tmp), args.json)
             guarded("compile", lambda: check_compile(args, tmp), args.json)
         only = set(args.only.split(",")) if args.only else None
+        best = "atomics"
+        if args.device == "cuda" and (not only or "kernels" in only):
+            print("statistics kernel per tensor, against one read pass:")
+            best = kernel_table(base, ids, args)
         c, recs, w = {"bare": Contender("bare", base, ids, args)}, [], None
-        if not only or "statistics" in only:
-            st = c["statistics"] = Contender("statistics", base, ids, args)
-            rec = Recorder(st.run, os.path.join(tmp, "stats.zarr"), layers=STATS_LAYERS,
-                           tensors_every=None).attach()
+
+        def stats(name, variant, **options):
+            st = c[name] = Contender(name, base, ids, args)
+            rec = Recorder(st.run, os.path.join(tmp, f"{len(c)}.zarr"), layers=STATS_LAYERS,
+                           tensors_every=None, **options).attach()
             recs.append(rec)
-            st.before, st.end_block = (lambda i, rec=rec: rec.step()), rec.flush
+
+            def before(i, rec=rec):
+                use(variant)
+                return rec.step()
+            st.before, st.end_block = before, rec.flush
+        if not only or "statistics" in only:
+            stats("statistics", best)
+        if not only or "noring" in only:
+            stats("stats, ring=0", best, ring=0)
+        if best != "atomics" and (not only or "statistics" in only):
+            stats("stats, atomics", "atomics")
         if not only or "tensorboard" in only:
             from torch.utils.tensorboard import SummaryWriter
             w = SummaryWriter(os.path.join(tmp, "tb"))
@@ -391,7 +437,8 @@ def main():
                            layers=full_layers(base.config.n_layer), tensors_every=1,
                            max_bytes=None).attach()
             recs.append(rec)
-            full.before, full.end_block = (lambda i, rec=rec: rec.step()), rec.flush
+            full.before = lambda i, rec=rec: (use(best), rec.step())[1]
+            full.end_block = rec.flush
             sv = c["torch.save"] = Contender("torch.save", base, ids, args)
             buf, save_dir = {}, os.path.join(tmp, "save")
             os.makedirs(save_dir)
@@ -433,10 +480,6 @@ def main():
             r.close()
         if w is not None:
             w.close()
-        if args.compile:
-            return
-        print("statistics kernel per tensor, against one read pass:")
-        kernel_table(base, ids, args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

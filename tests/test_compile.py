@@ -1,4 +1,5 @@
 """Recording compiled models: never silently nothing, no graph breaks, values as eager."""
+import os
 import warnings
 
 import numpy as np
@@ -11,6 +12,8 @@ from tensortape.analysis import open_run
 from tensortape.recorder import Recorder
 from tensortape.recorder.errors import ConfigError
 from conftest import InplaceMLP, has_hooks, transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -244,3 +247,55 @@ def test_cuda_graphs_leave_the_recorders_ops_out(tmp_store, fresh_dynamo):
     assert len(found) >= 2 and all(f is not None and f.startswith("tensortape.")
                                    for f in found), found
     assert open_run(tmp_store).steps("gradients").tolist() == [0]
+
+
+def _tensortape_codes():
+    """The code object of every function and method in the recorder's modules."""
+    import inspect
+    import sys
+    codes = set()
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("tensortape.recorder"):
+            continue
+        for obj in vars(mod).values():
+            members = vars(obj).values() if inspect.isclass(obj) else (obj,)
+            for f in members:
+                code = getattr(inspect.unwrap(f) if callable(f) else f, "__code__", None)
+                if code is not None and code.co_filename.startswith(ROOT):
+                    codes.add(code)
+    return codes
+
+
+def test_hooks_run_by_eager_code_between_graphs_are_never_compiled_alone(tmp_store, fresh_dynamo,
+                                                                          monkeypatch):
+    """Where this torch's Dynamo breaks the graph at a gradient hook (torch 2.11:
+    ``_ops.EAGER_GRAD_HOOKS``), the calls after the break run eagerly, and Dynamo would
+    compile each hook they call as a frame of its own, guarded on its module: a
+    recompile for every module, then the recompile limit's warning and eager code.
+    The recorder's hooks run eagerly there instead (and record what plain hooks see)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from tensortape.recorder.hooks import _ops
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)])
+    names = [f"{i}.0" for i in range(6)]
+    truth = {}
+    for n in names:
+        def keep(mod, args, out, n=n):
+            truth[("activations", n)] = out.detach().clone()
+            out.register_hook(lambda g: truth.__setitem__(("gradients", n), g.clone()))
+        model.get_submodule(n).register_forward_hook(keep)
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 8)
+    rec = Recorder(compiled, tmp_store, layers=names, tensors_every=1, stats_every=1).attach()
+    monkeypatch.setattr(_ops, "EAGER_GRAD_HOOKS", True)     # as attach sets it on torch 2.11
+    with rec:
+        for i in range(3):
+            with rec.step(i):
+                compiled(x).pow(2).sum().backward()
+    compiled_alone = sorted(c.co_name for c in _tensortape_codes() if _debug_get_cache_entry_list(c))
+    assert compiled_alone == []
+    run = open_run(tmp_store)
+    for (kind, n), want in truth.items():
+        np.testing.assert_array_equal(run.tensor(n, kind, step=2).values, want.numpy(),
+                                      err_msg=f"{kind} {n}")
+    assert len(truth) == 12

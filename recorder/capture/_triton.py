@@ -91,14 +91,34 @@ def _shift(x_ptr, count, stride, BF16: tl.constexpr, WINDOW: tl.constexpr):
     return tl.sum(tl.where(i == first, v.to(tl.float64), 0.0), axis=0)
 
 
+@triton.jit
+def _base(x_ptr, count, stride, BF16: tl.constexpr, WINDOW: tl.constexpr, SHIFT: tl.constexpr,
+          HALF: tl.constexpr, SPAN: tl.constexpr):
+    """The lowest magnitude code of the window counted in a program (``HIST == 2``):
+    ``SPAN`` codes that end two binades above the largest finite one of the
+    ``shift`` elements (codes outside it take the global atomics)."""
+    i = tl.arange(0, WINDOW)
+    inside = i < count
+    v = _as_float32(tl.load(x_ptr + i.to(tl.int64) * stride, mask=inside, other=0), BF16)
+    finite = inside & (v == v) & (tl.abs(v) != float("inf"))
+    m = (v.to(tl.int32, bitcast=True) >> SHIFT) & (HALF - 1)
+    top = tl.max(tl.where(finite, m, 0), axis=0)
+    return tl.maximum(tl.minimum(top + 8, HALF) - SPAN, 0)
+
+
 @triton.jit(do_not_specialize=["n", "count", "stride"])   # one compiled kernel per dtype
 def _summary_kernel(x_ptr, n, count, stride, parts_ptr, hist_ptr, BLOCK: tl.constexpr,
                     RAW: tl.constexpr, WIDTH: tl.constexpr, SHIFT: tl.constexpr,
-                    BF16: tl.constexpr, SLICES: tl.constexpr, WINDOW: tl.constexpr):
+                    BF16: tl.constexpr, SLICES: tl.constexpr, WINDOW: tl.constexpr,
+                    HIST: tl.constexpr, LOCAL: tl.constexpr, SPAN: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)       # 64-bit offsets: n may pass 2**31
     programs = tl.num_programs(0).to(tl.int64)
     inf = float("inf")
     shift64 = _shift(x_ptr, count, stride, BF16, WINDOW)  # each program its own: no launch
+    HALF: tl.constexpr = RAW // 2             # the codes of one sign
+    base = _base(x_ptr, count, stride, BF16, WINDOW, SHIFT, HALF, SPAN)
+    local = tl.zeros([LOCAL], dtype=tl.int32)
+    slice_ptr = hist_ptr + (pid % SLICES) * WIDTH
     acc_s = tl.zeros([BLOCK], dtype=tl.float64)       # float64 lanes: x - shift is exact there
     acc_q = tl.zeros([BLOCK], dtype=tl.float64)
     acc_lo = tl.full([BLOCK], inf, dtype=tl.float32)
@@ -119,7 +139,26 @@ def _summary_kernel(x_ptr, n, count, stride, parts_ptr, hist_ptr, BLOCK: tl.cons
         code = tl.where(v == 0.0, RAW + (bits < 0).to(tl.int32), code)
         code = tl.where(v == inf, RAW + 2, code)
         code = tl.where(v == -inf, RAW + 3, code)
-        tl.atomic_add(hist_ptr + (pid % SLICES) * WIDTH + code, 1, mask=inside, sem="relaxed")
+        if HIST == 0:                          # one relaxed atomic an element
+            tl.atomic_add(slice_ptr + code, 1, mask=inside, sem="relaxed")
+        elif HIST == 1:                        # every code counted in the program first
+            local += tl.histogram(tl.where(inside, code, LOCAL - 1), LOCAL)
+        else:                                  # a window of magnitudes counted in the program
+            special = code >= RAW
+            rel = (code & (HALF - 1)) - base
+            near = inside & (special | ((rel >= 0) & (rel < SPAN)))
+            at = tl.where(special, 2 * SPAN + code - RAW, (code >= HALF).to(tl.int32) * SPAN + rel)
+            local += tl.histogram(tl.where(near, at, LOCAL - 1), LOCAL)
+            tl.atomic_add(slice_ptr + code, 1, mask=inside & ~near, sem="relaxed")
+    if HIST != 0:                              # the program's counts, one atomic a code seen
+        j = tl.arange(0, LOCAL)
+        if HIST == 1:
+            to = j
+        else:
+            to = tl.where(j >= 2 * SPAN, RAW + j - 2 * SPAN, (j >= SPAN).to(tl.int32) * HALF
+                          + base + j - (j >= SPAN).to(tl.int32) * SPAN)
+        tl.atomic_add(slice_ptr + to, local, mask=(j < LOCAL - 1) & (to < WIDTH) & (local > 0),
+                      sem="relaxed")
     tl.store(parts_ptr + pid * 5 + 0, tl.sum(acc_s, axis=0))
     tl.store(parts_ptr + pid * 5 + 1, tl.sum(acc_q, axis=0))
     tl.store(parts_ptr + pid * 5 + 2, tl.min(acc_lo, axis=0).to(tl.float64))
@@ -165,6 +204,9 @@ class TritonEngine(Engine):
     family = "triton"
     BLOCK = 1024
     SLICES = 32
+    HIST = 0            # how codes are counted: 0 an atomic each, 1 all in the program,
+    LOCAL = 4096        # 2 a window in the program (``_summary_kernel``); its bins
+    WARPS = 4
 
     def __init__(self, device_type: str, compile: bool):
         super().__init__(device_type, compile)
@@ -243,7 +285,8 @@ class TritonEngine(Engine):
                 _summary_kernel[(grid,)](x.view(torch.int16) if bf16 else x, n, count, stride,
                                          parts, hist, BLOCK=self.BLOCK, RAW=_RAW, WIDTH=_WIDTH,
                                          SHIFT=_SHIFT, BF16=bf16, SLICES=self.SLICES,
-                                         WINDOW=SHIFT_WINDOW)
+                                         WINDOW=SHIFT_WINDOW, HIST=self.HIST, LOCAL=self.LOCAL,
+                                         SPAN=(self.LOCAL - 6) // 2, num_warps=self.WARPS)
                 _finish_kernel[(1,)](parts, grid, hist, self.slots(x.device, 8), out, n,
                                      PARTS=triton.next_power_of_2(cap), WIDTH=_WIDTH,
                                      SLICES=self.SLICES, HEAD=len(FIELDS),

@@ -74,7 +74,12 @@ class HookGuards:
                 import torch._dynamo
                 import torch._dynamo.external_utils
                 from torch._C._dynamo.eval_frame import reset_code
+                from torch._dynamo.types import FrameAction, FrameExecStrategy
+                from torch._dynamo.eval_frame import set_code_exec_strategy
             _ops.EAGER_GRAD_HOOKS = hasattr(torch._dynamo.external_utils, "_ApplyBackwardHook")
+            skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)   # and all it calls
+            for code in _ops.EAGER_ROOTS:
+                set_code_exec_strategy(code, skip)
             config = torch._dynamo.config
             with _lock:
                 _settle()

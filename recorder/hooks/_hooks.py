@@ -308,6 +308,7 @@ class _Hook:
     def __deepcopy__(self, memo):
         return _noop
 
+    @_ops.eager_root
     def __call__(self, *args):
         if torch.compiler.is_compiling():
             return self.run(*args)
@@ -456,6 +457,7 @@ def _outside(hook: _PostHook, t: torch.Tensor, path: str, first: bool) -> None:
     t.register_hook(functools.partial(_grad_hook, serial=serial, hookset=hook.hookset))
 
 
+@_ops.eager_root
 def _grad_hook(grad, serial, hookset):
     _ops.capture_grad(grad, serial, hookset)
 

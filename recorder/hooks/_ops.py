@@ -77,6 +77,20 @@ class What(enum.Enum):
 # graph break each (set at attach, by ``_compile``)
 EAGER_GRAD_HOOKS = False
 
+# the code of the functions that run eagerly whenever Dynamo would make one of them the
+# root of a frame (``eager_root``); ``_compile`` tells Dynamo at attach
+EAGER_ROOTS: list = []
+
+
+def eager_root(fn):
+    """Mark ``fn`` to run eagerly where Dynamo would compile it as a frame of its own:
+    called from code Dynamo runs eagerly (after a graph break in a hook's caller), it
+    would guard on its arguments (a module's name, a hook), recompile for every
+    module and give up at the recompile limit.  Traced from a compiled caller, it is
+    still inlined (Dynamo skips the frame, never the calls it traces)."""
+    EAGER_ROOTS.append(fn.__code__)
+    return fn
+
 _hooksets: dict[int, weakref.ref] = {}
 _ids = itertools.count(1)
 _lock = threading.Lock()
@@ -200,6 +214,7 @@ else:                                              # older torch: eager only (a 
                  for f in (_capture, _capture_grad, _forward_pass, _capture_after))
 
 
+@eager_root
 def capture(x, hookset: int, module: str, path: str, what: What, first: bool,
             eager: bool = False):
     """Hand one tensor of a module call over; its serial (an int, or an int64 scalar
@@ -210,12 +225,14 @@ def capture(x, hookset: int, module: str, path: str, what: What, first: bool,
     return _on_forward(x, hookset, module, path, what, first)
 
 
+@eager_root
 def capture_after(x, after, hookset: int, module: str, path: str, what: What, first: bool):
     """``capture``, while compiling, run after ``after`` (a tensor it depends on,
     so no compiler puts it first)."""
     return _ops[3](x, after, hookset, module, path, what.value, first, _site())
 
 
+@eager_root
 def capture_grad(g, serial, hookset) -> None:
     if torch.compiler.is_compiling():
         _ops[1](g, serial, hookset)
@@ -223,6 +240,7 @@ def capture_grad(g, serial, hookset) -> None:
         _capture_grad(g, serial, hookset)
 
 
+@eager_root
 def gradient(serial: int, hookset: int, g) -> None:
     """The gradient hook of an output captured in eager mode, as a ``functools.partial``
     of its (int) serial and HookSet: ``capture_grad`` in one call (a backward that
@@ -235,6 +253,7 @@ def gradient(serial: int, hookset: int, g) -> None:
         hs.on_gradient(serial, g)
 
 
+@eager_root
 def forward_pass(hookset, enter, eager: bool = False) -> None:
     if not eager and torch.compiler.is_compiling():
         _ops[2](hookset, enter)
