@@ -141,22 +141,17 @@ def _summary_kernel(x_ptr, n, count, stride, parts_ptr, hist_ptr, BLOCK: tl.cons
         code = tl.where(v == -inf, RAW + 3, code)
         if HIST == 0:                          # one relaxed atomic an element
             tl.atomic_add(slice_ptr + code, 1, mask=inside, sem="relaxed")
-        elif HIST == 1:                        # every code counted in the program first
-            local += tl.histogram(tl.where(inside, code, LOCAL - 1), LOCAL)
-        else:                                  # a window of magnitudes counted in the program
+        elif HIST == 2:                        # a window of magnitudes counted in the program
             special = code >= RAW
             rel = (code & (HALF - 1)) - base
             near = inside & (special | ((rel >= 0) & (rel < SPAN)))
             at = tl.where(special, 2 * SPAN + code - RAW, (code >= HALF).to(tl.int32) * SPAN + rel)
             local += tl.histogram(tl.where(near, at, LOCAL - 1), LOCAL)
             tl.atomic_add(slice_ptr + code, 1, mask=inside & ~near, sem="relaxed")
-    if HIST != 0:                              # the program's counts, one atomic a code seen
+    if HIST == 2:                              # the program's counts, one atomic a code seen
         j = tl.arange(0, LOCAL)
-        if HIST == 1:
-            to = j
-        else:
-            to = tl.where(j >= 2 * SPAN, RAW + j - 2 * SPAN, (j >= SPAN).to(tl.int32) * HALF
-                          + base + j - (j >= SPAN).to(tl.int32) * SPAN)
+        to = tl.where(j >= 2 * SPAN, RAW + j - 2 * SPAN, (j >= SPAN).to(tl.int32) * HALF
+                      + base + j - (j >= SPAN).to(tl.int32) * SPAN)
         tl.atomic_add(slice_ptr + to, local, mask=(j < LOCAL - 1) & (to < WIDTH) & (local > 0),
                       sem="relaxed")
     tl.store(parts_ptr + pid * 5 + 0, tl.sum(acc_s, axis=0))
@@ -202,11 +197,11 @@ class TritonEngine(Engine):
     for float64, the 8-bit floats and a step's tiny tensors)."""
 
     family = "triton"
-    BLOCK = 1024
+    BLOCK = 4096
     SLICES = 32
-    HIST = 0            # how codes are counted: 0 an atomic each, 1 all in the program,
-    LOCAL = 4096        # 2 a window in the program (``_summary_kernel``); its bins
-    WARPS = 4
+    HIST = 2            # how codes are counted: 0 an atomic each, 2 a window in the
+    LOCAL = 512         # program (``_summary_kernel``; 3 none: a timing floor); its bins
+    WARPS = 8
 
     def __init__(self, device_type: str, compile: bool):
         super().__init__(device_type, compile)
