@@ -385,7 +385,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--json", default=None, help="write every check and figure here")
-    ap.add_argument("--variant", default="window 512 b4k w8", choices=list(VARIANTS),
+    ap.add_argument("--variant", default="window 256 b4k w8", choices=list(VARIANTS),
                     help="the kernel variant of the statistics contender where kernels "
                          "are not timed (else the fastest)")
     ap.add_argument("--only", default=None,

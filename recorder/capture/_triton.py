@@ -200,7 +200,7 @@ class TritonEngine(Engine):
     BLOCK = 4096
     SLICES = 32
     HIST = 2            # how codes are counted: 0 an atomic each, 2 a window in the
-    LOCAL = 512         # program (``_summary_kernel``; 3 none: a timing floor); its bins
+    LOCAL = 256         # program (``_summary_kernel``; 3 none: a timing floor); its bins
     WARPS = 8
 
     def __init__(self, device_type: str, compile: bool):
