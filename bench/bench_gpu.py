@@ -1,16 +1,17 @@
 """Recording on a GPU, side by side in one process (ratios, and the sustained rate).
 
-Workload (issue 11): a Hugging Face GPT-2 small built from a config (12 layers,
-d=768, no download), batch 8 x 1024 tokens, bf16 autocast, fused AdamW.
+Workload: a Hugging Face GPT-2 small built from a config (12 layers, d=768, no
+download, no key/value cache), batch 8 x 1024 tokens, bf16 autocast, fused AdamW.
 
     python bench/bench_gpu.py [--compile] [--check] [--rounds 3] [--block 10] [--json OUT.json]
     python bench/bench_gpu.py --device cpu --tiny --rounds 1 --block 2   # a smoke run
 
-The device session's one prepared run (checks, eager figures, then compiled; about
-three minutes on one H200, TensorBoard left out: 26 s a step there):
+The device session's prepared run (checks, the kernel's variants, eager figures, then
+compiled; about three and a half minutes on one H200, TensorBoard left out: 26 s a
+step there):
 
-    python bench/bench_gpu.py --check --rounds 2 --block 10 --only bare,statistics,full \
-        --json gpu.json && \
+    python bench/bench_gpu.py --check --rounds 2 --block 10 \
+        --only kernels,bare,statistics,noring --json gpu.json && \
         python bench/bench_gpu.py --compile --only bare,statistics --rounds 2 --block 10 \
         --json gpu-compiled.json
 
@@ -21,15 +22,18 @@ synchronous), so the mean of a block is the *sustained* step time:
 
   bare                 the training step alone
   statistics           tensortape statistics of the output and gradient of every
-                       Conv1D (c_attn, attn.c_proj, c_fc, mlp.c_proj): 96 tensors
+                       Conv1D (c_attn, attn.c_proj, c_fc, mlp.c_proj): 96 tensors,
+                       and the default ring (``noring``: ``stats, ring=0``; on a GPU
+                       also ``stats, atomics``: the kernel's ``HIST = 0`` variant)
   tensorboard          add_histogram of the same tensors (hooks by hand; 1 step a block)
   full tensors         tensortape full tensors (and statistics) of the output and
                        gradient of the 8 c_proj modules of layers 0, 3, 7 and 11
   torch.save           the same 8 tensors, saved each step
 
-Printed for each: the median step and the sustained mean, against bare.  Then
-the statistics kernel on each tensor of one step against the floor of one read
-pass (``x.sum()``).  ``--check`` first runs the correctness checks that need a
+Printed for each: the median step and the sustained mean, against bare.  First
+(``kernels``, on a GPU) the statistics kernel's ``VARIANTS`` on tensors of one step
+against the floor of one read pass (``x.sum()``), each checked equal to the atomics
+one; the fastest is the one the contenders use.  ``--check`` first runs the correctness checks that need a
 GPU: no host sync inside forward or backward (``set_sync_debug_mode("error")``);
 the Triton engine equal to the CPU engine on the step's tensors in bfloat16,
 float16, float32 and float8, and with NaN first; the statistics, histograms and

@@ -32,6 +32,7 @@ RECORD = textwrap.dedent("""
         tiny = torch.randn(n, generator=g) * 1e-40  # subnormal in float32
         out = {"normal": normal, "relu": normal.relu(), "zeros": torch.zeros(n),
                "special": special, "subnormal": tiny, "wide": torch.randn(n, generator=g) * 1e30,
+               "spread": torch.randn(n, generator=g) * torch.logspace(-30, 30, n),  # past any window
                "matrix": torch.randn(97, 131, generator=g).t(),
                "nan first": torch.cat([torch.full((3,), float("nan")), torch.randn(n, generator=g) * 1e-3 + 1e4])}
         return [t.to(d) for d in (torch.float32, torch.float16, torch.bfloat16)
