@@ -198,6 +198,18 @@ class _Broken(nn.Module):
         return self.b(y)
 
 
+def _plain_hooks(model, names):
+    """Plain forward and tensor hooks on ``names``: the latest output and gradient of
+    each, by (kind, name)."""
+    truth = {}
+    for n in names:
+        def keep(mod, args, out, n=n):
+            truth[("activations", n)] = out.detach().clone()
+            out.register_hook(lambda g: truth.__setitem__(("gradients", n), g.clone()))
+        model.get_submodule(n).register_forward_hook(keep)
+    return truth
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_compiled_gradients_with_and_without_a_graph_break(tmp_store, broken, fresh_dynamo):
     """Gradient hooks traced by Dynamo, in a frame that compiles whole or restarts at a
@@ -205,12 +217,7 @@ def test_compiled_gradients_with_and_without_a_graph_break(tmp_store, broken, fr
     torch.manual_seed(0)
     model = _Broken() if broken else nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     names = ["a", "b"] if broken else ["0", "2"]
-    truth = {}
-    for n in names:
-        def keep(mod, args, out, n=n):
-            truth[("activations", n)] = out.detach().clone()
-            out.register_hook(lambda g: truth.__setitem__(("gradients", n), g.clone()))
-        model.get_submodule(n).register_forward_hook(keep)
+    truth = _plain_hooks(model, names)
     compiled = torch.compile(model, backend="eager")
     x = torch.randn(4, 8)
     with Recorder(compiled, tmp_store, layers=names, tensors_every=1, stats_every=1) as rec:
@@ -278,12 +285,7 @@ def test_hooks_run_by_eager_code_between_graphs_are_never_compiled_alone(tmp_sto
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)])
     names = [f"{i}.0" for i in range(6)]
-    truth = {}
-    for n in names:
-        def keep(mod, args, out, n=n):
-            truth[("activations", n)] = out.detach().clone()
-            out.register_hook(lambda g: truth.__setitem__(("gradients", n), g.clone()))
-        model.get_submodule(n).register_forward_hook(keep)
+    truth = _plain_hooks(model, names)
     compiled = torch.compile(model, backend="eager")
     x = torch.randn(4, 8)
     rec = Recorder(compiled, tmp_store, layers=names, tensors_every=1, stats_every=1).attach()
