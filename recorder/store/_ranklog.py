@@ -78,7 +78,7 @@ class RankLog:
         self._upto = None
         self.journal = Journal(state)
         self._fence = fenced(claim.location, [store.rank_group.path, store.root.path],
-                             lambda: claim.confirm(read=True, written=True))   # S3: conditional
+                             lambda: claim.confirm(read=True))   # S3: conditional
 
     # --- the open decision ------------------------------------------------------------
     @classmethod
@@ -136,7 +136,8 @@ class RankLog:
             if rank == 0:
                 old = dict(root.attrs) if cfg.mode == "a" else {}
                 base = {**old, **fresh, "created": old.get("created", fresh["created"]),
-                        "metadata": metadata or old.get("metadata", {})}
+                        "metadata": metadata or old.get("metadata", {}),
+                        fmt.CLAIM_TOKEN: claim.token}      # each commit says whose it is
             log = cls(store, state, claim, base, cfg)
             if rank == 0:
                 log.commit()
@@ -179,12 +180,12 @@ class RankLog:
         self.notices.append(Notice(key, message, error))
 
     # --- the fence ---------------------------------------------------------------------
-    def _confirmed(self, read: bool = False, written: bool = False) -> bool:
+    def _confirmed(self, read: bool = False) -> bool:
         """Whether this job may still write (see ``_claim``: the fence); once not, it
         never may again, and the training thread is told once."""
         if self.lost or self.abandoned:
             return False
-        if self.claim.confirm(read, written):
+        if self.claim.confirm(read):
             return True
         self.lost = True
         last = self.journal.last_committed_step
@@ -305,9 +306,7 @@ class RankLog:
     def commit(self, status: str | None = None, final: bool = False) -> None:
         """Commit what was written (``final``: every table cut to its rows first), with
         ``status`` (rank 0): confirm the claim, flush, read the claim, write the counters."""
-        shared, fence = self.claim.shared_by_rank, self._fence     # written: by another job
-        if not self._confirmed(shared, bool(shared and fence) and not fence.unchanged(
-                self.store.rank_group.path)):
+        if not self._confirmed(read=self.claim.shared_by_rank):
             return
         st = self._state
         st.committed.update(self.store.flush())
@@ -321,7 +320,7 @@ class RankLog:
         with self.lock:                      # never after a close that gave up marked the run
             if self.abandoned:
                 return
-            written = self.store.commit(st.to_json(), root, fence and fence.put)
+            written = self.store.commit(st.to_json(), root, self._fence and self._fence.put)
         if written:                          # else another job wrote it: the claim is lost
             self.journal.committed(st)
         else:
