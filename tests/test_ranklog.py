@@ -91,14 +91,26 @@ class RankLogTests:
         rec.flush()
         time.sleep(1.2)                      # past the stale time: another job takes it over
         take_over(location)
-        before = snapshot(location)
+        before, dropped = snapshot(location), rec.dropped
+        seen = []                            # what plain hooks see of the steps not stored
+
+        def seen_forward(module, args, out):
+            seen.append("activation")
+            out.register_hook(lambda g: seen.append("gradient"))
+        hook = model.register_forward_hook(seen_forward)
         with warnings.catch_warnings(record=True) as told:
             warnings.simplefilter("always")
             train(rec, model, range(3, 6))
             rec.flush()
             rec.close()
-        lost = [str(w.message) for w in told if "was lost" in str(w.message)]
-        assert len(lost) == 1 and "after step 2" in lost[0], [str(w.message) for w in told]
+        hook.remove()
+        told = [str(w.message) for w in told]
+        lost = [t for t in told if "was lost" in t]
+        assert len(lost) == 1 and "after step 2" in lost[0], told
+        unstored = [t for t in told if "could not commit" in t]
+        assert len(unstored) == 1 and "3 steps (steps 3 to 5)" in unstored[0] \
+            and f"their {len(seen)} captures" in unstored[0], told
+        assert len(seen) == 6 and rec.dropped == dropped + len(seen)
         assert snapshot(location) == before
         run = open_run(location)
         assert run.steps().tolist() == [0, 1, 2] and run.status == "recording"

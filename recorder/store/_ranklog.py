@@ -22,7 +22,8 @@ alone; nothing else reads, changes or writes a rank's state:
   write of rows is confirmed first as well.  A claim found lost
   stops every later write, commit and status write: the training thread is told
   once which steps this job could not commit (``StoreExistsError``, a
-  ``RecorderError``, under ``on_error="raise"``), and training goes on.
+  ``RecorderError``, under ``on_error="raise"``), and training goes on (the
+  steps never committed are counted in memory: ``_journal.Unstored``).
 
 Threads: built on the training thread at attach; then the writer thread's
 alone, but for the training thread's give-up at close (``give_up``), which
@@ -188,6 +189,7 @@ class RankLog:
         if self.claim.confirm(read):
             return True
         self.lost = True
+        self.journal.lose()
         last = self.journal.last_committed_step
         after = ("no step of this job is stored" if last is None else
                  f"the steps after step {last}, its last commit, are not stored")
@@ -198,11 +200,6 @@ class RankLog:
         return False
 
     # --- rows ---------------------------------------------------------------------------
-    def keep(self, u: Unsaved, reason: str) -> Unsaved | None:
-        """Remember ``u`` in the journal until the next commit (past its bounds lean,
-        counted with ``reason``); None once the claim is lost (nothing is kept)."""
-        return None if self.lost else self.journal.keep(u, reason)
-
     def write(self, u: Unsaved, tensors: list[tuple[int, list[TensorRow]]]) -> None:
         """Write a record's rows (``u``, and the full ``tensors`` to store now) and
         count them in the state; nothing once the claim is lost."""
