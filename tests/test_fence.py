@@ -389,3 +389,67 @@ def test_two_takeovers_without_flock_renamed_seconds_apart_have_one_winner(tmp_p
             r.close()
     assert open_run(str(store)).status == "complete"
     assert fmt.CLAIM_NAME not in os.listdir(store)             # the claim released whole
+
+
+def test_a_takeover_paused_past_the_stale_time_loses_to_the_job_that_passed_it(
+        tmp_path, machines, monkeypatch):
+    """A shared disk without flock: job B takes over the claim of a job of machine A
+    that is gone, and is paused after it made its marker, before its rename lands,
+    past the stale time.  Job C, on machine C, passes B's marker by, takes the claim
+    over and records.  When B's rename lands, B is refused (naming C's job), and C
+    records on: its run and its claim stay its own."""
+    monkeypatch.setenv("TENSORTAPE_CLAIM_STALE", "1")
+    store = tmp_path / "run.zarr"
+    lock = store / fmt.CLAIM_NAME / "zarr.json"
+    lock.parent.mkdir(parents=True)
+    gone = dict(token="t" * 32, host="elsewhere", node="machine-A|boot|ns", pid=4242,
+                started="2026-01-01T00:00:00+00:00", heartbeat=0.0, world=1, mode="w")
+    lock.write_text(json.dumps({"zarr_format": 3, "node_type": "group",
+                                "attributes": {"tensortape_claim": gone}}))
+    os.utime(lock, (0, 0))
+    replace, paused, resume = os.replace, threading.Event(), threading.Event()
+
+    def pausing_replace(src, dst, *args, **kwargs):
+        if os.fspath(dst) == str(lock) and not paused.is_set():    # B's rename, held up
+            paused.set()
+            resume.wait(300)
+        return replace(src, dst, *args, **kwargs)
+    monkeypatch.setattr(os, "replace", pausing_replace)
+    machines("B")
+    b, got = Recorder(nn.Linear(2, 2), str(store), mode="w", max_bytes=None, stats_every=1), []
+
+    def attach_b():
+        try:
+            got.append(b.attach())
+        except StoreExistsError as e:
+            got.append(e)
+    b_attaching = threading.Thread(target=attach_b)
+    b_attaching.start()
+    c = None
+    try:
+        assert paused.wait(300), "B never renamed its claim into place"
+        time.sleep(1.5)                               # B's marker: past the stale time
+        machines("C")
+        c_model = nn.Linear(2, 2)
+        c = Recorder(c_model, str(store), mode="w", max_bytes=None, stats_every=1,
+                     metadata={"job": "C"})
+        train(c, c_model, range(3))
+        c.flush()
+    finally:
+        resume.set()
+        b_attaching.join(300)
+    try:
+        assert len(got) == 1 and isinstance(got[0], StoreExistsError), got
+        assert "this process (another Recorder)" in str(got[0]), got[0]     # C's job, named
+        claim = json.loads(lock.read_text())["attributes"]["tensortape_claim"]
+        assert claim["node"] == "machine-C|boot|ns"     # C's, not B's
+        train(c, c_model, range(3, 6))                # a lost claim would warn: an error here
+        c.close()
+    finally:
+        for r in [c, *got]:
+            if isinstance(r, Recorder):
+                r.close()
+    run = open_run(str(store))
+    assert run.steps().tolist() == list(range(6)) and run.status == "complete"
+    assert run.attrs["metadata"] == {"job": "C"}
+    assert fmt.CLAIM_NAME not in os.listdir(store)             # the claim released whole
