@@ -6,7 +6,8 @@ other ranks, a job that keeps committing after another took its claim over, a
 job on S3 paused between its commit's read of the claim and its counters, an
 old S3 client whose heartbeat is never written, a forgotten Recorder's writer
 kept in memory, a ``file://`` URL, two jobs taking one stale claim over at
-once (without flock, their renames seconds apart), and the ranks of one job
+once (without flock, their renames seconds apart), a takeover paused past the
+stale time and passed by another (without flock), and the ranks of one job
 that close a Recorder and open the next."""
 import gc
 import json

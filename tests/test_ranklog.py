@@ -1,7 +1,9 @@
 """``RankLogTests``: what a rank commits, and whether it may still commit, asked
 the same way of every kind of store (local, ``memory://``, S3), through the
-public API: a commit after the claim was lost writes nothing (rank 1's too,
-once its crashed rank 0's claim is taken over), a fault is
+public API: a commit after the claim was lost writes nothing, and the steps
+it leaves uncommitted are counted in the Recorder's ``dropped`` and named
+(rank 1's too, once its crashed rank 0's claim is taken over, and once the job
+that took it over has closed the run), a fault is
 written again from the last commit, rank 0's refusal is every rank's under gloo
 (2 and 4 ranks; ``memory://`` is one process's, so not there), and
 ``mode="a"`` resumes a run."""
