@@ -243,8 +243,10 @@ class LocalLock:
                     raw = f.read(MAX_BYTES)
             except FileNotFoundError:          # released meanwhile
                 continue
-            self._put(raw, token)
-            return parse_claim(raw, time.time())
+            h = parse_claim(raw, time.time())
+            if h.readable:                     # else still being written: its job reads ours
+                self._put(raw, token)          # in place, and is refused
+                return h
         return None
 
     def check(self) -> str | None:
