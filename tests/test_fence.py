@@ -351,6 +351,19 @@ def test_two_jobs_taking_one_stale_claim_over_at_once_one_wins(monkeypatch):
 
 
 # --- a shared disk without flock: two takeovers further apart than any settle ------------------
+def claim_of_a_gone_job(store):
+    """The lock file of ``store``, holding the claim of a job of machine A that is gone
+    (no heartbeat since 1970); its path."""
+    lock = store / fmt.CLAIM_NAME / "zarr.json"
+    lock.parent.mkdir(parents=True)
+    gone = dict(token="t" * 32, host="elsewhere", node="machine-A|boot|ns", pid=4242,
+                started="2026-01-01T00:00:00+00:00", heartbeat=0.0, world=1, mode="w")
+    lock.write_text(json.dumps({"zarr_format": 3, "node_type": "group",
+                                "attributes": {"tensortape_claim": gone}}))
+    os.utime(lock, (0, 0))
+    return lock
+
+
 def test_two_takeovers_without_flock_renamed_seconds_apart_have_one_winner(tmp_path, machines,
                                                                            monkeypatch):
     """A shared disk without flock: two jobs on machine B take over the claim of a job
@@ -359,13 +372,7 @@ def test_two_takeovers_without_flock_renamed_seconds_apart_have_one_winner(tmp_p
     other is refused naming a job of machine B, and the claim is the winner's."""
     monkeypatch.setenv("TENSORTAPE_CLAIM_STALE", "1")
     store = tmp_path / "run.zarr"
-    lock = store / fmt.CLAIM_NAME / "zarr.json"
-    lock.parent.mkdir(parents=True)
-    gone = dict(token="t" * 32, host="elsewhere", node="machine-A|boot|ns", pid=4242,
-                started="2026-01-01T00:00:00+00:00", heartbeat=0.0, world=1, mode="w")
-    lock.write_text(json.dumps({"zarr_format": 3, "node_type": "group",
-                                "attributes": {"tensortape_claim": gone}}))
-    os.utime(lock, (0, 0))
+    lock = claim_of_a_gone_job(store)
     replace, held_up = os.replace, []
 
     def slow_replace(src, dst, *args, **kwargs):
@@ -401,13 +408,7 @@ def test_a_takeover_paused_past_the_stale_time_loses_to_the_job_that_passed_it(
     records on: its run and its claim stay its own."""
     monkeypatch.setenv("TENSORTAPE_CLAIM_STALE", "1")
     store = tmp_path / "run.zarr"
-    lock = store / fmt.CLAIM_NAME / "zarr.json"
-    lock.parent.mkdir(parents=True)
-    gone = dict(token="t" * 32, host="elsewhere", node="machine-A|boot|ns", pid=4242,
-                started="2026-01-01T00:00:00+00:00", heartbeat=0.0, world=1, mode="w")
-    lock.write_text(json.dumps({"zarr_format": 3, "node_type": "group",
-                                "attributes": {"tensortape_claim": gone}}))
-    os.utime(lock, (0, 0))
+    lock = claim_of_a_gone_job(store)
     replace, paused, resume = os.replace, threading.Event(), threading.Event()
 
     def pausing_replace(src, dst, *args, **kwargs):

@@ -171,37 +171,24 @@ class RankLogTests:
                    for g in got), got
         assert open_run(location).ranks == [0]
 
+    @pytest.mark.parametrize("b_closes", [False, True])
     def test_a_rank_whose_rank_0_crashed_writes_nothing_once_another_job_took_over(
-            self, location, tmp_path, monkeypatch):
+            self, location, tmp_path, monkeypatch, b_closes):
         """Rank 0 crashes; on its machine its claim is taken over at once (its pid is
-        gone), by a job with mode="w".  Rank 1 trains on and commits: it writes
-        nothing into the other job's run, and says once that its claim was lost."""
+        gone), by a job with mode="w", which records (and, with ``b_closes``, closes
+        the run: its claim gone, which is not rank 0's close, as the run's root names
+        another job's claim).  Rank 1 trains on and commits: it writes nothing into
+        the other job's run, says once that its claim was lost, and at close which
+        steps it could not commit."""
         if not self.shared:
             pytest.skip("a memory:// store is one process's")
         monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")    # no heartbeat rewrites
-        before, after, told = rank_1_after_a_takeover(location, tmp_path, b_closes=False)
+        before, after, told = rank_1_after_a_takeover(location, tmp_path, b_closes)
         assert after == before
         lost = [t for t in told if "was lost" in t]
-        assert len(lost) == 1 and "taken over by another job" in lost[0] \
-            and "after step 2" in lost[0], told
-        run = open_run(location)
-        assert run.ranks == [0] and run.steps().tolist() == [1000, 1001, 1002]
-        assert run.attrs["metadata"] == {"job": "B"} and run.status == "complete"
-
-    def test_a_rank_whose_run_was_taken_over_and_closed_writes_nothing(
-            self, location, tmp_path, monkeypatch):
-        """As above, but the job that took the run over has also closed it (its claim
-        gone) before rank 1 commits: the claim's absence is not rank 0's close, since
-        the run's root names another job's claim, so rank 1 writes nothing into the
-        other job's finished run."""
-        if not self.shared:
-            pytest.skip("a memory:// store is one process's")
-        monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")
-        before, after, told = rank_1_after_a_takeover(location, tmp_path, b_closes=True)
-        assert after == before
-        lost = [t for t in told if "was lost" in t]
-        assert len(lost) == 1 and "has since closed the run" in lost[0] \
-            and "after step 2" in lost[0], told
+        why = "has since closed the run" if b_closes else "taken over by another job"
+        assert len(lost) == 1 and why in lost[0] and "after step 2" in lost[0], told
+        assert len([t for t in told if "could not commit 3 steps (steps 3 to 5)" in t]) == 1, told
         run = open_run(location)
         assert run.ranks == [0] and run.steps().tolist() == [1000, 1001, 1002]
         assert run.attrs["metadata"] == {"job": "B"} and run.status == "complete"
