@@ -241,9 +241,12 @@ class Recorder:
     def dropped(self) -> int:
         """Captures dropped so far in this run: late gradients, full tensors of a
         dtype the store cannot hold, captures that failed, records the writer could
-        not be given (the run's ``drop_reasons`` say which; ``DropLedger``); the
-        writer thread's own drops are counted in the store."""
-        return self._dropped_before + (self._buffer.drops.total if self._buffer else 0)
+        not be given (the run's ``drop_reasons`` say which; ``DropLedger``), and
+        those of steps never committed because the claim on the store was lost
+        (which the store may not count); the writer thread's own drops are counted
+        in the store."""
+        return self._dropped_before + (self._buffer.drops.total if self._buffer else 0) \
+            + (self._writer.unstored if self._writer else 0)
 
     # --- steps ----------------------------------------------------------------
     def step(self, i: int | None = None) -> _StepScope:

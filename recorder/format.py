@@ -186,6 +186,10 @@ def rank_of(name) -> int | None:
 
 CLAIM_NAME = "tensortape.lock"   # a group at the root whose zarr.json names the job that
                                  # records the run (``recorder.claim._claim``); gone at close
+CLAIM_TOKEN = "claim"            # a root attribute: the token of the claim under which the
+                                 # root was last committed (a rank other than 0 finds the
+                                 # claim gone: rank 0's close if it is its job's, else a
+                                 # job that took the run over and closed it)
 
 
 def is_own_entry(name: str) -> bool:

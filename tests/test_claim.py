@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import zarr
 from torch import nn
 
 from tensortape.analysis import open_run
@@ -292,9 +293,12 @@ def test_claim_api(tmp_path):
     assert claim.confirm() is True and claim.confirm(read=True) is True
     other = Claim.shared(store, claim.token)                  # other ranks share rank 0's
     assert not other.held and other.confirm(read=True) and not other.release()
+    zarr.open_group(store, mode="a", attributes={fmt.CLAIM_TOKEN: claim.token})   # rank 0's commit
     assert claim.release() is True and not os.path.exists(os.path.join(store, fmt.CLAIM_NAME))
     assert claim.release() is False and claim.confirm() is False
     assert other.confirm(read=True)                 # released at rank 0's close: not lost
+    zarr.open_group(store, mode="a").update_attributes({fmt.CLAIM_TOKEN: "someone-else"})
+    assert other.confirm(read=True) is False and "since closed" in other.lost   # another job's
     # a claim taken over (here: rewritten by hand) is lost, and confirm() says so
     claim = Claim.acquire(store, "w-")
     other = Claim.shared(store, claim.token)

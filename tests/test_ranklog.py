@@ -1,7 +1,9 @@
 """``RankLogTests``: what a rank commits, and whether it may still commit, asked
 the same way of every kind of store (local, ``memory://``, S3), through the
-public API: a commit after the claim was lost writes nothing (rank 1's too,
-once its crashed rank 0's claim is taken over), a fault is
+public API: a commit after the claim was lost writes nothing, and the steps
+it leaves uncommitted are counted in the Recorder's ``dropped`` and named
+(rank 1's too, once its crashed rank 0's claim is taken over, and once the job
+that took it over has closed the run), a fault is
 written again from the last commit, rank 0's refusal is every rank's under gloo
 (2 and 4 ranks; ``memory://`` is one process's, so not there), and
 ``mode="a"`` resumes a run."""
@@ -91,14 +93,26 @@ class RankLogTests:
         rec.flush()
         time.sleep(1.2)                      # past the stale time: another job takes it over
         take_over(location)
-        before = snapshot(location)
+        before, dropped = snapshot(location), rec.dropped
+        seen = []                            # what plain hooks see of the steps not stored
+
+        def seen_forward(module, args, out):
+            seen.append("activation")
+            out.register_hook(lambda g: seen.append("gradient"))
+        hook = model.register_forward_hook(seen_forward)
         with warnings.catch_warnings(record=True) as told:
             warnings.simplefilter("always")
             train(rec, model, range(3, 6))
             rec.flush()
             rec.close()
-        lost = [str(w.message) for w in told if "was lost" in str(w.message)]
-        assert len(lost) == 1 and "after step 2" in lost[0], [str(w.message) for w in told]
+        hook.remove()
+        told = [str(w.message) for w in told]
+        lost = [t for t in told if "was lost" in t]
+        assert len(lost) == 1 and "after step 2" in lost[0], told
+        unstored = [t for t in told if "could not commit" in t]
+        assert len(unstored) == 1 and "3 steps (steps 3 to 5)" in unstored[0] \
+            and f"their {len(seen)} captures" in unstored[0], told
+        assert len(seen) == 6 and rec.dropped == dropped + len(seen)
         assert snapshot(location) == before
         run = open_run(location)
         assert run.steps().tolist() == [0, 1, 2] and run.status == "recording"
@@ -157,19 +171,24 @@ class RankLogTests:
                    for g in got), got
         assert open_run(location).ranks == [0]
 
+    @pytest.mark.parametrize("b_closes", [False, True])
     def test_a_rank_whose_rank_0_crashed_writes_nothing_once_another_job_took_over(
-            self, location, tmp_path, monkeypatch):
+            self, location, tmp_path, monkeypatch, b_closes):
         """Rank 0 crashes; on its machine its claim is taken over at once (its pid is
-        gone), by a job with mode="w".  Rank 1 trains on and commits: it writes
-        nothing into the other job's run, and says once that its claim was lost."""
+        gone), by a job with mode="w", which records (and, with ``b_closes``, closes
+        the run: its claim gone, which is not rank 0's close, as the run's root names
+        another job's claim).  Rank 1 trains on and commits: it writes nothing into
+        the other job's run, says once that its claim was lost, and at close which
+        steps it could not commit."""
         if not self.shared:
             pytest.skip("a memory:// store is one process's")
         monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")    # no heartbeat rewrites
-        before, after, told = rank_1_after_a_takeover(location, tmp_path, b_closes=False)
+        before, after, told = rank_1_after_a_takeover(location, tmp_path, b_closes)
         assert after == before
         lost = [t for t in told if "was lost" in t]
-        assert len(lost) == 1 and "taken over by another job" in lost[0] \
-            and "after step 2" in lost[0], told
+        why = "has since closed the run" if b_closes else "taken over by another job"
+        assert len(lost) == 1 and why in lost[0] and "after step 2" in lost[0], told
+        assert len([t for t in told if "could not commit 3 steps (steps 3 to 5)" in t]) == 1, told
         run = open_run(location)
         assert run.ranks == [0] and run.steps().tolist() == [1000, 1001, 1002]
         assert run.attrs["metadata"] == {"job": "B"} and run.status == "complete"
@@ -223,17 +242,3 @@ class TestS3(RankLogTests):
     @pytest.fixture
     def location(self, s3_server):
         return f"{s3_server}/run.zarr"
-
-    def test_a_rank_whose_run_was_taken_over_and_closed_writes_nothing(
-            self, location, tmp_path, monkeypatch):
-        """As above, but the job that took the run over has also closed it (its claim
-        gone) before rank 1 commits: the claim's absence is not rank 0's close, since
-        another job wrote rank 1's record (its conditional PUT fails), so rank 1 writes
-        nothing into the other job's finished run.  (On a local disk, without
-        conditional writes, this case is not fenced: docs/GUIDE.md.)"""
-        monkeypatch.setenv("TENSORTAPE_CLAIM_HEARTBEAT", "3600")
-        before, after, _ = rank_1_after_a_takeover(location, tmp_path, b_closes=True)
-        assert after == before
-        run = open_run(location)
-        assert run.ranks == [0] and run.steps().tolist() == [1000, 1001, 1002]
-        assert run.attrs["metadata"] == {"job": "B"} and run.status == "complete"

@@ -47,8 +47,11 @@ heartbeat not written) it beats first; and every commit reads the lock first
 rank 0's claim so (``Claim.shared``), within half the stale time of the
 heartbeat they last read in it, and at the start of every commit too: a
 crashed rank 0's claim is taken over at once on its machine, so their lease
-does not hold.  On S3 the commit's records are written conditionally besides
-(``_fenced``).  A claim found taken over is lost for good.
+does not hold.  A claim they find gone is rank 0's close only while the run's
+root still names this claim (``fmt.CLAIM_TOKEN``, written by each of rank 0's
+commits): else another job took the run over and has closed it.  On S3 the
+commit's records are written conditionally besides (``_fenced``).  A claim
+found taken over is lost for good.
 - A claim still being written (empty or unreadable) is live until it is
   ``TENSORTAPE_CLAIM_STALE`` seconds old.
 
@@ -87,6 +90,7 @@ import weakref
 from ._heartbeat import Heartbeat
 from ._holder import Held, claim_doc, new_claim, refusal, stale_s
 from ._lock import lock_for
+from ._root import run_claim
 from ..errors import StoreExistsError
 
 __all__ = ["Claim"]
@@ -146,24 +150,22 @@ class Claim:
         """Whether this object holds the claim (rank 0, not released, not lost)."""
         return self._heartbeat is not None and self._heartbeat.holding
 
-    def confirm(self, read: bool = False, written: bool = False) -> bool:
+    def confirm(self, read: bool = False) -> bool:
         """Whether the claim is still this job's (see the module: the fence).
-        ``read``: ask the store even within the lease.  ``written``: another writer
-        is known to have written this rank's record since this job did (a failed
-        conditional PUT), so a lock gone is lost too, not rank 0's close.  A store
-        that cannot be read raises; a claim found lost stays lost (``lost`` says why)."""
+        ``read``: ask the store even within the lease.  A store that cannot be read
+        raises; a claim found lost stays lost (``lost`` says why)."""
         if self.lost is None:
             if self._heartbeat is not None:
                 self._heartbeat.confirm(read)
                 self.lost = self._heartbeat.lost or (None if self._heartbeat.holding
                                                      else "released")
             elif self._lock is not None and (read or time.time() - self._beat >= stale_s() / 2):
-                self._watch(written)
+                self._watch()
         return self.lost is None
 
-    def _watch(self, written: bool = False) -> None:
+    def _watch(self) -> None:
         h = self._lock.read()
-        if h is None and written:      # another job wrote this rank's record, then closed
+        if h is None and run_claim(self.location) != self.token:   # another job's root
             self.lost = "taken over by another job, which has since closed the run"
         elif h is None:                # released by rank 0's close: this rank's last commit
             self._beat = 0.0           # goes on, asking again each time

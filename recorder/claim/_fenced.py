@@ -68,18 +68,6 @@ class Fenced:
         except FileNotFoundError:
             self.etags[path] = None
 
-    def unchanged(self, path: str) -> bool:
-        """Whether the record at ``path`` is still the one this job last wrote or read
-        (one HEAD; True where conditions are not used)."""
-        if not self.conditional or path not in self.etags:
-            return True
-        bucket, key = self._key(path)
-        try:
-            etag = self.fs.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
-        except FileNotFoundError:
-            etag = None
-        return etag == self.etags[path]
-
     def put(self, path: str, doc: bytes) -> bool:
         """Write ``doc`` as the record at ``path``; False when another job wrote it
         since and the claim is no longer this job's (nothing written)."""

@@ -15,8 +15,11 @@ one that takes it over: it checks that the claim is still the one it found
 gone, and renames its own over it.  Any other job that found the same claim
 gone is refused, naming the winner, however far apart their writes land.  A
 marker whose job is gone (it died taking the claim over) is passed by, to the
-next generation.  A winner paused between its marker and its rename for longer
-than the stale time can still be passed by so (the lease's limit: see ``_claim``).
+next generation.  So is the marker of a job paused between its marker and its
+rename for longer than the stale time: once its rename lands, that job finds the
+later generation's marker, puts the claim written there back in place and is
+refused, naming the job that passed it (``_passed``), whose claim stays its own
+(``_follow``: the same claim in a new file).
 
 Runs on the thread that calls it: the training thread at attach
 (``acquire``), the ``tensortape-claim`` thread and the writer thread (``beat``,
@@ -40,6 +43,12 @@ except ImportError:                        # no flock here: pids and heartbeats 
     fcntl = None
 
 MARKER = "taken.{}"            # without flocks: the takeover to a claim's generation
+
+
+def _generation(name: str) -> int:
+    """The generation whose marker is named ``name`` (-1: no marker)."""
+    digits = name[len("taken."):] if name.startswith("taken.") else ""
+    return int(digits) if digits.isascii() and digits.isdigit() else -1
 
 
 def _flock(fd: int, wait: float) -> bool | None:
@@ -199,26 +208,53 @@ class LocalLock:
             raise Held(self.read() or Holder.unreadable())
         try:
             now = self.read()
-            if now is None or now.token != gone.token:   # released, or taken meanwhile
-                raise Held(now or Holder.unreadable())
-            tmp = os.path.join(self.dir, f"zarr.{token}.partial")
-            _write(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | cloexec, 0o644), doc)
-            os.replace(tmp, self.path)
+            if now is None or now.token not in (gone.token, token):   # released, or taken
+                raise Held(now or Holder.unreadable())    # meanwhile (ours: put back, ``_passed``)
+            self._put(doc, token)
+            passed = self._passed(generation, token)
+            if passed is not None:
+                raise Held(passed)
             fd = os.open(self.path, os.O_RDONLY | cloexec)
         except BaseException:
             _unlink(marker)                    # not taken: the generation is free again
             raise
         self.generation = generation
         for name in os.listdir(self.dir):      # the markers of earlier takeovers
-            if name.startswith("taken.") and name != os.path.basename(marker):
+            if 0 <= _generation(name) < generation:
                 _unlink(os.path.join(self.dir, name))
         return fd
+
+    def _put(self, doc: bytes, token: str) -> None:
+        """``doc`` renamed into place as the lock file."""
+        tmp = os.path.join(self.dir, f"zarr.{token}.partial")
+        _write(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
+                       0o644), doc)
+        os.replace(tmp, self.path)
+
+    def _passed(self, generation: int, token: str) -> Holder | None:
+        """After this job's rename to ``generation``: the claim of a later generation's
+        marker (a job that passed this one by while it was paused past the stale time),
+        put back in place; None where there is none."""
+        for name in sorted(os.listdir(self.dir), key=_generation, reverse=True):
+            if _generation(name) <= generation:
+                return None
+            try:
+                with open(os.path.join(self.dir, name), "rb") as f:
+                    raw = f.read(MAX_BYTES)
+            except FileNotFoundError:          # released meanwhile
+                continue
+            h = parse_claim(raw, time.time())
+            if h.readable:                     # else still being written: its job reads ours
+                self._put(raw, token)          # in place, and is refused
+                return h
+        return None
 
     def check(self) -> str | None:
         """Why the claim is no longer this job's, or None: a ``stat`` and a ``pread``
         of the lock file held open."""
         if self.fd is None:
             return "released"
+        self._follow()
         if not _same_file(self.fd, self.path):
             h = self.read()
             if h is not None and h.token != self.token:
@@ -236,8 +272,23 @@ class LocalLock:
             os.utime(self.fd if os.utime in os.supports_fd else self.path)
         return why
 
+    def _follow(self) -> None:
+        """This claim put back in place as a new file (by a job paused in its takeover
+        past the stale time, ``_passed``): that file is held from now on."""
+        if self.fd is None or _same_file(self.fd, self.path):
+            return
+        h = self.read()
+        if h is not None and h.token == self.token:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                return
+            os.close(self.fd)
+            self.fd = fd
+
     def release(self) -> bool:
         """Delete the lock file if it is still this claim; True if this call did."""
+        self._follow()
         fd, self.fd = self.fd, None
         if fd is None:
             return False

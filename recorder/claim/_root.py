@@ -6,11 +6,13 @@ something else) and refuses a ``mode`` that cannot apply there: tensortape
 never deletes or overwrites what it did not write, and no mode touches a run
 that a live job has claimed (``_lock.live_holder``).  ``open_root`` then opens
 the root group: rank 0 applies the mode (``"w"`` deletes a run's own entries
-and nothing else), other ranks open what rank 0 prepared.
+and nothing else), other ranks open what rank 0 prepared.  ``run_claim`` reads
+under whose claim the root was last committed (``fmt.CLAIM_TOKEN``).
 
 Runs on the training thread at attach (rank 0 under its claim, before the
-writer thread starts), and on the caller's thread for the tools
-(``tensortape record``'s early check, ``migrate``).  No state.
+writer thread starts), on the caller's thread for the tools (``tensortape
+record``'s early check, ``migrate``), and on the writer thread (``run_claim``,
+a rank's fence).  No state.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ._lockobject import drop_folder
 from ..errors import (ConfigError, StoreExistsError, StoreFormatError, StoreNotFoundError,
                      argument)
 
-__all__ = ["Found", "Contents", "Mode", "check_mode", "look", "open_root"]
+__all__ = ["Found", "Contents", "Mode", "check_mode", "look", "open_root", "run_claim"]
 
 Mode = Literal["w", "w-", "a"]     # overwrite a run, create only, append to a run
 
@@ -134,6 +136,28 @@ def look(location) -> Found:
     """What is at a store location (a local path or an fsspec URL)."""
     location = os.fspath(location)
     return _look_url(location) if fmt.is_url(location) else _look_local(location)
+
+
+def run_claim(location) -> str | None:
+    """The token of the claim under which the run's root at ``location`` was last
+    committed (``fmt.CLAIM_TOKEN``); None where there is no root or no token."""
+    location = fmt.location(os.fspath(location))
+    try:
+        if fmt.is_url(location):
+            import fsspec
+            fs, root = fsspec.core.url_to_fs(location)
+            fs.invalidate_cache()
+            raw = fs.cat_file(f"{root.rstrip('/')}/zarr.json")
+        else:
+            with open(os.path.join(location, "zarr.json"), "rb") as f:
+                raw = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        token = json.loads(raw)["attributes"].get(fmt.CLAIM_TOKEN)
+    except Exception:
+        return None
+    return token if isinstance(token, str) else None
 
 
 def check_mode(location, mode: Mode, claimed: str = "") -> Found:

@@ -169,6 +169,12 @@ class StepRecord:
     _resolved: Resolved | None = None
 
     @property
+    def captures(self) -> int:
+        """What ``dropped`` counts of this step if it is not stored: its captures and
+        its logged scalars."""
+        return len(self.metas) + sum(len(s.names) for s in self.scalars)
+
+    @property
     def nbytes(self) -> int:
         held = self.packed.held if self.packed is not None else 0
         return held + sum(t.snap.nbytes for t in self.tensors)

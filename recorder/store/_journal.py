@@ -7,7 +7,9 @@ since it, every step's rows but its full tensors (``Unsaved``: statistics,
 events, the NaN/Inf counts of a step without statistics, new names and
 counters), bounded in bytes and in records: past either bound a step's
 statistics and NaN/Inf counts, and events beyond the stored maximum, are
-counted instead of kept.
+counted instead of kept.  Once the job's claim is lost (``lose``), nothing is
+kept: the steps not committed then and every later one are counted in
+``Unstored``, in memory only, since the store may no longer be written.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from ..writer import _overbudget
 from .. import format as fmt
 
-__all__ = ["Journal", "Unsaved"]
+__all__ = ["Journal", "Unsaved", "Unstored"]
 
 BACKLOG_BYTES = 256 << 20      # statistics kept in memory while the store cannot be written
 BACKLOG_RECORDS = 100_000      # steps kept so
@@ -45,6 +47,7 @@ class Unsaved:
     scalars: list = field(default_factory=list)   # rec.log's: (step, names, values)
     counts: dict = field(default_factory=dict)    # a step without statistics: its NaN/Inf
                                         # counts (``Resolved.counts``)
+    captures: int = 0           # what ``dropped`` counts of it if it is never stored
 
     def __post_init__(self):
         if self.events_total is None:
@@ -70,6 +73,7 @@ class Unsaved:
             drops[k] = drops.get(k, 0) + n
         return replace(later, layers=self.layers + later.layers, drops=drops,
                        outside=self.outside + later.outside, tensors=self.tensors + later.tensors,
+                       captures=self.captures + later.captures,
                        over_budget=_overbudget.runs(_overbudget.each(later.over_budget),
                                                     into=self.over_budget),
                        events_total=self.events_total + later.events_total,
@@ -91,6 +95,30 @@ class Unsaved:
         return replace(self, drops=drops, events=[], stats={}, bundle=None, scalars=[], counts={})
 
 
+@dataclass
+class Unstored:
+    """What this job could not commit because its claim was lost: the steps (how
+    many, the first and the last) and their captures (``dropped``'s unit)."""
+    captures: int = 0
+    steps: int = 0
+    first: int | None = None
+    last: int | None = None
+
+    def add(self, u: Unsaved) -> None:
+        self.captures += u.captures
+        own = [] if u.step is None else [[0, u.step, u.step, 0]]
+        for _, first, last, stride in [*u.earlier, *own]:
+            self.steps += (last - first) // (stride or 1) + 1
+            self.first = first if self.first is None else min(self.first, first)
+            self.last = last if self.last is None else max(self.last, last)
+
+    def words(self) -> str:
+        """The steps, in words (``"3 steps (steps 3 to 5)"``)."""
+        if self.steps == 1:
+            return f"1 step (step {self.first})"
+        return f"{self.steps} steps (steps {self.first} to {self.last})"
+
+
 class Journal:
     def __init__(self, state: fmt.RankState):
         self.saved = self._copy(state)       # as last committed
@@ -98,6 +126,7 @@ class Journal:
         self.kept = 0                         # their bytes
         self.overflow = False                 # the last one holds every step past the bounds
         self.last_committed_step = state.last_step
+        self.unstored: Unstored | None = None     # once the claim is lost (``lose``)
 
     @staticmethod
     def _copy(state: fmt.RankState) -> fmt.RankState:
@@ -107,9 +136,13 @@ class Journal:
         return (self.kept + more.nbytes > BACKLOG_BYTES
                 or len(self.unsaved) + 1 > BACKLOG_RECORDS)
 
-    def keep(self, u: Unsaved, reason: str) -> Unsaved:
+    def keep(self, u: Unsaved, reason: str) -> Unsaved | None:
         """Remember ``u`` until the next commit; past the bounds lean, and merged
-        into one record with the others past them (memory stays bounded); it."""
+        into one record with the others past them (memory stays bounded); it.
+        Once the claim is lost, ``u`` is counted as unstored instead (None)."""
+        if self.unstored is not None:
+            self.unstored.add(u)
+            return None
         if self.full(u):
             u = u.lean(reason)
             if self.overflow:
@@ -121,6 +154,15 @@ class Journal:
         self.unsaved.append(u)
         self.kept += u.nbytes
         return u
+
+    def lose(self) -> None:
+        """The claim is lost: the steps since the last commit, and every later one,
+        are never committed (``unstored``)."""
+        if self.unstored is None:
+            self.unstored = Unstored()
+            for u in self.unsaved:
+                self.unstored.add(u)
+            self.unsaved, self.kept, self.overflow = [], 0, False
 
     def committed(self, state: fmt.RankState) -> None:
         self.saved = self._copy(state)

@@ -22,7 +22,8 @@ alone; nothing else reads, changes or writes a rank's state:
   write of rows is confirmed first as well.  A claim found lost
   stops every later write, commit and status write: the training thread is told
   once which steps this job could not commit (``StoreExistsError``, a
-  ``RecorderError``, under ``on_error="raise"``), and training goes on.
+  ``RecorderError``, under ``on_error="raise"``), and training goes on (the
+  steps never committed are counted in memory: ``_journal.Unstored``).
 
 Threads: built on the training thread at attach; then the writer thread's
 alone, but for the training thread's give-up at close (``give_up``), which
@@ -78,7 +79,7 @@ class RankLog:
         self._upto = None
         self.journal = Journal(state)
         self._fence = fenced(claim.location, [store.rank_group.path, store.root.path],
-                             lambda: claim.confirm(read=True, written=True))   # S3: conditional
+                             lambda: claim.confirm(read=True))   # S3: conditional
 
     # --- the open decision ------------------------------------------------------------
     @classmethod
@@ -136,7 +137,8 @@ class RankLog:
             if rank == 0:
                 old = dict(root.attrs) if cfg.mode == "a" else {}
                 base = {**old, **fresh, "created": old.get("created", fresh["created"]),
-                        "metadata": metadata or old.get("metadata", {})}
+                        "metadata": metadata or old.get("metadata", {}),
+                        fmt.CLAIM_TOKEN: claim.token}      # each commit says whose it is
             log = cls(store, state, claim, base, cfg)
             if rank == 0:
                 log.commit()
@@ -179,14 +181,15 @@ class RankLog:
         self.notices.append(Notice(key, message, error))
 
     # --- the fence ---------------------------------------------------------------------
-    def _confirmed(self, read: bool = False, written: bool = False) -> bool:
+    def _confirmed(self, read: bool = False) -> bool:
         """Whether this job may still write (see ``_claim``: the fence); once not, it
         never may again, and the training thread is told once."""
         if self.lost or self.abandoned:
             return False
-        if self.claim.confirm(read, written):
+        if self.claim.confirm(read):
             return True
         self.lost = True
+        self.journal.lose()
         last = self.journal.last_committed_step
         after = ("no step of this job is stored" if last is None else
                  f"the steps after step {last}, its last commit, are not stored")
@@ -197,11 +200,6 @@ class RankLog:
         return False
 
     # --- rows ---------------------------------------------------------------------------
-    def keep(self, u: Unsaved, reason: str) -> Unsaved | None:
-        """Remember ``u`` in the journal until the next commit (past its bounds lean,
-        counted with ``reason``); None once the claim is lost (nothing is kept)."""
-        return None if self.lost else self.journal.keep(u, reason)
-
     def write(self, u: Unsaved, tensors: list[tuple[int, list[TensorRow]]]) -> None:
         """Write a record's rows (``u``, and the full ``tensors`` to store now) and
         count them in the state; nothing once the claim is lost."""
@@ -305,9 +303,7 @@ class RankLog:
     def commit(self, status: str | None = None, final: bool = False) -> None:
         """Commit what was written (``final``: every table cut to its rows first), with
         ``status`` (rank 0): confirm the claim, flush, read the claim, write the counters."""
-        shared, fence = self.claim.shared_by_rank, self._fence     # written: by another job
-        if not self._confirmed(shared, bool(shared and fence) and not fence.unchanged(
-                self.store.rank_group.path)):
+        if not self._confirmed(read=self.claim.shared_by_rank):
             return
         st = self._state
         st.committed.update(self.store.flush())
@@ -321,7 +317,7 @@ class RankLog:
         with self.lock:                      # never after a close that gave up marked the run
             if self.abandoned:
                 return
-            written = self.store.commit(st.to_json(), root, fence and fence.put)
+            written = self.store.commit(st.to_json(), root, self._fence and self._fence.put)
         if written:                          # else another job wrote it: the claim is lost
             self.journal.committed(st)
         else:

@@ -78,10 +78,10 @@ class _Rows:
                 self._commit(None)         # bounds what a new start would write again
             except Exception as e:
                 self.failed(e)
-        kept = self.log.keep(u, BACKLOG)
+        kept = self.log.journal.keep(u, BACKLOG)    # None once the claim is lost: counted so
         self._pending = True
-        if self._fault is None and kept is not None:
-            self.log.write(kept, tensors)
+        if self._fault is None:                # lost: the full tensors' slots given back
+            self.log.write(u if kept is None else kept, tensors)
 
     def _unsaved(self, record: StepRecord | CloseRecord) -> tuple[Unsaved, list]:
         """A record's rows as the journal keeps them, and the full tensors to store
@@ -90,7 +90,7 @@ class _Rows:
             scalars = _scalars.resolve(record.scalars, record.drops)
             return Unsaved(None, record.layers, record.drops, record.outside, [], {},
                            scalars=scalars), []
-        resolved = self._resolve(record)
+        resolved = Resolved() if self.log.lost else self._resolve(record)   # never stored
         choice = self.policy.choose(record.step, record.plan, record.tensors, bool(resolved.events))
         for n in choice.notices:
             self.outbox.append(n)
@@ -98,7 +98,8 @@ class _Rows:
         scalars = _scalars.resolve(record.scalars, record.drops)
         return Unsaved(record.step, record.layers, record.drops, record.outside, resolved.events,
                        resolved.stats, record.bundle, choice.rows, _overbudget.runs(choice.over),
-                       scalars=scalars, counts=resolved.counts), choice.tensors
+                       scalars=scalars, counts=resolved.counts,
+                       captures=record.captures), choice.tensors
 
     def barrier(self, msg: Barrier) -> None:
         if msg.final and (lost := _overbudget.runs(self.policy.close())):   # the ring's due
@@ -137,6 +138,12 @@ class _Rows:
                 f"({cause(self._fault)}); the statistics of {steps} steps ({rows} rows) "
                 f"since the last commit are lost"))
         self.log.close()
+        lost = self.log.journal.unstored
+        if lost is not None and lost.steps:
+            self._tell("unstored", f"tensortape: this job could not commit {lost.words()} to "
+                                   f"{self.log.claim.location!r} once it lost the run to another "
+                                   f"job: their {lost.captures} captures are counted in the "
+                                   f"Recorder's 'dropped', not in the run")
 
     # --- commits ----------------------------------------------------------------------
     def _resolve(self, record: StepRecord) -> Resolved:
@@ -208,7 +215,7 @@ class Writer:
         else:
             for row in record.tensors:
                 row.snap.release()
-            self.drops.drop(why, len(record.metas) + sum(len(s.names) for s in record.scalars))
+            self.drops.drop(why, record.captures)
             what = f"the captures of step {record.step} and of later steps while it stays so are"
         self._notice(Notice(why, f"tensortape: {why}; {what} dropped and counted in the run's "
                                  f"'dropped'; training goes on",
@@ -234,6 +241,12 @@ class Writer:
         else:
             self.give_up()
         self.tell()
+
+    @property
+    def unstored(self) -> int:
+        """Captures never stored because the claim was lost (the store may not count them)."""
+        lost = self.log.journal.unstored
+        return 0 if lost is None else lost.captures
 
     def post_nowait(self, record: StepRecord | CloseRecord) -> None:
         """From a finaliser: hand over a record without a lock or a wait."""
