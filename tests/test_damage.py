@@ -69,6 +69,23 @@ def pristine(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def truth(pristine):
+    """What every reader gives of the pristine run, read once for the module's cases:
+    ``library_reads``, ``info`` and ``nan`` as JSON, and the served maps by (kind,
+    stat, width)."""
+    reads = library_reads(pristine)
+    served = Served(pristine)
+    try:
+        maps = {(kind, stat, width): served.get("map", kind=kind, stat=stat, width=width)[1]
+                for kind in reads["kinds"] for stat, width in MAPS}
+    finally:
+        served.close()
+    nan, _, code = cli_json("nan", pristine, "--format", "json")
+    return {"reads": reads, "info": cli_json("info", pristine, "--format", "json")[0],
+            "nan": (nan, code), "maps": maps}
+
+
 # the chunk damaged: (table, column, chunk key), under rank0/
 CASES = {
     "statistics": ("stats/activations", "stats", "c/0/0/0"),
@@ -138,7 +155,8 @@ def cli_json(*args):
 
 
 @pytest.mark.parametrize("how, case", DAMAGES)
-def test_a_damaged_chunk_reads_as_missing_and_the_rest_as_recorded(pristine, tmp_path, how, case):
+def test_a_damaged_chunk_reads_as_missing_and_the_rest_as_recorded(pristine, truth, tmp_path, how,
+                                                                  case):
     """Before (how: corrupt, truncated): an undecodable chunk refused the whole run."""
     table, column, key = CASES[case]
     damaged = str(tmp_path / "damaged.zarr")
@@ -150,7 +168,7 @@ def test_a_damaged_chunk_reads_as_missing_and_the_rest_as_recorded(pristine, tmp
     lost = set(np.asarray(lost).tolist())
     assert lost and hi > lo
 
-    want = library_reads(pristine)
+    want = truth["reads"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = library_reads(damaged)
@@ -220,8 +238,8 @@ def test_a_damaged_chunk_reads_as_missing_and_the_rest_as_recorded(pristine, tmp
     assert code == 0 and len(info["damaged"]) == named and (
         not named or info["damaged"][0].startswith(f"{chunk} {said}")), info["damaged"]
     assert (f"warning: {damaged}: {chunk} {said}" in err) == named, err
-    assert cli_json("info", pristine, "--format", "json")[0]["damaged"] == []
-    nan_w, _, code_w = cli_json("nan", pristine, "--format", "json")
+    assert truth["info"]["damaged"] == []
+    nan_w, code_w = truth["nan"]
     nan_g, _, code_g = cli_json("nan", damaged, "--format", "json")
     assert code_g == code_w == 1
     assert {k: v for k, v in nan_g.items() if k != "history"} == \
@@ -233,18 +251,22 @@ def test_a_damaged_chunk_reads_as_missing_and_the_rest_as_recorded(pristine, tmp
     # the served map, one step a column: every readable cell as the pristine run's
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TensortapeWarning)      # said above
-        served_map(pristine, damaged, want["kinds"], lost,
+        served_map(truth["maps"], damaged, want["kinds"], lost,
                    section[:2] == ["stats", "activations"] and column == "stats")
 
 
-def served_map(pristine, damaged, kinds, lost, stats_lost):
-    """/api/map of both runs, one step a column: each readable cell is the pristine
-    run's; where the activations' statistics are lost (``stats_lost``), no value."""
-    a, b = Served(pristine), Served(damaged)
+MAPS = [("abs_max", 4096), ("nonfinite", 4096), ("abs_max", 32)]   # (stat, width) served
+
+
+def served_map(pristine_maps, damaged, kinds, lost, stats_lost):
+    """/api/map of the damaged run against the pristine run's (``pristine_maps``), one
+    step a column: each readable cell is the pristine run's; where the activations'
+    statistics are lost (``stats_lost``), no value."""
+    b = Served(damaged)
     try:
         for kind in kinds:
             for stat in ("abs_max", "nonfinite"):
-                mw = a.get("map", kind=kind, stat=stat, width=4096)[1]
+                mw = pristine_maps[(kind, stat, 4096)]
                 mg = b.get("map", kind=kind, stat=stat, width=4096)[1]
                 keep = [i for i, s in enumerate(mw["step_lo"]) if s in set(mg["step_lo"])]
                 assert mg["step_lo"] == [mw["step_lo"][i] for i in keep]
@@ -259,7 +281,7 @@ def served_map(pristine, damaged, kinds, lost, stats_lost):
                             assert (vg[j], fg[j]) == (vw[i], fw[i])
             # columns of whole grains (the stored pyramid, or the rows): a column
             # of no lost step is the pristine run's
-            mw = a.get("map", kind=kind, stat="abs_max", width=32)[1]
+            mw = pristine_maps[(kind, "abs_max", 32)]
             mg = b.get("map", kind=kind, stat="abs_max", width=32)[1]
             if (mg["step_lo"], mg["step_hi"]) != (mw["step_lo"], mw["step_hi"]):
                 continue                                    # steps lost: other columns
@@ -270,7 +292,6 @@ def served_map(pristine, damaged, kinds, lost, stats_lost):
             for vw, vg in zip(mw["values"], mg["values"]):
                 assert [vg[i] for i in clean] == [vw[i] for i in clean]
     finally:
-        a.close()
         b.close()
 
 
