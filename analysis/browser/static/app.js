@@ -504,6 +504,8 @@ async function loadCompare() {
       : `no divergence in ${c.kind} (rtol ${c.rtol})`) +
       (p ? ` in the statistics so far; comparing the full tensors both runs hold: ${p.done} of ${p.of ?? "?"} layers…` : "");
     $("first-divergence").classList.toggle("found", !!fd);
+    $("compare-unlike").textContent = c.unlike.length ? `not alike: ${c.unlike.join("; ")}; only the shared layers whose shapes agree are compared` : "";
+    $("compare-unlike").hidden = !c.unlike.length;
     $("compare").dataset.pending = p ? `${p.done}/${p.of ?? "?"}` : "";
     drawCompare();
     const key = fd ? `${c.kind}|${fd.layer}` : c.kind, moved = S.cmpFirst !== key;
