@@ -15,6 +15,7 @@ read as (damage is local), or refuses.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import math
@@ -189,6 +190,7 @@ def _reopen(location: str, path: str) -> Guarded:
 class ZarrSource:
     lock = False
     sink = None          # what a chunk that cannot be decoded reads as (``Guarded._salvage``)
+    _opened: dict = {}   # nodes opened together (``opened``)
 
     def __init__(self, location: str):
         import zarr
@@ -222,11 +224,41 @@ class ZarrSource:
     # recognized as a component of a Zarr hierarchy"); the reader goes on (``quiet``)
     def attrs(self, path: str = "") -> dict:
         with quiet():
-            return dict((self.root[path] if path else self.root).attrs)
+            return dict((self._node(path) if path else self.root).attrs)
 
     def array(self, path: str):
         with quiet():
-            return Guarded(self.root[path], path, self.location, self)
+            return Guarded(self._node(path), path, self.location, self)
+
+    def _node(self, path: str):
+        got = self._opened.get(path)
+        return self.root[path] if got is None else got
+
+    @contextlib.contextmanager
+    def opened(self, paths):
+        """Within it, the nodes at ``paths`` (those that are there) opened at once: their
+        metadata read concurrently, in one call of zarr's event loop, instead of one
+        call (a round trip to its thread) each."""
+        import asyncio
+        from zarr.core.group import _parse_async_node
+        from zarr.core.sync import sync
+        group = self.root._async_group
+
+        async def each(path):
+            try:
+                return await group.getitem(path)
+            except KeyError:
+                return None
+        async def every(paths):
+            return await asyncio.gather(*(each(p) for p in paths))
+        paths = list(paths)
+        with quiet():
+            nodes = sync(every(paths))
+        self._opened = {p: _parse_async_node(n) for p, n in zip(paths, nodes) if n is not None}
+        try:
+            yield
+        finally:
+            self._opened = {}
 
     def has(self, path: str) -> bool:
         import zarr
@@ -336,6 +368,10 @@ class H5Source:
 
     def array(self, path: str):
         return Guarded(self.file[path], path, self.location, self)
+
+    @contextlib.contextmanager
+    def opened(self, paths):
+        yield
 
     def may_change(self) -> bool:
         return False         # an export is written whole, once
