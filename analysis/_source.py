@@ -190,7 +190,7 @@ def _reopen(location: str, path: str) -> Guarded:
 class ZarrSource:
     lock = False
     sink = None          # what a chunk that cannot be decoded reads as (``Guarded._salvage``)
-    _opened: dict = {}   # nodes opened together (``opened``)
+    _together: dict = {}   # nodes opened together (``opened``)
 
     def __init__(self, location: str):
         import zarr
@@ -231,34 +231,28 @@ class ZarrSource:
             return Guarded(self._node(path), path, self.location, self)
 
     def _node(self, path: str):
-        got = self._opened.get(path)
-        return self.root[path] if got is None else got
+        return self._together[path] if path in self._together else self.root[path]
 
     @contextlib.contextmanager
     def opened(self, paths):
-        """Within it, the nodes at ``paths`` (those that are there) opened at once: their
-        metadata read concurrently, in one call of zarr's event loop, instead of one
-        call (a round trip to its thread) each."""
+        """Within it, the nodes at ``paths`` opened at once: their metadata read in one call
+        of zarr's event loop, not one each (one that fails is opened when asked for)."""
         import asyncio
-        from zarr.core.group import _parse_async_node
+        import zarr
         from zarr.core.sync import sync
-        group = self.root._async_group
 
-        async def each(path):
-            try:
-                return await group.getitem(path)
-            except KeyError:
-                return None
         async def every(paths):
-            return await asyncio.gather(*(each(p) for p in paths))
-        paths = list(paths)
+            root = await zarr.api.asynchronous.open_group(self.root.store, path=self.root.path,
+                                                          mode="r")
+            got = await asyncio.gather(*(root.getitem(p) for p in paths), return_exceptions=True)
+            return {p: (zarr.Array if isinstance(n, zarr.AsyncArray) else zarr.Group)(n)
+                    for p, n in zip(paths, got) if not isinstance(n, BaseException)}
         with quiet():
-            nodes = sync(every(paths))
-        self._opened = {p: _parse_async_node(n) for p, n in zip(paths, nodes) if n is not None}
+            self._together = sync(every(list(paths)))
         try:
             yield
         finally:
-            self._opened = {}
+            self._together = {}
 
     def has(self, path: str) -> bool:
         import zarr
@@ -369,10 +363,7 @@ class H5Source:
     def array(self, path: str):
         return Guarded(self.file[path], path, self.location, self)
 
-    @contextlib.contextmanager
-    def opened(self, paths):
-        yield
-
+    opened = staticmethod(lambda paths: contextlib.nullcontext())
     def may_change(self) -> bool:
         return False         # an export is written whole, once
 
