@@ -127,12 +127,15 @@ def _covered(out: xr.Dataset) -> xr.Dataset:
     return out
 
 
-def with_tensors(out: xr.Dataset, a, b, progress=None, rank: int | None = None) -> xr.Dataset:
+def with_tensors(out: xr.Dataset, a, b, progress=None, rank: int | None = None,
+                 known: xr.Dataset | None = None) -> xr.Dataset:
     """``compare_runs``' answer of the statistics alone (``statistics``) with its
     full tensors' metrics added (a new dataset): of the layers it compared that
     both runs hold full tensors of in one shape (a layer they hold in other
     shapes is left out, and said in the ``unlike`` attribute).  a, b, rank: the
-    runs and rank it compared."""
+    runs and rank it compared.  known: an answer of these runs before their last
+    commits (a live run): its metrics are kept at the steps it was over, and only
+    the other steps' full tensors are read."""
     a, b = runs(a, b, rank)
     kind, names = out.attrs["kind"], list(out.attrs["layers_compared"])
     bad = apart(a, b, kind, names)
@@ -141,17 +144,19 @@ def with_tensors(out: xr.Dataset, a, b, progress=None, rank: int | None = None) 
         out = _covered(out.sel(layer=layer_coord(names)).assign_attrs(
             layers_compared=names, unlike=[*out.attrs["unlike"], shape_note(bad)]))
     steps = out.step.values
-    out = out.copy()
-    tensor_steps, tensor_layers = set(), []
+    scan = steps if known is None else np.setdiff1d(steps, known.step.values)
+    out = carried(out, known)
+    tensor_steps, tensor_layers = set(out.attrs["tensor_steps"]), list(out.attrs["tensor_layers"])
     ta, tb = (set(r.tensor_layers(kind)) for r in (a, b))
     both = [n for n in names if n in ta and n in tb]
     if both:
-        vals = {m: np.full((len(steps), len(names)), np.nan) for m in _METRICS}
+        vals = {m: out[m].values.copy() if m in out else np.full((len(steps), len(names)), np.nan)
+                for m in _METRICS}
         column = {n: j for j, n in enumerate(names)}
         at = {int(s): i for i, s in enumerate(steps)}
         for layer in (progress(both) if progress else both):
             j = column[layer]
-            for s, m in _tensor_metrics(a, b, layer, kind, steps):
+            for s, m in _tensor_metrics(a, b, layer, kind, scan):
                 if m is None:
                     continue
                 for k, v in m.items():
@@ -159,11 +164,41 @@ def with_tensors(out: xr.Dataset, a, b, progress=None, rank: int | None = None) 
                 tensor_steps.add(s)
                 if layer not in tensor_layers:
                     tensor_layers.append(layer)
-        covers = f"full tensors: {steps_text(sorted(tensor_steps))} x {len(tensor_layers)} layers"
         for k in _METRICS:
-            out[k] = (("step", "layer"), vals[k], {"covers": covers})
-    out.attrs.update(tensor_steps=sorted(tensor_steps), tensor_layers=tensor_layers)
-    return out
+            out[k] = (("step", "layer"), vals[k])
+    return _tensors_covered(out, tensor_steps, tensor_layers)
+
+
+def carried(out: xr.Dataset, known: xr.Dataset | None) -> xr.Dataset:
+    """``out`` (``statistics``' answer) with ``known``'s full tensors' metrics (an
+    answer of ``with_tensors`` over earlier steps of the same runs) at the steps and
+    layers both are over, NaN elsewhere (a new dataset); ``covers`` and
+    ``tensor_steps``/``tensor_layers`` say what they cover."""
+    out = out.copy()
+    if known is None or "rel_l2" not in known:
+        return out.assign_attrs(tensor_steps=[], tensor_layers=[])
+    steps, names = out.step.values, out.layer.values.tolist()
+    i = np.flatnonzero(np.isin(steps, known.step.values))
+    ki = np.searchsorted(known.step.values, steps[i])
+    row = {n: j for j, n in enumerate(known.layer.values.tolist())}
+    j = [c for c, n in enumerate(names) if n in row]
+    kj = [row[names[c]] for c in j]
+    for k in _METRICS:
+        vals = np.full((len(steps), len(names)), np.nan)
+        vals[np.ix_(i, j)] = known[k].transpose("step", "layer").values[np.ix_(ki, kj)]
+        out[k] = (("step", "layer"), vals)
+    held = set(int(s) for s in steps[i])
+    return _tensors_covered(out, [s for s in known.attrs["tensor_steps"] if s in held],
+                            [n for n in known.attrs["tensor_layers"] if n in set(names)])
+
+
+def _tensors_covered(out: xr.Dataset, steps, layers) -> xr.Dataset:
+    """``out`` with its full tensors' metrics' ``covers``: ``steps`` x ``layers``."""
+    covers = f"full tensors: {steps_text(sorted(steps))} x {len(layers)} layers"
+    for k in _METRICS:
+        if k in out:
+            out[k].attrs["covers"] = covers
+    return out.assign_attrs(tensor_steps=sorted(int(s) for s in steps), tensor_layers=list(layers))
 
 
 def first_divergence(a, b, rtol: float = 1e-3, kinds=None, layers=None, *,

@@ -15,6 +15,7 @@ read as (damage is local), or refuses.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import math
@@ -189,6 +190,7 @@ def _reopen(location: str, path: str) -> Guarded:
 class ZarrSource:
     lock = False
     sink = None          # what a chunk that cannot be decoded reads as (``Guarded._salvage``)
+    _together: dict = {}   # nodes opened together (``opened``)
 
     def __init__(self, location: str):
         import zarr
@@ -222,11 +224,35 @@ class ZarrSource:
     # recognized as a component of a Zarr hierarchy"); the reader goes on (``quiet``)
     def attrs(self, path: str = "") -> dict:
         with quiet():
-            return dict((self.root[path] if path else self.root).attrs)
+            return dict((self._node(path) if path else self.root).attrs)
 
     def array(self, path: str):
         with quiet():
-            return Guarded(self.root[path], path, self.location, self)
+            return Guarded(self._node(path), path, self.location, self)
+
+    def _node(self, path: str):
+        return self._together[path] if path in self._together else self.root[path]
+
+    @contextlib.contextmanager
+    def opened(self, paths):
+        """Within it, the nodes at ``paths`` opened at once: their metadata read in one call
+        of zarr's event loop, not one each (one that fails is opened when asked for)."""
+        import asyncio
+        import zarr
+        from zarr.core.sync import sync
+
+        async def every(paths):
+            root = await zarr.api.asynchronous.open_group(self.root.store, path=self.root.path,
+                                                          mode="r")
+            got = await asyncio.gather(*(root.getitem(p) for p in paths), return_exceptions=True)
+            return {p: (zarr.Array if isinstance(n, zarr.AsyncArray) else zarr.Group)(n)
+                    for p, n in zip(paths, got) if not isinstance(n, BaseException)}
+        with quiet():
+            self._together = sync(every(list(paths)))
+        try:
+            yield
+        finally:
+            self._together = {}
 
     def has(self, path: str) -> bool:
         import zarr
@@ -337,6 +363,7 @@ class H5Source:
     def array(self, path: str):
         return Guarded(self.file[path], path, self.location, self)
 
+    opened = staticmethod(lambda paths: contextlib.nullcontext())
     def may_change(self) -> bool:
         return False         # an export is written whole, once
 

@@ -47,13 +47,15 @@ class Tensors:
         ix = self.index
         out = {}
         again = bool(ix.states[rank].rerecorded)
-        for p, n in ix.committed(rank).items():
-            t = fmt.parse_path(p)
-            if n and t.section == "tensors" and t.kind == kind:
+        tables = {p: t for p, n in ix.committed(rank).items() if n
+                  for t in [fmt.parse_path(p)] if t.section == "tensors" and t.kind == kind}
+        with ix.source.opened([*tables, *(f"{p}/{c}" for p in tables for c in ix.tables.columns(p))]):
+            for p, t in tables.items():
                 if (again or ix.damage(p, rank)) and not len(ix.current_rows(p, rank)[0]):
                     continue
                 name = ix.source.attrs(p).get("name", t.node)
                 out[name if isinstance(name, str) else t.node] = p
+                self._data(p)
         return out
 
     def layers(self, kind: str, rank: int) -> list[str]:

@@ -19,7 +19,7 @@ event files (EventAccumulator, the loader TensorBoard itself uses), and then
 the 50-layer evolution, against tensortape doing the same.
 
     python bench/bench_analysis.py --compare --steps 80 --layers 32 [--tensors-every 1]
-                                   [--first-answer]
+                                   [--first-answer | --compare-runs]
 
 Two runs instead (``Linear(64, 64)`` layers on 48 rows; the second's input 1%
 larger from 75% of the steps on): ``compare_runs``, ``first_divergence`` (of the
@@ -207,13 +207,20 @@ def cpu_time(fn):
     return time.process_time() - t
 
 
-def compare_bench(folder, steps, n_layers, every, first_only=False):
+def compare_bench(folder, steps, n_layers, every, first_only=False, runs_only=False):
     from tensortape.analysis import compare_runs, first_divergence, open_run
     from tensortape.analysis.browser._api import compare_map
     a, b = record_pair(folder, steps, n_layers, every)
     print(f"two runs of {steps} steps x {n_layers} layers (+ the root), full tensors every "
           f"{every} steps: {dir_bytes(a) / 1e6:.0f} and {dir_bytes(b) / 1e6:.0f} MB on disk; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    if runs_only:                # one call a process, after a warm-up call of one layer
+        compare_runs(a, b, layers="0")
+        t = time.perf_counter()
+        cpu = cpu_time(lambda: compare_runs(a, b))
+        print(f"{'compare_runs (one call)':38s} {(time.perf_counter() - t) * 1e3:8.0f} ms, "
+              f"CPU {cpu * 1e3:6.0f} ms")
+        return
     if first_only:               # one answer: the process ends with its comparison's thread
         print(f"{'the page first answers (a new server)':38s} "
               f"{first_answer(a, b, wait=False) * 1e3:8.0f} ms")
@@ -289,6 +296,8 @@ def main():
     ap.add_argument("--tensors-every", type=int, default=1, help="with --compare")
     ap.add_argument("--first-answer", action="store_true",
                     help="with --compare: time only the page's first answer")
+    ap.add_argument("--compare-runs", action="store_true",
+                    help="with --compare: time only compare_runs (one call, after a warm-up)")
     args = ap.parse_args()
     tmp = None
     path = args.store
@@ -296,7 +305,7 @@ def main():
         folder = path or tempfile.mkdtemp(prefix="tt-bench-compare-")
         try:
             compare_bench(folder, args.steps, args.layers, args.tensors_every,
-                          args.first_answer)
+                          args.first_answer, args.compare_runs)
         finally:
             if not args.keep:
                 shutil.rmtree(folder, ignore_errors=True)

@@ -241,6 +241,23 @@ def test_two_runs_map_answers_at_once_and_the_page_stays_usable_until_the_tensor
     assert f"step {step}, layer {first}" in text and "comparing" not in text
 
 
+def test_two_runs_unlike_in_shape_name_the_layer_left_out(page, tmp_path):
+    """Before: the answer's ``unlike`` was not shown, and a layer the runs hold in other
+    shapes vanished from the map without a word.  Now one line names it and both shapes,
+    as plain forward hooks saw them."""
+    from test_serve_compare import record as record_shaped
+    a, b = str(tmp_path / "a.zarr"), str(tmp_path / "b.zarr")
+    seen_a, seen_b = record_shaped(a, (24,), None), record_shaped(b, (4, 6), None)
+    pg = page.open(a, b)
+    pg.wait_for_function("() => document.getElementById('compare').dataset.pending === ''",
+                         timeout=60000)
+    line = pg.locator("[data-testid=compare-unlike]")
+    assert line.is_visible()
+    assert f"view: shapes {tuple(seen_a['view', 0].shape)} and {tuple(seen_b['view', 0].shape)}" \
+        in line.inner_text()
+    assert pg.locator("#compare-labels div").all_inner_texts() == ["lin"]
+
+
 def test_a_layer_named_like_html_is_shown_as_text(page, runs):
     pg = page.open(runs["xss"])
     assert pg.locator("#map-labels div", has_text=XSS).count() == 1

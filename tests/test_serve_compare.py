@@ -115,7 +115,7 @@ def test_the_first_answer_is_the_statistics_alone_the_shapes_follow_with_the_ten
         reads.clear()
         status, first = served.get("compare-map", width=100)
         assert status == 200, first
-        assert reads == [] and first["pending"] == {"done": 0, "of": None}
+        assert reads == [] and first["pending"] == {"done": 0, "of": None, "covered": None}
         assert first["layers"] == ["lin", "view"] and first["unlike"] == []
         # the statistics differ from APART_FROM on, in both layers
         assert first["first_divergence"] == {"step": APART_FROM, "layer": "lin"}
@@ -182,3 +182,104 @@ def test_a_comparison_dropped_when_a_run_changes_scans_no_further(pair, held):
     for t in [t for t in threading.enumerate() if t.name == "tensortape-compare"]:
         t.join(120)
     assert comparison.done == 0
+
+
+class Gate:
+    """The comparison thread's reads of full tensors (``Run.tensor_blocks``), let
+    through ``allow(n)`` at a time: a scan exactly as slow as the test says."""
+
+    def __init__(self, monkeypatch):
+        self.cond = threading.Condition()
+        self.allowed = self.taken = 0
+        real = Run.tensor_blocks
+
+        def gated(run, *args, **kw):
+            if threading.current_thread().name == "tensortape-compare":
+                with self.cond:
+                    self.cond.wait_for(lambda: self.taken < self.allowed, timeout=600)
+                    self.taken += 1
+            return real(run, *args, **kw)
+        monkeypatch.setattr(Run, "tensor_blocks", gated)
+
+    def allow(self, n: int) -> None:
+        """Let ``n`` more reads through, and wait until they are made (or no
+        comparison is left to make them)."""
+        with self.cond:
+            self.allowed += n
+            self.cond.notify_all()
+        for _ in range(6000):
+            with self.cond:
+                if self.taken >= self.allowed:
+                    return
+            if not any(t.name == "tensortape-compare" for t in threading.enumerate()):
+                return
+            threading.Event().wait(0.05)
+
+
+LIVE, FIRST, LAYERS = 10, 3, 3          # steps of the live run; committed at first; layers
+
+
+def test_a_live_run_committing_faster_than_the_scan_is_compared_further_at_each_commit(
+        tmp_path, monkeypatch):
+    """Before: each commit of a live run dropped the server's comparison and began the
+    scan of every full tensor again, so a scan longer than the time between commits
+    never ended: ``rel_l2`` "nan" (pending) at every step, forever.  Now the scan under
+    way ends with the steps it began on, the next one scans only the steps since: here
+    each commit comes after half a scan of the steps so far (the scan's reads let through
+    by the test), and the answer holds more steps' ``rel_l2`` as the run goes on, each
+    the truth of plain forward hooks, and is whole once the run stops committing."""
+    from tensortape.analysis.browser import _serve
+    monkeypatch.setattr(_serve, "REOPEN_S", 0)          # each request sees the last commit
+
+    def chain(path, seen, scale):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(LAYERS)))
+        for name, module in model.named_children():
+            module.register_forward_hook(lambda m, i, out, name=name: seen.__setitem__(
+                (name, len([k for k in seen if k[0] == name])), out.detach().numpy().copy()))
+        data = torch.Generator().manual_seed(1)
+        rec = Recorder(model, path, layers=[str(i) for i in range(LAYERS)],
+                       capture=("activations",), tensors_every=1, max_bytes=None)
+        return rec, lambda step: model(torch.randn(4, 4, generator=data) * scale)
+
+    seen_a, seen_b = {}, {}
+    a, b = str(tmp_path / "a.zarr"), str(tmp_path / "b.zarr")
+    rec, forward = chain(a, seen_a, 1.0)
+    with rec, torch.no_grad():
+        for step in range(LIVE):
+            with rec.step(step):
+                forward(step)
+    gate = Gate(monkeypatch)
+    rec, forward = chain(b, seen_b, 1.01)
+    served = None
+    try:
+        with rec, torch.no_grad():
+            for step in range(LIVE):
+                with rec.step(step):
+                    forward(step)
+                if step + 1 < FIRST:
+                    continue
+                rec.flush()                                 # a commit
+                if served is None:
+                    served = Served(a, b)
+                status, m = served.get("compare-map", metric="rel_l2", width=100)
+                assert status == 200, m
+                gate.allow(LAYERS)          # half a scan of the steps so far (2 reads a layer)
+        got = [[as_float(v) for v in row] for row in m["values"]]
+        covered = [s for s, v in zip(m["step_lo"], got[0]) if not math.isnan(v)]
+        assert m["pending"] is not None and len(covered) >= FIRST, m
+        assert m["covers"] == m["pending"]["covered"]
+        assert m["covers"].startswith(f"full tensors: steps 0-{covered[-1]} ")
+        for j, layer in enumerate(m["layers"]):
+            assert [got[j][s] for s in covered] == pytest.approx(
+                [rel_l2(seen_a, seen_b, layer, s) for s in covered], rel=1e-9, abs=0)
+        gate.allow(10 ** 6)
+        m = whole(served, metric="rel_l2", width=100)
+        assert m["step_lo"] == list(range(LIVE))
+        for j, layer in enumerate(m["layers"]):
+            assert [as_float(v) for v in m["values"][j]] == pytest.approx(
+                [rel_l2(seen_a, seen_b, layer, s) for s in range(LIVE)], rel=1e-9, abs=0)
+    finally:
+        gate.allow(10 ** 6)
+        if served is not None:
+            served.close()

@@ -22,6 +22,7 @@ from tensortape.recorder.errors import RecorderError
 from tensortape.recorder.patterns import match_layers
 
 from ._between import Between
+from ._comparison import Comparison
 from .._events import replay_lines
 from .._numbers import number
 from .._select import layer_coord
@@ -245,86 +246,39 @@ TENSOR_METRICS = ("rel_l2", "max_abs")       # of full tensors: only where both 
 COMPARE_METRICS = ("stat_rel", *TENSOR_METRICS, *(f"delta_{s}" for s in fmt.STATS))
 
 
-class Comparison:
-    """Two runs' ``compare_runs`` of one kind and rank: the statistics' comparison
-    made at once (no tensor table read: ``_compare.statistics(shapes=False)``),
-    which answers meanwhile; the shared layers' full-tensor shapes checked and
-    their full tensors scanned in a thread of its own, on runs of its own (opened
-    again from their paths: no reader shared with the requests).  ``done`` of
-    ``of`` layers scanned so far."""
-
-    def __init__(self, a, b, kind: str, rank, rtol: float):
-        from .._compare import divergence, statistics
-        self.stats = statistics(a, b, kind, rank=rank, shapes=False)
-        self.first = divergence(self.stats, rtol)
-        self.full = self.error = None
-        self.done, self.of = 0, None
-        import threading
-        self._stop = threading.Event()
-        threading.Thread(target=self._scan, args=(a.path, b.path, rank, rtol),
-                         name="tensortape-compare", daemon=True).start()
-
-    def _scan(self, a: str, b: str, rank, rtol: float) -> None:
-        from .._compare import divergence, with_tensors
-        try:
-            ds = with_tensors(self.stats, a, b, self._count, rank)
-            self.full = (ds, divergence(ds, rtol))
-        except Exception as e:              # answered by the next request
-            self.error = e
-
-    def _count(self, layers):
-        layers = list(layers)
-        self.of = len(layers)
-        for layer in layers:
-            if self._stop.is_set():
-                return
-            yield layer
-            self.done += 1
-
-    def stop(self) -> None:
-        """Scan no further layer (a run changed: this comparison is dropped)."""
-        self._stop.set()
-
-    def answer(self):
-        """``(ds, first divergence, pending)``: the whole comparison once it is made
-        (pending None), else the statistics' and ``{"done", "of"}`` layers of full
-        tensors scanned."""
-        if self.error is not None:
-            raise self.error
-        if self.full is not None:
-            return (*self.full, None)
-        return self.stats, self.first, {"done": self.done, "of": self.of}
-
-
 def compare_map(a, b, kind: str = "activations", metric: str = "stat_rel", rank=None,
                 start=None, stop=None, width: int = 1000, rtol: float = 1e-3,
                 layers=None, cache=None) -> dict:
     """The map of the two runs' difference under ``compare_runs``' ``metric`` (its
     absolute value; the largest of a column's steps), over their common steps and
     layers, and ``first_divergence`` of ``kind``.  ``cache``: a dict that keeps
-    the comparison between calls (the caller clears it when a run changes); with
-    it, the first answer is the statistics' comparison, and ``pending`` says how
-    many layers' full tensors are compared so far (``Comparison``), until the
-    answer is whole (``pending`` None); a full tensors' metric has no value until
-    then (``"nan"``: no request waits for the comparison).  ``unlike``: what makes
-    the runs unlike (the full tensors' shapes only once the answer is whole)."""
+    the comparison between calls (a run opened again, with more commits, is
+    followed: ``Comparison.then``); with it, the first answer is the statistics'
+    comparison, and ``pending`` says how many layers' full tensors are compared so
+    far and which steps' the answer holds (``Comparison``), until the answer is
+    whole (``pending`` None); a full tensors' metric has no value at the steps not
+    compared yet (``"nan"``: no request waits for the comparison).  ``unlike``:
+    what makes the runs unlike (the full tensors' shapes only once they are
+    compared)."""
     from .._compare import compare_runs, divergence
     checked_stat(metric, COMPARE_METRICS)
     key = (kind, rank, rtol)
     pending = None
-    if cache is not None and key in cache:
-        ds, first, pending = cache[key].answer()
-    else:
+    made = None if cache is None else cache.get(key)
+    if made is None or not made.over(a, b):
         for r in (a, b):
             if kind not in r.kinds:
                 raise NotFound(f"no kind {kind!r} in {r.path}")
-        if cache is not None:
+    if cache is None:
+        ds = compare_runs(a, b, kind, rank=rank)
+        first = divergence(ds, rtol)
+    else:
+        if made is None:
             cache[key] = Comparison(a, b, kind, rank, rtol)
-            ds, first, pending = cache[key].answer()
-        else:
-            ds = compare_runs(a, b, kind, rank=rank)
-            first = divergence(ds, rtol)
-    if metric in TENSOR_METRICS and pending is not None:    # not compared yet: no value
+        elif not made.over(a, b):          # a run changed (``Served`` opened it again)
+            cache[key] = made.then(a, b)
+        ds, first, pending = cache[key].answer()
+    if metric in TENSOR_METRICS and pending is not None and metric not in ds:   # no value yet
         ds = ds.assign({metric: xr.full_like(ds["stat_rel"], np.nan).assign_attrs(
             covers="full tensors: being compared")})
     if metric not in ds:

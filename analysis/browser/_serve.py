@@ -13,7 +13,8 @@ Every run is opened read-only (``open_run``), and opened again (its
 attributes only) at most every ``REOPEN_S``, when asked: when its root or a
 rank's state changed (new commits of a live run, a rank that appeared, a job
 resumed with ``mode="a"``, a run recorded anew at its path), the new one is
-served and the caches of the old one are dropped.
+served and the caches of the old one are dropped (the two-run comparison is
+followed instead: ``_comparison``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Served:
         self.runs = [open_run(p) for p in self.paths]
         self.opened = [time.monotonic()] * len(self.runs)
         self.sizes: list[int | None] = [None] * len(self.runs)
-        self.compared: dict = {}            # compare_map's cache; cleared when a run changes
+        self.compared: dict = {}            # compare_map's cache (it follows a run that changed)
         self.grains = _api.Grains()         # the maps' cache of maxima per grain of rows
 
     def run(self, i: int):
@@ -75,9 +76,6 @@ class Served:
         if fresh.attrs == run.attrs and fresh.ranks == run.ranks \
                 and all(fresh.state(r) == run.state(r) for r in run.ranks):
             return
-        for comparison in self.compared.values():      # their threads end at their next layer
-            comparison.stop()
-        self.compared.clear()
         self.sizes[i] = None
         if fresh.attrs.get("created") != run.attrs.get("created"):    # another run now
             self.grains.forget(run.path)

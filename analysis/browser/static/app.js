@@ -502,8 +502,11 @@ async function loadCompare() {
     const fd = c.first_divergence, p = c.pending;
     $("first-divergence").textContent = (fd ? `first divergence (${c.kind}, rtol ${c.rtol}): step ${fd.step}, layer ${fd.layer}`
       : `no divergence in ${c.kind} (rtol ${c.rtol})`) +
-      (p ? ` in the statistics so far; comparing the full tensors both runs hold: ${p.done} of ${p.of ?? "?"} layers…` : "");
+      (p ? ` in the statistics so far; comparing the full tensors both runs hold: ${p.done} of ${p.of ?? "?"} layers…` +
+          (p.covered ? ` (${p.covered} compared)` : "") : "");
     $("first-divergence").classList.toggle("found", !!fd);
+    $("compare-unlike").textContent = c.unlike.length ? `not alike: ${c.unlike.join("; ")}; only the shared layers whose shapes agree are compared` : "";
+    $("compare-unlike").hidden = !c.unlike.length;
     $("compare").dataset.pending = p ? `${p.done}/${p.of ?? "?"}` : "";
     drawCompare();
     const key = fd ? `${c.kind}|${fd.layer}` : c.kind, moved = S.cmpFirst !== key;
