@@ -51,8 +51,9 @@ def missing(column: str, fill):
 @dataclasses.dataclass(frozen=True)
 class Damage:
     """One missing (or undecodable: ``why``) chunk of a table's committed rows:
-    its column, its key (``c/0/1``), the rows ``[lo, hi)`` it holds and its reach
-    ``[lo, hi)`` along each later axis."""
+    its column, its key (``c/0/1``; ``""``: the column's whole array is missing),
+    the rows ``[lo, hi)`` it holds and its reach ``[lo, hi)`` along each later
+    axis (none: all of it)."""
     table: str
     column: str
     key: str
@@ -62,7 +63,7 @@ class Damage:
 
     @property
     def where(self) -> str:
-        return f"{self.table}/{self.column}/{self.key}"
+        return "/".join(p for p in (self.table, self.column, self.key) if p)
 
     @property
     def effect(self) -> str:

@@ -223,13 +223,17 @@ class RunIndex:
             return n
         table = fmt.parse_path(path)
         try:
-            arrays = {}
+            arrays, gone = {}, []
             for name in self.tables.columns(path):
-                if name in fmt.OPTIONAL_COLUMNS and not self.source.has(f"{path}/{name}"):
+                if not self.source.has(f"{path}/{name}"):
+                    if name not in fmt.OPTIONAL_COLUMNS:   # the whole column's rows: damage
+                        gone.append(_damage.Damage(path, name, "", (0, n), ()))
                     continue
                 arr = arrays[name] = self.source.array(f"{path}/{name}")
                 self._check_array(f"{path}/{name}", arr, n)
-            if table.section == "stats":
+            for d in gone:
+                self._damage.hold(d)
+            if table.section == "stats" and self.tables.width_column in arrays:
                 width = int(arrays[self.tables.width_column].shape[1])
                 if width < len(self.states[rank].stats_layers.get(table.kind, [])):
                     raise StoreFormatError(f"{self.path!r}: {path} has {width} layer columns, "
@@ -369,6 +373,10 @@ class RunIndex:
         rest = {k: v for k, v in arrays.items() if k != "data" or data.ndim < 2}
         found = _damage.find(self.source, path, rest, n, None) if every else []
         keys = {k: np.asarray(v[:n]) for k, v in arrays.items() if k in _damage.KEYS}
+        keys.setdefault("step", np.full(n, -1, np.int64))   # a key column missing: its rows
+        if "extent" in self.tables.columns(path):             # are lost (``_damage``)
+            keys.setdefault("extent", np.zeros((n, data.ndim - 1 if data is not None else 1),
+                                               np.int64))
         found += [d for d in self._damage.take(path) if d not in found]
         extent = None
         if data is not None and data.ndim > 1:

@@ -374,3 +374,44 @@ def test_rows_of_a_data_set_never_come_from_an_undecodable_chunk(pristine, tmp_p
     assert got and len(got) < len(truth)
     assert not any(np.isnan(x).any() for x in got.values())
     assert all(np.array_equal(x, truth[k]) for k, x in got.items())
+
+
+@pytest.mark.parametrize("array", ["tensors/activations/fc1/data", "tensors/activations/fc1/step",
+                                   "tensors/activations/fc1/extent", "stats/gradients/step"])
+def test_an_array_missing_whole_is_named_and_the_rest_reads_as_recorded(tmp_path, array):
+    """A table's whole array gone (its folder deleted): its rows are damage, named in a
+    warning and by ``info``; ``repr`` never raises, and every other table reads as the
+    model's own forward hooks saw it."""
+    path = str(tmp_path / "run.zarr")
+    torch.manual_seed(0)
+    model, seen = Net(), {}
+    for name in ("fc1", "fc2"):
+        getattr(model, name).register_forward_hook(
+            lambda m, a, out, name=name: seen.setdefault(name, []).append(out.detach().clone()))
+    with Recorder(model, path, layers=["fc1", "fc2"], tensors_every=1, max_bytes=None,
+                  stats_every=1) as rec:
+        for step in range(5):
+            with rec.step(step):
+                model(torch.randn(3, 4)).pow(2).mean().backward()
+    shutil.rmtree(os.path.join(path, "rank0", array))
+    with pytest.warns(TensortapeWarning, match=f"rank0/{array} is missing: rows 0-4"):
+        run = open_run(path)
+        text = repr(run)
+    assert "activations" in text
+    assert any(f"rank0/{array} is missing" in d for d in run.summary()["damaged"])
+    lost = "fc1" if array.startswith("tensors") else None
+    assert run.tensor_layers("activations") == [n for n in ("fc1", "fc2") if n != lost]
+    for name in run.tensor_layers("activations"):
+        got = run.tensor(name, "activations")
+        assert got.step.values.tolist() == list(range(5))
+        same(got.values, torch.stack(seen[name]).numpy())
+    kinds = ["activations"] if array.startswith("stats") else ["activations", "gradients"]
+    for kind in kinds:                                   # statistics of the other tables
+        ds = run.stats(kind).compute()
+        assert ds.step.values.tolist() == list(range(5))
+        want = [[t.double().abs().max().item() for t in seen[n]] for n in ("fc1", "fc2")] \
+            if kind == "activations" else None
+        if want is not None:
+            same(ds["abs_max"].sel(layer=["fc1", "fc2"]).values.T, want)
+    if array.startswith("stats"):
+        assert run.steps("gradients").tolist() == []

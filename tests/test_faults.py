@@ -82,7 +82,8 @@ def _run(store, fault=None, on_error="warn", model=None):
         rec.flush()
         with fault() if fault else contextlib.nullcontext():
             _train(model, rec, range(5, 15), x)
-            time.sleep(0.2)                         # the writer meets the fault
+            rec.flush()                             # the writer meets the fault (a flush
+                                                    # tries once, and returns under "warn")
         deadline = time.monotonic() + 300           # ... and writes again once it is gone,
         while 14 not in (live := open_run(store).steps()) and time.monotonic() < deadline:
             time.sleep(0.05)                        # while training waits here

@@ -485,3 +485,30 @@ def test_random_schedules_match_the_oracle():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run_state_machine_as_test(Schedules, settings=cfg)
+
+
+class _Drawn:
+    """``st.data()`` for a schedule written out by hand: each label's value."""
+
+    def __init__(self, **values):
+        self.values = {"seed": 1, "specials": [], "route": True, "leaf": True, "weight": 1.0,
+                       "rows": 2, **values}
+
+    def draw(self, strategy, label):
+        return self.values[label]
+
+
+def test_a_compiled_checkpointed_resumed_schedule_keeps_its_weight_gradients():
+    """A random schedule that once failed, written out: compiled, checkpointed
+    (reentrant), every kind captured, resumed one step back, NaN at steps 3 and 4,
+    each of which begins with an evaluation pass (its weight gradients were lost)."""
+    m = Schedules()
+    m.start(cfg=CONFIGS[3])
+    m.checkpointing("reentrant")
+    for step in range(7):
+        if step == 5:
+            m.resume(1)
+        m.begin_step(1)
+        m.forward(_Drawn(), 2, "inference" if step in (2, 3, 4) else "grad")
+        m.accumulate(_Drawn(specials=[float("nan")] * (m.step in (3, 4))), 2)
+    m.teardown()

@@ -4,6 +4,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from tensortape.analysis import open_run
 from tensortape.recorder import InspectionError, Recorder, TensortapeWarning
@@ -211,3 +212,44 @@ def test_weights_are_captured_once_a_step_whatever_the_micro_batches(tmp_store):
     assert run.stats().sel(layer="fc1")["count"].values.tolist() == [3 * 4 * 16]
     np.testing.assert_array_equal(run.tensor("fc1:weight", "weights", step=0).values,
                                   model.fc1.weight.detach().numpy())
+
+
+@settings(max_examples=6, deadline=None)
+@given(evals=st.integers(1, 2), mode=st.sampled_from(["no_grad", "inference_mode"]),
+       poison=st.booleans(), stats_every=st.sampled_from([1, 2]))
+def test_weight_gradients_outlive_the_evaluation_passes_before_training(tmp_path_factory, evals,
+                                                                       mode, poison, stats_every):
+    """A step that begins with evaluation passes (no grad) keeps its weight gradients:
+    they are the step's, taken at its end, as ``.grad`` holds them (statistics at a
+    step with them, a NaN/Inf event either way)."""
+    store = str(tmp_path_factory.mktemp("wg") / "run.zarr")
+    model = InplaceMLP()
+    grads = {}
+    with Recorder(model, store, layers="fc*", capture=("activations", "weight_grads"),
+                  stats_every=stats_every, tensors_every=None) as rec:
+        for step in range(2):
+            with rec.step(step):
+                for k in range(evals):
+                    with getattr(torch, mode)():
+                        model(_batch(100 + k))
+                x = _batch(step)
+                if poison and step == 1:
+                    x[0, 0] = float("nan")
+                model(x).sum().backward()
+                grads[step] = {f"{n}:{p}": t.grad.clone() for n in ("fc1", "fc2")
+                               for p, t in getattr(model, n).named_parameters()}
+            model.zero_grad()
+    run = open_run(store)
+    ds = run.stats("weight_grads").compute()
+    assert ds.step.values.tolist() == [s for s in (0, 1) if s % stats_every == 0]
+    for step in ds.step.values.tolist():
+        for name, g in grads[step].items():
+            row = ds.sel(step=step, layer=name)
+            finite = g[torch.isfinite(g)].double().numpy()
+            assert row["count"].item() == g.numel()
+            assert row["nan"].item() == int(torch.isnan(g).sum())
+            np.testing.assert_allclose(row["norm"].item(), np.sqrt((finite ** 2).sum()), rtol=1e-9)
+    want = sorted((1, name) for name, g in grads[1].items() if not torch.isfinite(g).all())
+    got = sorted((e.step, e.layer) for e in run.events if e.kind == "weight_grads")
+    assert got == want and (not poison or want)
+    assert run.attrs["outside_steps"] == 2 * evals

@@ -32,7 +32,7 @@ from ..format import Kind
 
 __all__ = ["StepState"]
 
-_WEIGHTS = Kind.WEIGHTS
+_ONCE_A_STEP = frozenset({Kind.WEIGHTS, Kind.WEIGHT_GRADS})   # the step's, not a pass's
 
 
 class _Micro(Protocol):
@@ -100,15 +100,16 @@ class StepState:
 
     def without_evaluation(self, caps: list[_Micro]) -> list[_Micro]:
         """At the step's end: if a training pass ran, the passes without grad before
-        it were evaluation passes: their captures go (not its weights, taken once a
-        step), they are counted, and the training passes are micro-batches 0, 1, ..."""
+        it were evaluation passes: their captures go (not the weights and weight
+        gradients, taken once a step), they are counted, and the training passes
+        are micro-batches 0, 1, ..."""
         n, self._untrained = self._untrained, 0
         if not (n and self._trained):
             return caps
         self._count_outside(n)
         kept = []
         for c in caps:
-            if c.kind == _WEIGHTS:
+            if c.kind in _ONCE_A_STEP:
                 c.micro = max(c.micro - n, 0)
             elif c.micro < n:
                 continue
