@@ -24,6 +24,11 @@ RECORD = textwrap.dedent("""
 
     g = torch.Generator().manual_seed(0)
     n = 12289                                   # odd, and past the batched tiny tensors
+    def long_above():       # several blocks a program, and values far above every sampled one
+        x = torch.randn(40961, generator=g)
+        x[1::40] *= 1e6     # the shift samples every 40th element from the first
+        return x
+
     def cases():
         normal = torch.randn(n, generator=g)
         special = torch.randn(n, generator=g)
@@ -33,6 +38,7 @@ RECORD = textwrap.dedent("""
         out = {"normal": normal, "relu": normal.relu(), "zeros": torch.zeros(n),
                "special": special, "subnormal": tiny, "wide": torch.randn(n, generator=g) * 1e30,
                "spread": torch.randn(n, generator=g) * torch.logspace(-30, 30, n),  # past any window
+               "above": long_above(),
                "matrix": torch.randn(97, 131, generator=g).t(),
                "nan first": torch.cat([torch.full((3,), float("nan")), torch.randn(n, generator=g) * 1e-3 + 1e4])}
         return [t.to(d) for d in (torch.float32, torch.float16, torch.bfloat16)
@@ -66,7 +72,7 @@ def test_triton_engine_equals_the_cpu_engine(tmp_path):
     a = open_run(str(tmp_path / "triton.zarr"))
     b = open_run(str(tmp_path / "torch.zarr"))
     sa, sb = a.stats().compute(), b.stats().compute()
-    assert sa.sizes["layer"] == 3 * 9 + 2
+    assert sa.sizes["layer"] == 3 * 10 + 2
     for s in ("count", "nan", "posinf", "neginf", "zero_frac", "min", "max", "abs_max"):
         np.testing.assert_array_equal(sa[s].values, sb[s].values, err_msg=s)
     for s in ("mean", "std", "norm"):
@@ -75,7 +81,7 @@ def test_triton_engine_equals_the_cpu_engine(tmp_path):
         np.testing.assert_array_equal(a.histogram(str(layer), step=0).values,
                                       b.histogram(str(layer), step=0).values, err_msg=str(layer))
     assert sa["nan"].values.sum() > 0 and sa["posinf"].values.sum() > 0      # the cases hold them
-    nan_first = [str(layer) for layer in sa.layer.values][8::9][:3]           # each dtype's
+    nan_first = [str(layer) for layer in sa.layer.values][9::10][:3]           # each dtype's
     assert [sa.sel(layer=layer)["nan"].item() for layer in nan_first] == [3, 3, 3]
     std = sa.sel(layer=nan_first[0])["std"].item()     # float32: 1e4 + 1e-3 * randn, NaN first
     assert abs(std - 1e-3) < 1e-4, std                 # summed around 0 it was 14-40% off

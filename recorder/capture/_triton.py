@@ -13,8 +13,8 @@ needs (``_summary``'s layout, the same numbers as the CPU engine):
   31 binades of each sign that end two binades above the largest finite one of the
   elements ``_shift`` samples, and ±0, ±Inf), then adds each count it has with one
   relaxed atomic into one of ``SLICES`` slices (program ``p`` into slice
-  ``p % SLICES``); a code outside the window (a tiny value, a NaN) takes such an
-  atomic at once.  The slices are summed at the end.  On an H200 this is 1.55x
+  ``p % SLICES``); a code outside the window (a value far below or above the
+  samples, a NaN) takes such an atomic at once.  The slices are summed at the end.  On an H200 this is 1.55x
   faster than an atomic an element (``HIST = 0``, kept to measure against:
   ``bench/bench_gpu.py``), and ``tl.histogram``'s cost grows with its bins.
 

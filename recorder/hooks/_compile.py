@@ -55,6 +55,19 @@ def _compiled_frames(model: nn.Module) -> set:
     return codes
 
 
+def _eager_roots() -> None:
+    """Dynamo never compiles ``_ops.EAGER_ROOTS`` as frames of their own, nor what they
+    call (a torch without exec strategies compiles them as before: slower, never wrong)."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return
+    skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for code in _ops.EAGER_ROOTS:
+        set_code_exec_strategy(code, skip)
+
+
 class HookGuards:
     """Compiled code guards on module hooks while this is held: ``see_hooks`` the
     model just hooked, ``release`` (once; again is a no-op) when its hooks are gone."""
@@ -74,12 +87,8 @@ class HookGuards:
                 import torch._dynamo
                 import torch._dynamo.external_utils
                 from torch._C._dynamo.eval_frame import reset_code
-                from torch._dynamo.types import FrameAction, FrameExecStrategy
-                from torch._dynamo.eval_frame import set_code_exec_strategy
             _ops.EAGER_GRAD_HOOKS = hasattr(torch._dynamo.external_utils, "_ApplyBackwardHook")
-            skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)   # and all it calls
-            for code in _ops.EAGER_ROOTS:
-                set_code_exec_strategy(code, skip)
+            _eager_roots()
             config = torch._dynamo.config
             with _lock:
                 _settle()
