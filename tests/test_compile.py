@@ -301,3 +301,17 @@ def test_hooks_run_by_eager_code_between_graphs_are_never_compiled_alone(tmp_sto
         np.testing.assert_array_equal(run.tensor(n, kind, step=2).values, want.numpy(),
                                       err_msg=f"{kind} {n}")
     assert len(truth) == 12
+
+
+def test_a_torch_without_exec_strategies_still_records_a_compiled_model(tmp_store, fresh_dynamo,
+                                                                        monkeypatch):
+    """Where Dynamo cannot be told to leave the hooks to eager code (an older torch, an
+    API that changed: here a code object it refuses), the model compiled before
+    attaching still recompiles with its hooks and records."""
+    from tensortape.recorder.hooks import _ops
+    monkeypatch.setattr(_ops, "EAGER_ROOTS", [*_ops.EAGER_ROOTS, "not a code object"])
+    compiled = torch.compile(InplaceMLP(), backend="eager")
+    compiled(torch.randn(4, 8)).sum().backward()
+    with Recorder(compiled, tmp_store, layers="fc*", tensors_every=1, stats_every=1) as rec:
+        _steps(compiled, rec, 2)
+    assert _recorded(tmp_store) == (["fc1", "fc2"], [0, 1], [0, 1])

@@ -61,11 +61,11 @@ def _eager_roots() -> None:
     try:
         from torch._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:
+        skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+        for code in _ops.EAGER_ROOTS:
+            set_code_exec_strategy(code, skip)
+    except Exception:       # (ImportError, or an API that changed): not needed to record
         return
-    skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-    for code in _ops.EAGER_ROOTS:
-        set_code_exec_strategy(code, skip)
 
 
 class HookGuards:
