@@ -4,13 +4,14 @@ the ring, the writer or a chunk write still holds it.
 Against plain hooks (a clone of every activation and gradient at hook time), through the
 public API: hypothesis draws a schedule (which steps persist their full tensors, the ring's
 length, the steps whose input holds a NaN and dump the ring, float32 or bfloat16, one write
-thread or several, a roomy host pool or a tiny one), and every full tensor the store holds is
+thread or several, a roomy host pool or a tiny one, a store whose writes are slow), and every full tensor the store holds is
 bit-exact, at exactly the steps the schedule stores: persisted ones, and each NaN step with the
 ``ring`` steps before it.  bfloat16 goes to the store through a dtype view, which only the
-storage's own count sees; several write threads keep a step's arrays in flight after the
-writer has moved on.  A long recording of the defaults keeps about the ring's steps of buffers,
+storage's own count sees; with a chunk a step, several write threads and a slow store, a
+step's chunk writes still read its snapshots after the writer has let them go.  A long recording of the defaults keeps about the ring's steps of buffers,
 not one per step.
 """
+import os
 import threading
 
 import numpy as np
@@ -19,7 +20,9 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 from conftest import examples
+from faultstore import faulty
 from tensortape import Recorder, open_run
+from tensortape.recorder.store import _layout
 
 KINDS = ("activations", "gradients")
 
@@ -69,22 +72,24 @@ def stored(path):
 @given(steps=st.integers(4, 12), every=st.sampled_from([None, 2, 3]), ring=st.integers(1, 3),
        nans=st.sets(st.integers(0, 11), max_size=3),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       threads=st.sampled_from(["1", "4"]), roomy=st.booleans())
+       threads=st.sampled_from(["1", "4"]), roomy=st.booleans(), slow=st.booleans())
 def test_full_tensors_are_bit_exact_under_reuse(tmp_path_factory, steps, every, ring, nans, dtype,
-                                               threads, roomy):
-    import os
+                                               threads, roomy, slow):
     os.environ["TENSORTAPE_WRITE_THREADS"] = threads
-    try:
+    chunk_bytes, _layout.CHUNK_BYTES = _layout.CHUNK_BYTES, 1    # a chunk a step: written from
+    try:                                                         # the snapshot, no copy first
         path = tmp_path_factory.mktemp("run") / "run"
         m = model(dtype)
         pending = (1 << 30) if roomy else 600          # tiny: the pool holds a buffer or two
-        with Recorder(m, path, tensors_every=every, ring=ring, on_nonfinite="dump",
-                      max_pending_bytes=pending, flush_interval=0.05) as rec:
+        with faulty(latency=0.02 if slow else 0.0), \
+                Recorder(m, path, tensors_every=every, ring=ring, on_nonfinite="dump",
+                         max_pending_bytes=pending, flush_interval=0.05) as rec:
             seen = train(m, rec, steps, nans, dtype)
             pool = rec._buffer.summarizer.stager.pool
             assert pool.bytes <= pending
     finally:
         del os.environ["TENSORTAPE_WRITE_THREADS"]
+        _layout.CHUNK_BYTES = chunk_bytes
     want = {s for s in range(steps) if every and s % every == 0}
     for s in nans:
         if s < steps:
