@@ -9,10 +9,12 @@ bit-exact, at exactly the steps the schedule stores: persisted ones, and each Na
 ``ring`` steps before it.  bfloat16 goes to the store through a dtype view, which only the
 storage's own count sees; with a chunk a step, several write threads and a slow store, a
 step's chunk writes still read its snapshots after the writer has let them go.  A long recording of the defaults keeps about the ring's steps of buffers,
-not one per step.
+not one per step.  The pool takes only large tensors by default; here it takes every one.
 """
 import os
 import threading
+
+import pytest
 
 import numpy as np
 import torch
@@ -22,9 +24,17 @@ from torch import nn
 from conftest import examples
 from faultstore import faulty
 from tensortape import Recorder, open_run
+from tensortape.recorder.capture import _hostpool
 from tensortape.recorder.store import _layout
 
 KINDS = ("activations", "gradients")
+
+
+@pytest.fixture(autouse=True)
+def every_tensor_pooled(monkeypatch):
+    """The pool takes tensors of any size here (by default only large ones), so that these
+    small models go through it."""
+    monkeypatch.setattr(_hostpool, "MIN_BYTES", 0)
 
 
 def model(dtype, seed=0):
@@ -116,8 +126,7 @@ def test_a_long_recording_keeps_the_rings_buffers_not_one_per_step(tmp_path):
 def test_many_threads_never_share_a_buffer_they_hold():
     """Copies taken on several threads at once, each held a while and checked before it is
     let go: no copy is ever overwritten while held."""
-    from tensortape.recorder.capture._hostpool import HostPool
-    pool, bad = HostPool(1 << 20), []
+    pool, bad = _hostpool.HostPool(1 << 20), []
 
     def work(k):
         held = []

@@ -2,9 +2,10 @@
 
 A recording takes the same tensors every step, and its snapshots live a few
 steps (the ring, the writer's inbox, a chunk write in flight) before they are
-let go.  ``HostPool.copy`` copies a CPU tensor into a buffer of its (dtype,
-shape) that nothing holds any more (``copy_``), instead of a fresh clone: no
-allocation, no page faults, and no tensor freed on the writer's threads.
+let go.  ``HostPool.copy`` copies a CPU tensor of ``MIN_BYTES`` or more into a
+buffer of its (dtype, shape) that nothing holds any more (``copy_``), instead
+of a fresh clone, whose pages the allocator may have to fault in afresh (a
+large block is mapped anew each time); a smaller tensor is cloned.
 
 **Never reused while held.**  A buffer is idle only when nothing but the pool
 refers to it: no Python reference to the tensor the pool lent (a snapshot, a
@@ -35,6 +36,9 @@ import torch
 __all__ = ["HostPool"]
 
 _PROBES = 3                      # buffers of one shape looked at per copy, oldest first
+# smaller tensors are cloned: their copy costs what a clone does (allocation is cheap there), and
+# the pool's bookkeeping would cost more (docs/PERFORMANCE.md, "Snapshots in reused memory")
+MIN_BYTES = 1 << 20
 # how many tensors share a storage (torch's own, as its CUDA graph trees ask it)
 _shared = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -50,30 +54,39 @@ class HostPool:
         self._shapes: dict[tuple, collections.deque] = {}
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous copy of the CPU tensor ``t``, in an idle buffer when there
-        is one (else a new one, within ``max_bytes``; else a clone)."""
-        nbytes = t.numel() * t.element_size()
-        if _shared is None or not nbytes:
+        """A contiguous copy of the CPU tensor ``t``: in an idle buffer when there
+        is one (else a new one, within ``max_bytes``), or a clone (below ``MIN_BYTES``,
+        past ``max_bytes``)."""
+        if t.numel() * t.element_size() < MIN_BYTES:
             return t.clone(memory_format=torch.contiguous_format)
         key = (t.dtype, t.shape)
+        buf = None
         with self._lock:
             bufs = self._shapes.get(key)
-            if bufs is None:
-                bufs = self._shapes[key] = collections.deque()
-            for _ in range(min(_PROBES, len(bufs))):
+            for _ in range(min(_PROBES, len(bufs or ()))):
+                entry = bufs[0]
                 bufs.rotate(-1)                 # the oldest becomes the newest
-                if _idle(bufs[-1]):
-                    buf = bufs[-1][0]
+                if _idle(entry):
+                    buf = entry[0]              # lent: this frame holds it from now on
                     break
             else:
-                if self.bytes + nbytes > self.max_bytes:
-                    self._let_go()
-                    if self.bytes + nbytes > self.max_bytes:
-                        return t.clone(memory_format=torch.contiguous_format)
-                buf = torch.empty(t.shape, dtype=t.dtype)
-                bufs.append((buf, buf.untyped_storage()))
-                self.bytes += nbytes
-        return buf.copy_(t)
+                buf = self._new(key, t)
+        return buf.copy_(t) if buf is not None else t.clone(memory_format=torch.contiguous_format)
+
+    def _new(self, key: tuple, t: torch.Tensor) -> torch.Tensor | None:
+        """A new buffer for ``t``, lent (lock held); None past ``max_bytes`` (or
+        where the pool cannot tell an idle buffer, or ``t`` is empty)."""
+        nbytes = t.numel() * t.element_size()
+        if _shared is None or not nbytes:
+            return None
+        if self.bytes + nbytes > self.max_bytes:
+            self._let_go()
+            if self.bytes + nbytes > self.max_bytes:
+                return None
+        buf = torch.empty(t.shape, dtype=t.dtype)
+        self._shapes.setdefault(key, collections.deque()).append((buf, buf.untyped_storage()))
+        self.bytes += nbytes
+        return buf
 
     def _let_go(self) -> None:
         """Drop the idle buffers of every shape (lock held)."""
