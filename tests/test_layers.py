@@ -121,6 +121,8 @@ FOREIGN_PRIVATES = {
     #                         without the handle nobody removes (_hooks._hold)
     "_is_torch_function_mode_enabled",  # torch._C: a TorchFunctionMode is active, so a
     #                         gradient hook goes through Tensor.register_hook (_hooks._hold)
+    "_cdata",               # a storage's handle: how many tensors share it, which torch says
+    #                         (torch._C._storage_Use_Count), before a buffer is reused (_hostpool)
 }
 
 

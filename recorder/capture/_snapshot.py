@@ -1,6 +1,7 @@
 """Faithful copies taken at capture time, and the memory they live in.
 
-On the CPU a snapshot is a clone.  On an accelerator (CUDA) the ``Stager``
+On the CPU a snapshot is a copy into host memory reused step to step
+(``_hostpool.HostPool``).  On an accelerator (CUDA) the ``Stager``
 takes it in two moves that never block the training thread:
 
 1. a device-side clone on the compute stream, ordered before any later
@@ -17,8 +18,8 @@ cap is not taken; the capture's full tensor is dropped and counted with the
 reason, and its statistics are kept.  Pinned slots come from a pool that grows
 up to its cap and reuses its slots (by power-of-two size); the writer gives a
 slot back once it has stored the tensor, and the ring keeps its steps in
-ordinary host memory (``Snapshot.unpin``), so the pinned pool only holds what
-is on its way to the writer.
+ordinary host memory (``Snapshot.unpin``, a copy into the host pool), so the
+pinned pool only holds what is on its way to the writer.
 
 How the copies are made is a ``Copies`` object per device type (``CudaCopies``
 for CUDA); a test can install a fake one for the CPU and check the caps there.
@@ -30,6 +31,8 @@ import collections
 import threading
 
 import torch
+
+from ._hostpool import HostPool
 
 __all__ = ["Snapshot", "Stager", "unstorable"]
 
@@ -97,7 +100,9 @@ class Stager:
     """The memory of a recording's snapshots: device bytes in flight and a pool
     of pinned slots, each under its cap (see the module)."""
 
-    def __init__(self, max_device_bytes: int = 1 << 30, max_pinned_bytes: int = 2 << 30):
+    def __init__(self, max_device_bytes: int = 1 << 30, max_pinned_bytes: int = 2 << 30,
+                 max_host_bytes: int = 1 << 30):
+        self.pool = HostPool(max_host_bytes)   # ordinary host memory: CPU snapshots, the ring
         self.max_device_bytes = max_device_bytes
         self.max_pinned_bytes = max_pinned_bytes
         self._lock = threading.Lock()
@@ -116,9 +121,8 @@ class Stager:
             t = t[:max_samples]
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
-        if t.is_cpu and "cpu" not in COPIES:     # a clone (``clone()`` of a contiguous tensor
-            return Snapshot(t.clone() if t.is_contiguous() else   # is one, and costs less)
-                            t.clone(memory_format=torch.contiguous_format))
+        if t.is_cpu and "cpu" not in COPIES:
+            return Snapshot(self.pool.copy(t))
         copies = COPIES.get(t.device.type)
         if copies is None:
             return Snapshot(t.to("cpu", copy=True))
@@ -223,7 +227,7 @@ class Snapshot:
         """Move the copy into ordinary host memory and give its pinned slot back
         (the ring's steps live there)."""
         if self._slot is not None:
-            host = self.host().clone()
+            host = self._stager.pool.copy(self.host())
             self.release()
             self._host = host
 

@@ -101,7 +101,8 @@ class Summarizer:
         self.ledger = ledger
         self._fault = fault                     # fault(error, kind, name, n): counted and told
         self.engines = Engines()
-        self.stager = Stager(config.max_device_bytes, config.max_pinned_bytes)
+        self.stager = Stager(config.max_device_bytes, config.max_pinned_bytes,
+                             config.max_pending_bytes)
         # summaries left to the writer (see the module): not where the training thread
         # resolves its steps itself
         self._held = None if config.on_nonfinite in ("raise", "replay") else \

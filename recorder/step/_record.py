@@ -98,7 +98,7 @@ class StatsRows:
     hist: np.ndarray
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorRow:
     """A full tensor kept: stored by the writer, or held by its ring."""
     kind: str
