@@ -144,8 +144,8 @@ def with_tensors(out: xr.Dataset, a, b, progress=None, rank: int | None = None,
         out = _covered(out.sel(layer=layer_coord(names)).assign_attrs(
             layers_compared=names, unlike=[*out.attrs["unlike"], shape_note(bad)]))
     steps = out.step.values
-    scan = steps if known is None else np.setdiff1d(steps, known.step.values)
-    out = carried(out, known)
+    out = carried(out, known)     # a step compared without full tensors is read again: the
+    scan = np.setdiff1d(steps, out.attrs["tensor_steps"])   # ring's dump stores them later
     tensor_steps, tensor_layers = set(out.attrs["tensor_steps"]), list(out.attrs["tensor_layers"])
     ta, tb = (set(r.tensor_layers(kind)) for r in (a, b))
     both = [n for n in names if n in ta and n in tb]
