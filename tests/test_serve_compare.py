@@ -184,6 +184,35 @@ def test_a_comparison_dropped_when_a_run_changes_scans_no_further(pair, held):
     assert comparison.done == 0
 
 
+def test_commits_polled_while_a_scan_runs_keep_no_comparison_each(pair, held):
+    """A live run's page asks twice a second while a long scan runs, and each commit
+    makes a new comparison that follows the last: those that never began end at once
+    (their threads and statistics gone), so the comparisons kept do not grow with the
+    commits, and the last one still answers with every full tensor compared."""
+    from tensortape import open_run
+    from tensortape.analysis.browser._api import Comparison
+    release, _ = held
+    a, b, seen_a, seen_b = pair
+    ra, rb = open_run(a), open_run(b)
+    comparison = Comparison(ra, rb, "activations", None, 1e-3)
+    for _ in range(40):
+        comparison = comparison.then(ra, rb)
+
+    def alive():
+        return sum(t.name == "tensortape-compare" and t.is_alive() for t in threading.enumerate())
+    for _ in range(600):
+        if alive() <= 2:
+            break
+        threading.Event().wait(0.05)
+    assert alive() <= 2
+    release.set()
+    comparison._thread.join(120)
+    ds, _, pending = comparison.answer()
+    assert pending is None
+    assert np.isclose(float(ds["rel_l2"].sel(layer="lin", step=APART_FROM)),
+                      rel_l2(seen_a, seen_b, "lin", APART_FROM))
+
+
 class Gate:
     """The comparison thread's reads of full tensors (``Run.tensor_blocks``), let
     through ``allow(n)`` at a time: a scan exactly as slow as the test says."""

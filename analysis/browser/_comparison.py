@@ -51,8 +51,9 @@ class Comparison:
         scan ends with the steps it began on; a scan not begun yet is left to it),
         else starts anew (this one scans no further layer)."""
         if all(_same_recording(o, n) for o, n in zip(self.runs, (a, b))):
-            self._followed.set()
-            return Comparison(a, b, self._kind, self._rank, self._rtol, before=self)
+            head = self._before         # not begun: the new one waits on what this waits on
+            self._followed.set()        # (its thread then ends, its memory with it)
+            return Comparison(a, b, self._kind, self._rank, self._rtol, before=head or self)
         self.stop()
         return Comparison(a, b, self._kind, self._rank, self._rtol)
 
@@ -61,14 +62,20 @@ class Comparison:
         try:
             before = self._before
             if before is not None:
-                before._thread.join()
+                while before._thread.is_alive() and not self._left():
+                    before._thread.join(0.1)
+                if self._left():
+                    return          # the comparison that follows scans these steps
                 self.known, self._before = before.latest(), None
-            if self._followed.is_set() or self._stop.is_set():
-                return              # the comparison that follows scans these steps
+            if self._left():
+                return
             ds = with_tensors(self.stats, a, b, self._count, rank, known=self.known)
             self.known, self.full = ds, (ds, divergence(ds, self._rtol))
         except Exception as e:              # answered by the next request
             self.error = e
+
+    def _left(self) -> bool:
+        return self._followed.is_set() or self._stop.is_set()
 
     def _count(self, layers):
         layers = list(layers)
