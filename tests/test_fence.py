@@ -405,7 +405,9 @@ def test_a_takeover_paused_past_the_stale_time_loses_to_the_job_that_passed_it(
     that is gone, and is paused after it made its marker, before its rename lands,
     past the stale time.  Job C, on machine C, passes B's marker by, takes the claim
     over and records.  When B's rename lands, B is refused (naming C's job), and C
-    records on: its run and its claim stay its own."""
+    records on: its run and its claim stay its own, C's commit in the moment B's claim
+    is in the file (before B puts C's back) included."""
+    from tensortape.recorder.claim._lockfile import LocalLock
     monkeypatch.setenv("TENSORTAPE_CLAIM_STALE", "1")
     store = tmp_path / "run.zarr"
     lock = claim_of_a_gone_job(store)
@@ -417,6 +419,13 @@ def test_a_takeover_paused_past_the_stale_time_loses_to_the_job_that_passed_it(
             resume.wait(300)
         return replace(src, dst, *args, **kwargs)
     monkeypatch.setattr(os, "replace", pausing_replace)
+    passed = LocalLock._passed
+
+    def c_commits_first(self, *args):     # B's rename has landed; C's claim is not back yet
+        if threading.current_thread().name == "B":
+            c.flush()
+        return passed(self, *args)
+    monkeypatch.setattr(LocalLock, "_passed", c_commits_first)
     machines("B")
     b, got = Recorder(nn.Linear(2, 2), str(store), mode="w", max_bytes=None, stats_every=1), []
 
@@ -425,7 +434,7 @@ def test_a_takeover_paused_past_the_stale_time_loses_to_the_job_that_passed_it(
             got.append(b.attach())
         except StoreExistsError as e:
             got.append(e)
-    b_attaching = threading.Thread(target=attach_b)
+    b_attaching = threading.Thread(target=attach_b, name="B")
     b_attaching.start()
     c = None
     try:
@@ -435,8 +444,7 @@ def test_a_takeover_paused_past_the_stale_time_loses_to_the_job_that_passed_it(
         c_model = nn.Linear(2, 2)
         c = Recorder(c_model, str(store), mode="w", max_bytes=None, stats_every=1,
                      metadata={"job": "C"})
-        train(c, c_model, range(3))
-        c.flush()
+        train(c, c_model, range(3))        # committed by ``c_commits_first``
     finally:
         resume.set()
         b_attaching.join(300)

@@ -258,6 +258,8 @@ class LocalLock:
         if not _same_file(self.fd, self.path):
             h = self.read()
             if h is not None and h.token != self.token:
+                if h.generation < self.generation:  # a takeover this claim passed, its late
+                    return None                     # rename about to be undone (``_passed``)
                 return f"taken over by {h.describe()}"
             return f"its lock {self.path!r} was removed (a job that took the run over ended?)"
         h = _holder_of(self.fd)
