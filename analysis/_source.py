@@ -231,7 +231,8 @@ class ZarrSource:
             return Guarded(self._node(path), path, self.location, self)
 
     def _node(self, path: str):
-        return self._together[path] if path in self._together else self.root[path]
+        node = self._together.get(path)    # (one read: another thread's ``opened`` may end)
+        return self.root[path] if node is None else node
 
     @contextlib.contextmanager
     def opened(self, paths):
