@@ -266,16 +266,18 @@ def test_a_run_recorded_anew_at_its_path_is_read_again(tmp_path, serve):
 def as_rank(monkeypatch, rank, path):
     """The recorder of this process records as ``rank`` of a job whose rank 0 made
     the store at ``path``, as that rank does: it opens the store rank 0 prepared,
-    under rank 0's claim (its token, which rank 0 sends its ranks, read here from
-    the claim if rank 0 still holds it).  Rank 0's check of the mode is left out
-    (here rank 0 made the store before)."""
+    under rank 0's claim (its token, which rank 0 sends its ranks at open, read here
+    from the claim if rank 0 still holds it, else from the root rank 0 committed
+    under it).  Rank 0's check of the mode is left out (here rank 0 made the store
+    before)."""
     monkeypatch.setattr("tensortape.recorder._recorder.rank_and_world", lambda: (rank, 1))
     monkeypatch.setattr("tensortape.recorder._recorder.check_mode", lambda *a, **k: None)
 
     def rank0_told(decide, rank, world):
         claim = os.path.join(path, fmt.CLAIM_NAME, "zarr.json")
         if not os.path.exists(claim):
-            return None, ""
+            with open(os.path.join(path, "zarr.json")) as f:
+                return None, json.load(f)["attributes"].get(fmt.CLAIM_TOKEN, "")
         with open(claim) as f:
             return None, json.load(f)["attributes"]["tensortape_claim"]["token"]
     if rank:
